@@ -1,0 +1,1 @@
+"""Corpora, calibration sets and the acceptance scenarios."""

@@ -1,0 +1,1 @@
+"""Lightning modules and trainer construction for the stages that train."""

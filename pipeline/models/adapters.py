@@ -1,0 +1,186 @@
+"""Architecture adapters: where the pieces of a causal LM live in its checkpoint.
+
+Llama 2/3, Mistral and Qwen2/2.5 share one block structure (pre-norm attention with rotary
+position embeddings, then a gated SwiGLU MLP); they differ in class names, q/k/v biases
+(Qwen2) and sliding-window attention (Mistral v0.1, some Qwen2 layers). An :class:`Adapter`
+records those differences as data, so the streaming loader and the quantization stages can
+address tensors and linears by name without ever building the whole model.
+
+Transformers classes are named by import path and resolved on first use: importing this
+module stays cheap, and an adapter for a model family missing from the installed
+transformers fails only when that family is actually used.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+# Linears of one decoder block, in execution order (relative to "model.layers.{i}.").
+LLAMA_LINEARS = (
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+)
+# Linears that read the same input; a deployed kernel fuses them, so they share one format.
+LLAMA_FUSED = (
+    ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    ("mlp.gate_proj", "mlp.up_proj"),
+)
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """Names and classes of one architecture family.
+
+    Attributes:
+        name: Short family name ("llama", "mistral", "qwen2").
+        model_types: ``config.model_type`` values this adapter serves.
+        architectures: ``config.architectures`` class names this adapter serves.
+        decoder_layer: Import path of the decoder layer class, called as ``cls(config, layer_idx)``.
+        rotary: Import path of the rotary embedding class, called as ``cls(config=config)``.
+        norm: Import path of the RMSNorm class, called as ``cls(hidden_size, eps=...)``.
+        embed: Tensor-name prefix of the token embeddings.
+        layer: Tensor-name prefix of decoder block ``i`` (a format string with ``{i}``).
+        final_norm: Tensor-name prefix of the final norm.
+        lm_head: Tensor-name prefix of the output projection.
+        linears: Linear names inside a block, in execution order.
+        fused: Groups of linears inside a block that share their input.
+    """
+
+    name: str
+    model_types: tuple[str, ...]
+    architectures: tuple[str, ...]
+    decoder_layer: str
+    rotary: str
+    norm: str
+    embed: str = "model.embed_tokens"
+    layer: str = "model.layers.{i}."
+    final_norm: str = "model.norm"
+    lm_head: str = "lm_head"
+    linears: tuple[str, ...] = LLAMA_LINEARS
+    fused: tuple[tuple[str, ...], ...] = LLAMA_FUSED
+
+    def decoder_layer_class(self) -> type[nn.Module]:
+        return _resolve(self.decoder_layer)
+
+    def rotary_class(self) -> type[nn.Module]:
+        return _resolve(self.rotary)
+
+    def norm_class(self) -> type[nn.Module]:
+        return _resolve(self.norm)
+
+    def block_prefix(self, i: int) -> str:
+        """Tensor-name prefix of decoder block ``i``, e.g. ``model.layers.3.``."""
+        return self.layer.format(i=i)
+
+
+def _family(name: str, module: str, prefix: str, arch: str) -> Adapter:
+    base = f"transformers.models.{module}.modeling_{module}."
+    return Adapter(
+        name=name,
+        model_types=(module,),
+        architectures=(arch,),
+        decoder_layer=base + f"{prefix}DecoderLayer",
+        rotary=base + f"{prefix}RotaryEmbedding",
+        norm=base + f"{prefix}RMSNorm",
+    )
+
+
+ADAPTERS: dict[str, Adapter] = {
+    a.name: a
+    for a in (
+        _family("llama", "llama", "Llama", "LlamaForCausalLM"),
+        _family("mistral", "mistral", "Mistral", "MistralForCausalLM"),
+        _family("qwen2", "qwen2", "Qwen2", "Qwen2ForCausalLM"),
+    )
+}
+
+
+def _resolve(path: str) -> Any:
+    module, _, attr = path.rpartition(".")
+    return getattr(importlib.import_module(module), attr)
+
+
+def _config_of(config_or_model: Any) -> Any:
+    # Accept a transformers config, a model carrying one, or a plain config.json dict.
+    return getattr(config_or_model, "config", config_or_model)
+
+
+def _field(config: Any, key: str, default: Any = None) -> Any:
+    if isinstance(config, dict):
+        return config.get(key, default)
+    return getattr(config, key, default)
+
+
+def supported() -> list[str]:
+    """Architecture class names that have an adapter."""
+    return [arch for a in ADAPTERS.values() for arch in a.architectures]
+
+
+def get_adapter(config_or_model: Any) -> Adapter:
+    """Return the adapter for a config (or a model, or a config.json dict).
+
+    Raises:
+        ValueError: The architecture has no adapter; the message lists the supported ones.
+    """
+    config = _config_of(config_or_model)
+    model_type = _field(config, "model_type")
+    archs = tuple(_field(config, "architectures") or ())
+    for adapter in ADAPTERS.values():
+        if model_type in adapter.model_types or set(archs) & set(adapter.architectures):
+            return adapter
+    what = f"architecture {archs[0]!r}" if archs else f"model_type {model_type!r}"
+    raise ValueError(
+        f"unsupported {what}; supported: {', '.join(supported())}. "
+        "Use a checkpoint of one of these families."
+    )
+
+
+def attention_kind(config: Any, layer_idx: int) -> str:
+    """``"full_attention"`` or ``"sliding_attention"`` for decoder block ``layer_idx``."""
+    layer_types = _field(config, "layer_types")
+    if layer_types:  # Qwen2 (and newer configs) state the kind per layer
+        return layer_types[layer_idx]
+    # Mistral v0.1 applies its window to every layer; v0.2+ sets sliding_window to null.
+    return "sliding_attention" if _field(config, "sliding_window") else "full_attention"
+
+
+def linear_names(config_or_model: Any, *, include_lm_head: bool = True) -> list[str]:
+    """Full dotted names of every linear in the model, block by block, then ``lm_head``.
+
+    Args:
+        config_or_model: A transformers config, a model, or a config.json dict.
+        include_lm_head: Whether to list the output projection (tied to the embeddings when
+            ``tie_word_embeddings`` is set, so quantizing it also changes the embeddings).
+
+    Returns:
+        E.g. ``["model.layers.0.self_attn.q_proj", ..., "model.layers.{L-1}.mlp.down_proj",
+        "lm_head"]``.
+    """
+    config = _config_of(config_or_model)
+    adapter = get_adapter(config)
+    names = [
+        adapter.block_prefix(i) + lin
+        for i in range(int(_field(config, "num_hidden_layers")))
+        for lin in adapter.linears
+    ]
+    return [*names, adapter.lm_head] if include_lm_head else names
+
+
+def fused_groups(config_or_model: Any) -> list[list[str]]:
+    """Full dotted names of the linears that share an input, per block (q/k/v, gate/up)."""
+    config = _config_of(config_or_model)
+    adapter = get_adapter(config)
+    return [
+        [adapter.block_prefix(i) + lin for lin in group]
+        for i in range(int(_field(config, "num_hidden_layers")))
+        for group in adapter.fused
+    ]

@@ -1,0 +1,412 @@
+"""Stream a Hugging Face checkpoint one decoder block at a time.
+
+A 70B model in FP16 (140 GB) does not fit host memory next to calibration activations, so
+the quantize stage never materialises it. :class:`StreamingCheckpoint` reads only the
+safetensors headers when it opens a checkpoint (a few KB per shard), then builds any single
+piece (embeddings, decoder block ``i``, final norm, lm_head) on the meta device and fills it
+with exactly that piece's tensors. Peak memory is one segment of blocks, whatever the depth.
+
+Trade-off: each load re-opens the shards it needs (a header parse, microseconds) instead of
+keeping memory maps open, so page-cache pages of finished blocks are never pinned by us.
+Pickled ``.bin`` checkpoints run code on load and cannot be read lazily by name; they are
+refused unless explicitly allowed (then loaded with ``weights_only`` and ``mmap``), and
+:func:`convert_bin_to_safetensors` rewrites them shard by shard.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from pipeline.models.adapters import Adapter, attention_kind, get_adapter
+
+SAFE_SINGLE, SAFE_INDEX = "model.safetensors", "model.safetensors.index.json"
+BIN_SINGLE, BIN_INDEX = "pytorch_model.bin", "pytorch_model.bin.index.json"
+_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U8": torch.uint8, "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}  # fmt: skip
+_MAX_HEADER = 100 << 20  # the safetensors format caps headers at 100 MB
+
+
+def read_safetensors_header(file: Path) -> dict[str, tuple[torch.dtype, list[int]]]:
+    """Parse one shard's header and check its offsets against the file size (no data read).
+
+    Returns:
+        ``{name: (dtype, shape)}``.
+
+    Raises:
+        ValueError: The header is unreadable or does not describe exactly the bytes on disk
+            (a truncated download, a partial copy); the message names the file.
+    """
+
+    def corrupt(why: str) -> ValueError:
+        return ValueError(f"corrupt safetensors file {file}: {why}; re-download or re-save it")
+
+    size = file.stat().st_size
+    with open(file, "rb") as f:
+        head = f.read(8)
+        n = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if not 0 < n <= min(size - 8, _MAX_HEADER):
+            raise corrupt(f"header length {n} does not fit the file size {size}")
+        raw = f.read(n)
+    try:
+        header = json.loads(raw)
+        header.pop("__metadata__", None)
+        entries = {}
+        for name, meta in header.items():
+            begin, stop = (int(x) for x in meta["data_offsets"])
+            entries[name] = (_DTYPES[meta["dtype"]], [int(d) for d in meta["shape"]], begin, stop)
+    except (UnicodeDecodeError, json.JSONDecodeError, AttributeError, KeyError, TypeError,
+            ValueError) as err:  # fmt: skip
+        raise corrupt(f"unreadable header ({err!r})") from err
+    data, end, out = size - 8 - n, 0, {}
+    for name, (dtype, shape, begin, stop) in entries.items():
+        if begin < 0 or stop - begin != torch.Size(shape).numel() * dtype.itemsize:
+            raise corrupt(f"tensor {name} spans {stop - begin} bytes, not {shape} x {dtype}")
+        end = max(end, stop)
+        out[name] = (dtype, shape)
+    if end != data:  # the format forbids holes, so the last tensor must end at EOF
+        raise corrupt(f"header expects {end} data bytes but the file holds {data} (truncated?)")
+    return out
+
+
+def _load_bin(file: Path) -> dict[str, torch.Tensor]:
+    # weights_only refuses arbitrary objects; mmap keeps the tensors on disk until copied.
+    return torch.load(file, map_location="cpu", mmap=True, weights_only=True)
+
+
+def _read_json(file: Path) -> dict[str, Any]:
+    try:
+        return json.loads(file.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{file} is not valid JSON ({err}); re-download or re-save it") from err
+
+
+def _weight_map(index: Path) -> dict[str, str]:
+    weight_map = _read_json(index).get("weight_map")
+    if not isinstance(weight_map, dict):
+        raise ValueError(f"{index} has no 'weight_map'; re-download or re-save it")
+    return weight_map
+
+
+def _weight_files(path: Path, allow_bin: bool) -> tuple[list[Path], Path | None, bool]:
+    """Weight files of a checkpoint dir, its index file (if any), and whether they are pickles."""
+    for index, single, is_bin in ((SAFE_INDEX, SAFE_SINGLE, False), (BIN_INDEX, BIN_SINGLE, True)):
+        if (path / index).is_file():
+            files = [path / name for name in dict.fromkeys(_weight_map(path / index).values())]
+        elif (path / single).is_file():
+            files, index = [path / single], None
+        elif not is_bin and (found := sorted(path.glob("*.safetensors"))):
+            files, index = found, None
+        else:
+            continue
+        if is_bin and not allow_bin:
+            raise ValueError(
+                f"{files[0]} is a pickled .bin checkpoint, which can run code when loaded; "
+                "pass allow_bin=True to load it anyway (weights_only), or convert it once with "
+                f"`python -m pipeline.models.checkpoint {path} OUT_DIR` (writes safetensors)"
+            )
+        for file in files:
+            if not file.is_file():
+                raise FileNotFoundError(f"shard {file} named in {path / index} is missing")
+        return files, index and path / index, is_bin
+    raise FileNotFoundError(f"no {SAFE_SINGLE}, {SAFE_INDEX} or *.safetensors in {path}")
+
+
+class StreamingCheckpoint:
+    """Lazy view of a HF causal-LM checkpoint directory.
+
+    Args:
+        path: Directory with ``config.json`` and ``model.safetensors`` or
+            ``model.safetensors.index.json`` + shards.
+        allow_bin: Also accept pickled ``pytorch_model*.bin`` weights (loaded with
+            ``weights_only=True``).
+        dtype: Cast floating tensors to this dtype on load; None keeps the stored dtype.
+        device: Device the loaded modules live on.
+        attn_implementation: Attention kernel of the decoder layers ("sdpa" or "eager").
+
+    Raises:
+        FileNotFoundError: The directory, config.json or a shard named by the index is missing.
+        ValueError: Unsupported architecture, ``.bin`` weights without ``allow_bin``, or a
+            corrupt/truncated shard (the message names the file).
+    """
+
+    def __init__(
+        self,
+        path: str | Path,
+        allow_bin: bool = False,
+        *,
+        dtype: torch.dtype | None = None,
+        device: str | torch.device = "cpu",
+        attn_implementation: str = "sdpa",
+    ) -> None:
+        self.path = Path(path)
+        if not self.path.is_dir():
+            raise FileNotFoundError(f"checkpoint directory {self.path} does not exist")
+        cfg_file = self.path / "config.json"
+        if not cfg_file.is_file():
+            raise FileNotFoundError(f"{cfg_file} is missing: not a Hugging Face checkpoint")
+        # Refuse unsupported families before transformers parses (and maybe rejects) the config.
+        self.adapter: Adapter = get_adapter(_read_json(cfg_file))
+
+        from transformers import AutoConfig
+
+        self.config = AutoConfig.from_pretrained(self.path)
+        self.config._attn_implementation = attn_implementation
+        self.allow_bin = allow_bin
+        self.device = torch.device(device)
+        self._files, self._index, self.is_bin = _weight_files(self.path, allow_bin)
+        self._where, self._info = self._index_tensors()
+        embed = self.adapter.embed + ".weight"
+        if embed not in self._info:
+            raise ValueError(f"checkpoint {self.path} has no {embed}: the checkpoint is incomplete")
+        self.dtype = dtype or self._info[embed][0]
+        self._rotary: nn.Module | None = None
+        self._check_layers()
+
+    # ----------------------------------------------------------------------------- reading
+    def _index_tensors(self) -> tuple[dict[str, Path], dict[str, tuple[torch.dtype, list[int]]]]:
+        """Map every tensor name to its file and (dtype, shape), reading headers only."""
+        where: dict[str, Path] = {}
+        info: dict[str, tuple[torch.dtype, list[int]]] = {}
+        for file in self._files:
+            if self.is_bin:
+                header = {n: (t.dtype, list(t.shape)) for n, t in _load_bin(file).items()}
+            else:
+                header = read_safetensors_header(file)
+            for name, meta in header.items():
+                if name in where:
+                    raise ValueError(f"tensor {name} is stored twice: in {where[name]} and {file}")
+                where[name], info[name] = file, meta
+        for name, shard in (_weight_map(self._index) if self._index else {}).items():
+            if where.get(name, Path()).name != shard:
+                raise ValueError(
+                    f"{self._index} says {name} is in {shard}, but {self.path / shard} does not "
+                    "hold it: the index and the shards come from different checkpoints"
+                )
+        return where, info
+
+    def _check_layers(self) -> None:
+        for i in range(self.num_layers):
+            prefix = self.adapter.block_prefix(i)
+            if not self._by_prefix(prefix):
+                raise ValueError(
+                    f"checkpoint {self.path} has no tensors for {prefix} although config.json "
+                    f"declares {self.num_layers} layers"
+                )
+
+    def _by_prefix(self, prefix: str) -> list[str]:
+        return [n for n in self._where if n.startswith(prefix)]
+
+    def names(self) -> list[str]:
+        """All tensor names in the checkpoint."""
+        return list(self._where)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.config.num_hidden_layers)
+
+    def block_nbytes(self, i: int) -> int:
+        """Bytes decoder block ``i`` occupies once loaded (in ``self.dtype``), from headers only."""
+        numel = sum(
+            torch.Size(self._info[n][1]).numel()
+            for n in self._by_prefix(self.adapter.block_prefix(i))
+        )
+        return numel * self.dtype.itemsize
+
+    def _read_many(self, names: list[str]) -> dict[str, torch.Tensor]:
+        """Materialise exactly ``names``, opening each shard once."""
+        by_file: dict[Path, list[str]] = defaultdict(list)
+        for name in names:
+            if name not in self._where:
+                raise KeyError(f"tensor {name} is not in checkpoint {self.path}")
+            by_file[self._where[name]].append(name)
+        out: dict[str, torch.Tensor] = {}
+        for file, group in by_file.items():
+            try:
+                if self.is_bin:
+                    state = _load_bin(file)
+                    raw = {n: state[n] for n in group}
+                else:
+                    with safe_open(file, framework="pt", device="cpu") as f:
+                        raw = {n: f.get_tensor(n) for n in group}
+            except Exception as err:  # safetensors raises its own SafetensorError type
+                raise ValueError(f"cannot read {file}: {err}; the file is corrupt") from err
+            for n, t in raw.items():
+                if t.is_floating_point():
+                    t = t.to(self.dtype)
+                # .clone() detaches bin tensors from their mmap; safetensors already copied.
+                out[n] = t.to(self.device) if self.device.type != "cpu" else t.clone()
+        return out
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """Materialise one tensor (cast to ``self.dtype`` if floating, on ``self.device``)."""
+        return self._read_many([name])[name]
+
+    # ------------------------------------------------------------------------------ modules
+    def _fill(self, module: nn.Module, prefix: str, what: str) -> nn.Module:
+        """Assign the checkpoint tensors under ``prefix`` to a meta-device ``module``."""
+        state = {n[len(prefix) :]: t for n, t in self._read_many(self._by_prefix(prefix)).items()}
+        result = module.load_state_dict(state, strict=False, assign=True)
+        if result.missing_keys or result.unexpected_keys:
+            raise ValueError(
+                f"checkpoint {self.path}: {what} does not match config.json "
+                f"(missing {result.missing_keys}, unexpected {result.unexpected_keys})"
+            )
+        left = [n for n, t in [*module.named_parameters(), *module.named_buffers()] if t.is_meta]
+        if left:  # e.g. a non-persistent buffer the checkpoint cannot provide
+            raise ValueError(f"{what}: tensors {left} are not stored in the checkpoint")
+        return module.eval()
+
+    def load_block(self, i: int) -> nn.Module:
+        """Decoder block ``i`` with its real weights; no other block is read or allocated."""
+        if not 0 <= i < self.num_layers:
+            raise IndexError(f"block {i} out of range: the model has {self.num_layers} layers")
+        with torch.device("meta"):
+            block = self.adapter.decoder_layer_class()(self.config, layer_idx=i)
+        return self._fill(block, self.adapter.block_prefix(i), f"block {i}")
+
+    def load_segment(self, start: int, stop: int) -> list[nn.Module]:
+        """Blocks ``start`` .. ``stop - 1``, in order."""
+        return [self.load_block(i) for i in range(start, stop)]
+
+    def load_embeddings(self) -> nn.Embedding:
+        cfg = self.config
+        with torch.device("meta"):
+            emb = nn.Embedding(cfg.vocab_size, cfg.hidden_size, cfg.pad_token_id)
+        return self._fill(emb, self.adapter.embed + ".", "embeddings")
+
+    def load_norm(self) -> nn.Module:
+        with torch.device("meta"):
+            norm = self.adapter.norm_class()(self.config.hidden_size, eps=self.config.rms_norm_eps)
+        return self._fill(norm, self.adapter.final_norm + ".", "final norm")
+
+    def load_lm_head(self) -> nn.Linear:
+        """Output projection; a copy of the embeddings when the checkpoint ties them."""
+        cfg, a = self.config, self.adapter
+        tied = getattr(cfg, "tie_word_embeddings", False)
+        prefix = a.embed + "." if tied else a.lm_head + "."
+        if prefix + "weight" not in self:
+            raise ValueError(
+                f"checkpoint {self.path} has no {a.lm_head}.weight and config.json does not set "
+                "tie_word_embeddings: the checkpoint is incomplete"
+            )
+        with torch.device("meta"):
+            head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        return self._fill(head, prefix, "lm_head")
+
+    def rotary(self) -> nn.Module:
+        """The architecture's rotary embedding module (built once, on ``self.device``)."""
+        if self._rotary is None:
+            with self.device:
+                self._rotary = self.adapter.rotary_class()(config=self.config)
+        return self._rotary
+
+    def block_forward_inputs(
+        self, shape_or_seq_len: int | tuple[int, ...] | torch.Size, layer_idx: int = 0
+    ) -> dict[str, Any]:
+        """Keyword arguments for ``block(hidden, **kwargs)`` on a causal, unpadded batch.
+
+        Args:
+            shape_or_seq_len: Hidden-state shape ``(B, T, C)`` or just ``T``; the tensors
+                returned broadcast over any batch size.
+            layer_idx: Block the kwargs are for: Mistral v0.1 and some Qwen2 layers use a
+                sliding-window mask instead of the full causal one.
+
+        Returns:
+            ``attention_mask`` (None when SDPA's built-in causal mask suffices),
+            ``position_ids`` (1, T) and ``position_embeddings`` (cos, sin), each (1, T, head_dim).
+        """
+        from transformers.masking_utils import (
+            create_causal_mask,
+            create_sliding_window_causal_mask,
+        )
+
+        seq_len = shape_or_seq_len if isinstance(shape_or_seq_len, int) else shape_or_seq_len[1]
+        # Only the shape, dtype and device of this stand-in are read by the mask builders.
+        probe = torch.empty(1, seq_len, 0, dtype=self.dtype, device=self.device)  # (1, T, 0)
+        position_ids = torch.arange(seq_len, device=self.device)[None]  # (1, T)
+        sliding = attention_kind(self.config, layer_idx) == "sliding_attention"
+        make_mask = create_sliding_window_causal_mask if sliding else create_causal_mask
+        mask = make_mask(self.config, probe, attention_mask=None, cache=None)
+        return {
+            "attention_mask": mask,
+            "position_ids": position_ids,
+            "position_embeddings": self.rotary()(probe, position_ids),
+        }
+
+    # ------------------------------------------------------------------------ whole-file
+    def verify(self) -> dict[str, int]:
+        """Re-check every shard's header offsets against its file size (reads no weights).
+
+        Returns:
+            ``{"files": n, "tensors": n, "bytes": total file bytes}``.
+        """
+        where, _ = self._index_tensors()
+        return {
+            "files": len(self._files),
+            "tensors": len(where),
+            "bytes": sum(f.stat().st_size for f in self._files),
+        }
+
+    def full_model(self, dtype: torch.dtype | None = None) -> nn.Module:
+        """The whole HF model, loaded normally. For tests and small models only."""
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_pretrained(
+            self.path,
+            dtype=dtype or self.dtype,
+            attn_implementation=self.config._attn_implementation,
+            use_safetensors=not self.is_bin,
+        ).eval()
+
+    def __repr__(self) -> str:
+        return (
+            f"StreamingCheckpoint({str(self.path)!r}, arch={self.adapter.name}, "
+            f"layers={self.num_layers}, files={len(self._files)}, dtype={self.dtype})"
+        )
+
+
+def convert_bin_to_safetensors(
+    src: str | Path, dst: str | Path, shard_bytes: int = 5 << 30
+) -> Path:
+    """Rewrite a ``pytorch_model*.bin`` checkpoint as safetensors shards, one input at a time.
+
+    Only run this on checkpoints you trust: tensors are unpickled with ``weights_only=True``.
+    Small non-weight files (config, tokenizer) are copied alongside.
+    """
+    import shutil
+
+    from pipeline.models.synthetic import ShardWriter
+
+    src, dst = Path(src), Path(dst)
+    files, _, _ = _weight_files(src, allow_bin=True)
+    writer = ShardWriter(dst, shard_bytes)
+    for file in files:
+        for name, t in _load_bin(file).items():
+            writer.add(name, t)
+    writer.close()
+    for extra in src.iterdir():
+        if extra.is_file() and not extra.name.startswith("pytorch_model"):
+            shutil.copy2(extra, dst / extra.name)
+    return dst
+
+
+if __name__ == "__main__":
+    import sys
+
+    if len(sys.argv) != 3:
+        sys.exit("usage: python -m pipeline.models.checkpoint SRC_BIN_DIR OUT_DIR")
+    print(convert_bin_to_safetensors(sys.argv[1], sys.argv[2]))

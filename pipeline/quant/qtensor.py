@@ -1,0 +1,156 @@
+"""QTensor: a quantized weight matrix (codes + group parameters) and its safetensors I/O.
+
+Code convention (what every other part of lowbit relies on):
+
+* ``codes``: unsigned integers, unpacked, shape ``[out, in]``, dtype uint8.
+* Groups run along the input dim inside each output row: column ``j`` belongs to group
+  ``j // G`` (``G = fmt.group_size``, or ``in`` for per-channel formats). Group parameters
+  have shape ``[out, n_groups]``; a trailing partial group is allowed.
+* ``int`` formats: ``W = (codes - zeros) * scales``. ``scales`` are fp16; ``zeros`` are uint8
+  code values in ``[0, 2**b - 1]`` for asymmetric formats and ``None`` for symmetric ones,
+  where the origin is the fixed code ``2**(b-1)``.
+* ``exp`` formats: ``W = lut[codes]`` per group, ``lut = [0, s, s*r, ..., s*r**6]`` followed
+  by the same values negated (codes 8..15 are the negative half; code 8 is a second zero).
+  ``scales`` holds the base ``s`` and ``ratios`` the ratio ``r``, both fp16; ``zeros`` is None.
+* ``float``: ``codes`` is the int16 bit pattern of the fp16 weight (``codes.view(fp16)``);
+  no group parameters.
+
+Export (Ascend, ``W = (q - offset) * scale``, q signed): ``signed()`` maps an int QTensor to
+``q = codes - 2**(b-1)`` (int8, in ``[-2**(b-1), 2**(b-1) - 1]``),
+``offset = zeros - 2**(b-1)`` (0 for symmetric) and ``scale`` as float32, which is exact.
+
+Serialization: ``to_state_dict(prefix)`` emits ``{prefix}.codes``, ``{prefix}.scales``,
+``{prefix}.zeros`` / ``{prefix}.ratios`` when present, and ``{prefix}.format``, the format
+name as a uint8 tensor of its ASCII bytes, so a state dict alone rebuilds the QTensor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from pipeline.quant.codec import expand_groups, exp_lut, to_groups
+from pipeline.quant.formats import Format, parse_format
+
+_FIELDS = ("codes", "scales", "zeros", "ratios")
+
+
+@dataclass
+class QTensor:
+    """A quantized ``[out, in]`` weight; see the module docstring for the convention."""
+
+    codes: Tensor  # (out, in) uint8 (int16 fp16 bits for `float`)
+    scales: Tensor | None  # (out, n_groups) fp16; exp: the base s
+    zeros: Tensor | None  # (out, n_groups) uint8; asymmetric int only
+    fmt: Format
+    shape: tuple[int, int]
+    ratios: Tensor | None = None  # (out, n_groups) fp16; exp only
+
+    def __post_init__(self) -> None:
+        self.shape = tuple(int(d) for d in self.shape)
+        if tuple(self.codes.shape) != self.shape:
+            raise ValueError(f"codes shape {tuple(self.codes.shape)} != shape {self.shape}")
+        if self.fmt.kind != "float":
+            n_groups = self.fmt.n_groups(self.shape[1])
+            for name in ("scales", "zeros", "ratios"):
+                t = getattr(self, name)
+                if t is not None and tuple(t.shape) != (self.shape[0], n_groups):
+                    raise ValueError(f"{name} shape {tuple(t.shape)} != "
+                                     f"({self.shape[0]}, {n_groups}) for {self.fmt.name}")
+
+    @property
+    def group_len(self) -> int:
+        return self.fmt.group_len(self.shape[1])
+
+    @property
+    def lut(self) -> Tensor | None:
+        """(out, n_groups, 16) float32 decode table for exp formats; None otherwise."""
+        if self.fmt.kind != "exp":
+            return None
+        return exp_lut(self.scales.float(), self.ratios.float())
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        """Reconstruct the ``[out, in]`` weight."""
+        n_in = self.shape[1]
+        if self.fmt.kind == "float":
+            return self.codes.view(torch.float16).to(dtype)
+        if self.fmt.kind == "exp":
+            lut = self.lut  # (out, n_groups, 16)
+            idx = to_groups(self.codes.long(), self.group_len)  # (out, n_groups, G)
+            w = torch.gather(lut, -1, idx).flatten(1)[:, :n_in]
+            return w.to(dtype)
+        scale = expand_groups(self.scales.float(), self.group_len, n_in)
+        zero = self._zero_points()
+        zero = expand_groups(zero, self.group_len, n_in) if zero.dim() else zero
+        return ((self.codes.float() - zero) * scale).to(dtype)
+
+    def _zero_points(self) -> Tensor:
+        if self.zeros is not None:
+            return self.zeros.float()
+        return torch.tensor(float(1 << (self.fmt.bits - 1)), device=self.codes.device)
+
+    def signed(self) -> tuple[Tensor, Tensor, Tensor]:
+        """Ascend convention ``W = (q - offset) * scale``.
+
+        Returns:
+            ``(q, scale, offset)``: q int8 ``[out, in]`` in ``[-2**(b-1), 2**(b-1) - 1]``;
+            scale and offset float32 ``[out, n_groups]`` (``[out, 1]`` per channel).
+        """
+        if self.fmt.kind != "int":
+            raise ValueError(f"signed() needs an int format, got {self.fmt.name}; exp codes "
+                             "decode through .lut and float weights through dequantize()")
+        half = 1 << (self.fmt.bits - 1)
+        q = (self.codes.to(torch.int16) - half).to(torch.int8)
+        offset = (self._zero_points() - half).expand(self.scales.shape).float().contiguous()
+        return q, self.scales.float(), offset
+
+    def to(self, device: torch.device | str) -> QTensor:
+        moved = {n: getattr(self, n).to(device) for n in _FIELDS if getattr(self, n) is not None}
+        return replace(self, **moved)
+
+    def to_state_dict(self, prefix: str = "") -> dict[str, Tensor]:
+        """Flat tensors (format name included) under ``{prefix}.<field>``."""
+        sd = {_key(prefix, n): getattr(self, n).contiguous() for n in _FIELDS
+              if getattr(self, n) is not None}
+        sd[_key(prefix, "format")] = torch.tensor(list(self.fmt.name.encode()), dtype=torch.uint8)
+        return sd
+
+    @classmethod
+    def from_state_dict(cls, sd: dict[str, Tensor], prefix: str = "") -> QTensor:
+        """Inverse of ``to_state_dict``."""
+        fkey = _key(prefix, "format")
+        if fkey not in sd or _key(prefix, "codes") not in sd:
+            raise KeyError(f"no quantized tensor under prefix {prefix!r} "
+                           f"(expected keys {fkey!r} and {_key(prefix, 'codes')!r})")
+        fmt = parse_format(bytes(sd[fkey].tolist()).decode())
+        fields = {n: sd.get(_key(prefix, n)) for n in _FIELDS}
+        return cls(fmt=fmt, shape=tuple(fields["codes"].shape), **fields)
+
+
+def _key(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def save_qtensors(path: str | Path, tensors: dict[str, QTensor]) -> None:
+    """Write ``{name: QTensor}`` to one safetensors file (keys ``{name}.<field>``)."""
+    from safetensors.torch import save_file
+
+    flat: dict[str, Tensor] = {}
+    for name, qt in tensors.items():
+        flat.update({k: v.cpu() for k, v in qt.to_state_dict(name).items()})
+    save_file(flat, str(path), metadata={"content": "lowbit.qtensor"})
+
+
+def load_qtensors(path: str | Path) -> dict[str, QTensor]:
+    """Read a file written by ``save_qtensors``."""
+    from safetensors.torch import load_file
+
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"quantized weights file not found: {path}")
+    flat = load_file(str(path))
+    names = sorted(k[: -len(".format")] if k != "format" else "" for k in flat
+                   if k == "format" or k.endswith(".format"))
+    return {name: QTensor.from_state_dict(flat, name) for name in names}

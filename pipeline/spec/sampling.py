@@ -1,0 +1,154 @@
+"""Speculative sampling: the verification step that keeps the target's distribution.
+
+Leviathan et al. (ICML 2023) and Chen et al. (2023). A draft q proposes gamma tokens
+x_1..x_gamma; the target p scores all of them in one forward pass. Token x_i is accepted
+with probability min(1, p_i(x_i) / q_i(x_i)); at the first rejection the correction token is
+sampled from norm(max(0, p_i - q_i)); when every draft token is accepted a bonus token is sampled
+from p_{gamma+1}. Every emitted token is then distributed exactly as p, whatever q is: a bad
+draft costs speed, never quality.
+
+The step is vectorised over the gamma positions and over a batch of independent rows (one
+uniform per position, one multinomial per row), so a rollout of many contexts at once (the
+reinforce stage) and single-sequence decoding share the code. Temperature is applied to both
+distributions before the test; temperature 0 is greedy verification: a draft token is accepted
+iff it is the target's argmax, and the correction token is the target's argmax.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["Verification", "logits_to_probs", "sample_tokens", "verify_draft"]
+
+
+@dataclass(frozen=True)
+class Verification:
+    """Outcome of verifying one block of draft tokens per row.
+
+    Attributes:
+        n_accepted: (B,) number of leading draft tokens accepted, in [0, gamma].
+        next_token: (B,) the correction token (at the first rejection) or the bonus token.
+        accepted: (B, gamma) bool, True for the accepted prefix only.
+        beta: (B, gamma) expected acceptance sum_x min(p, q) at every draft position; only the
+            first min(n_accepted + 1, gamma) positions of a row were actually tested.
+    """
+
+    n_accepted: torch.Tensor
+    next_token: torch.Tensor
+    accepted: torch.Tensor
+    beta: torch.Tensor
+
+    @property
+    def n_verified(self) -> torch.Tensor:
+        """(B,) positions whose acceptance test ran: the accepted ones plus the first rejection."""
+        gamma = self.accepted.shape[-1]
+        return torch.clamp(self.n_accepted + 1, max=gamma)
+
+
+def logits_to_probs(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Softmax at a temperature, in float32; temperature 0 gives the one-hot argmax.
+
+    Args:
+        logits: (..., V) unnormalised scores.
+        temperature: > 0 for sampling, 0 for greedy.
+
+    Returns:
+        (..., V) float32 probabilities.
+    """
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
+    logits = logits.float()
+    if temperature == 0:
+        # One-hot keeps greedy consistent with the general formulas: sum_x min(p, q) is 1 iff
+        # both argmaxes agree, which is exactly the greedy acceptance indicator.
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+    return torch.softmax(logits / temperature, dim=-1)
+
+
+def sample_tokens(
+    probs: torch.Tensor, generator: torch.Generator | None = None, greedy: bool = False
+) -> torch.Tensor:
+    """Draw one token per row of ``probs`` (..., V) -> (...) int64.
+
+    Sampling runs on the generator's device so a seeded generator reproduces the same tokens
+    wherever the model runs (pass a generator on the model's device to avoid a host copy).
+    """
+    if greedy:
+        return probs.argmax(-1)
+    shape = probs.shape[:-1]
+    flat = probs.reshape(-1, probs.shape[-1])
+    if generator is not None and generator.device != flat.device:
+        flat = flat.to(generator.device)
+    out = torch.multinomial(flat, 1, generator=generator).squeeze(-1)
+    return out.to(probs.device).reshape(shape)
+
+
+def _leading_true(mask: torch.Tensor) -> torch.Tensor:
+    """(B, G) bool -> (B,) length of the all-True prefix of each row."""
+    return mask.long().cumprod(dim=-1).sum(dim=-1)
+
+
+def verify_draft(
+    draft_tokens: torch.Tensor,
+    q_probs: torch.Tensor,
+    p_probs: torch.Tensor,
+    *,
+    greedy: bool = False,
+    generator: torch.Generator | None = None,
+) -> Verification:
+    """Accept or reject a block of draft tokens per row (the speculative sampling step).
+
+    Args:
+        draft_tokens: (B, G) tokens proposed by the draft (G = gamma, may be 0).
+        q_probs: (B, G, V) draft probabilities each token was sampled from (temperature applied).
+        p_probs: (B, G + 1, V) target probabilities at the same positions plus the one after the
+            last draft token (for the bonus token).
+        greedy: accept iff the draft token is the target's argmax; correction = argmax p.
+        generator: source of randomness (uniforms and the correction sample).
+
+    Returns:
+        The :class:`Verification` of every row.
+    """
+    b, g = draft_tokens.shape
+    if q_probs.shape[:2] != (b, g) or p_probs.shape[:2] != (b, g + 1):
+        raise ValueError(
+            "verify_draft expects draft_tokens (B, G), q_probs (B, G, V), p_probs (B, G+1, V); "
+            f"got {tuple(draft_tokens.shape)}, {tuple(q_probs.shape)}, {tuple(p_probs.shape)}"
+        )
+    q_probs = q_probs.float()
+    p_probs = p_probs.float()
+    beta = torch.minimum(p_probs[:, :g], q_probs).sum(-1)  # (B, G)
+
+    if greedy:
+        accepted = p_probs[:, :g].argmax(-1) == draft_tokens  # (B, G)
+    else:
+        idx = draft_tokens.unsqueeze(-1)
+        p_x = p_probs[:, :g].gather(-1, idx).squeeze(-1)  # (B, G)
+        q_x = q_probs.gather(-1, idx).squeeze(-1)  # (B, G)
+        u = torch.rand((b, g), generator=generator, device=_rng_device(generator, p_probs))
+        # u < p/q without the division (q_x may underflow to 0 at low temperature).
+        accepted = u.to(p_probs.device) * q_x < p_x
+    n_accepted = _leading_true(accepted)  # (B,)
+    accepted = torch.arange(g, device=accepted.device) < n_accepted.unsqueeze(-1)
+
+    # Padding q with a zero row makes "all accepted" fall out of the same formula:
+    # max(0, p_{G+1} - 0) = p_{G+1}, the bonus distribution.
+    q_pad = torch.cat([q_probs, q_probs.new_zeros(b, 1, q_probs.shape[-1])], dim=1)
+    rows = torch.arange(b, device=p_probs.device)
+    p_n = p_probs[rows, n_accepted]  # (B, V)
+    if greedy:
+        next_token = p_n.argmax(-1)
+    else:
+        residual = torch.clamp(p_n - q_pad[rows, n_accepted], min=0.0)  # (B, V)
+        mass = residual.sum(-1, keepdim=True)
+        # A rejection implies some p(y) > q(y), so mass > 0 in exact arithmetic; fall back to p
+        # where rounding left nothing.
+        residual = torch.where(mass > 1e-12, residual / mass.clamp_min(1e-12), p_n)
+        next_token = sample_tokens(residual, generator)
+    return Verification(n_accepted, next_token, accepted, beta)
+
+
+def _rng_device(generator: torch.Generator | None, like: torch.Tensor) -> torch.device:
+    return generator.device if generator is not None else like.device

@@ -1,0 +1,105 @@
+"""bootstrap: the embedded default models, trained here because nothing can be downloaded.
+
+A byte-level BPE tokenizer, a small Llama target and a smaller Llama draft are trained on the
+configured corpus (the built-in one by default) with Lightning. Skipped when the user points
+`model.target.path` at a real checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from pipeline.config import data_cfg, model_cfg, parse, positive
+from pipeline.data.text import Corpus, windows
+from pipeline.lit.lm import CausalLM, RandomWindows, loader
+from pipeline.lit.trainer import build_trainer, trainer_kwargs
+from pipeline.models.hf import new_llama, perplexity, save_hf, train_tokenizer
+
+NEEDS: tuple[str, ...] = ()
+KEYS = ("model", "data", "trainer")
+DISTRIBUTED = True  # trains with the configured Lightning strategy on every rank
+
+log = logging.getLogger("lowbit")
+
+
+@dataclass(frozen=True)
+class BootstrapConfig:
+    max_steps: int = 600
+    draft_max_steps: int = 600
+    batch_size: int = 16
+    lr: float = 3e-3
+    warmup_steps: int = 50
+
+    def check(self, prefix: str) -> None:
+        positive(prefix, max_steps=self.max_steps, draft_max_steps=self.draft_max_steps,
+                 batch_size=self.batch_size, lr=self.lr)
+
+
+def skip_reason(cfg) -> str | None:
+    if cfg.model.target.path:
+        return f"model.target.path={cfg.model.target.path} is used"
+    return None
+
+
+def validate(cfg) -> None:
+    parse(cfg.stage.bootstrap, BootstrapConfig, "stage.bootstrap")
+    model_cfg(cfg)
+    data_cfg(cfg)
+    trainer_kwargs(cfg.trainer)
+
+
+def _train(ctx, model, corpus: Corpus, steps: int, p: BootstrapConfig, tag: str) -> float:
+    seq = corpus.data.seq_len
+    train = RandomWindows(corpus.stream("train"), seq, steps * p.batch_size, ctx.cfg.seed)
+    val = windows(corpus.stream("validation"), seq, limit=32)
+    module = CausalLM(model, lr=p.lr, warmup=p.warmup_steps, max_steps=steps)
+    logger = ctx.log.lightning_logger()
+    if logger is not None:
+        logger._prefix = tag  # metrics appear as target-train_loss / draft-train_loss
+    trainer = build_trainer(
+        ctx.cfg.trainer,
+        max_steps=steps,
+        logger=logger or False,
+        enable_checkpointing=False,
+        default_root_dir=str(ctx.work_dir / tag),
+        val_check_interval=None,
+        check_val_every_n_epoch=None,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+    )
+    trainer.fit(module, loader(train, p.batch_size, shuffle=False))
+    return perplexity(model, val)
+
+
+def run(ctx) -> dict:
+    p = parse(ctx.params, BootstrapConfig, "stage.bootstrap")
+    m, data = model_cfg(ctx.cfg), data_cfg(ctx.cfg)
+    torch.manual_seed(ctx.cfg.seed)
+    from pipeline.data.text import load_documents, split_documents
+
+    docs = split_documents(load_documents(data), data)
+    tokenizer = train_tokenizer(docs["train"], m.tokenizer.vocab_size)
+    corpus = Corpus(data, tokenizer, splits=docs)
+    log.info(
+        "bootstrap: corpus %d train documents, %d tokens; vocab %d",
+        len(docs["train"]),
+        corpus.stream("train").numel(),
+        len(tokenizer),
+    )
+    metrics = {}
+    for tag, spec, steps in (
+        ("target", m.target, p.max_steps),
+        ("draft", m.draft, p.draft_max_steps),
+    ):
+        model = new_llama(spec, tokenizer, max_positions=max(2048, data.seq_len), seed=ctx.cfg.seed)
+        ppl = _train(ctx, model, corpus, steps, p, tag)
+        metrics[f"{tag}_val_ppl"] = ppl
+        metrics[f"{tag}_params"] = sum(t.numel() for t in model.parameters())
+        if ctx.dist.is_main:
+            save_hf(model, tokenizer, ctx.out_dir / tag)
+    log.info("bootstrap: target val ppl %.2f, draft val ppl %.2f",
+             metrics["target_val_ppl"], metrics["draft_val_ppl"])
+    return metrics

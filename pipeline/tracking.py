@@ -1,0 +1,224 @@
+"""MLflow bookkeeping: one parent run per workflow, one nested child run per stage.
+
+The parent run's id is stored in `<run_dir>/_mlflow.json`, so resuming a run directory logs into
+the same parent. Only rank 0 talks to MLflow; other ranks get a tracker that does nothing.
+The client API is used (not mlflow's fluent global state) so stages can log from any thread.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import tempfile
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from pipeline.config import TrackingConfig
+from pipeline.errors import LowbitError
+
+_METRIC_CHARS = re.compile(r"[^\w\-. :/]")  # what MLflow accepts in a metric name
+_MAX_PARAM = 500  # MLflow rejects long param values on some backends; the full config is an artifact
+
+
+def flatten(d: Any, prefix: str = "") -> dict[str, str]:
+    """{"a": {"b": 1}} -> {"a.b": "1"} (lists kept whole, as their repr)."""
+    out: dict[str, str] = {}
+    if isinstance(d, dict):
+        for k, v in d.items():
+            out.update(flatten(v, f"{prefix}{k}."))
+    else:
+        out[prefix[:-1]] = str(d)[:_MAX_PARAM]
+    return out
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=Path(__file__).parent,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def _resolve_uri(uri: str) -> str:
+    # A relative sqlite path is relative to the working directory; make it absolute so every
+    # rank and every later `mlflow ui` command points at the same file.
+    if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
+        return "sqlite:///" + str(Path(uri[len("sqlite:///") :]).resolve())
+    return uri
+
+
+class StageRun:
+    """Logging handle for one stage (a nested MLflow run), or a no-op."""
+
+    def __init__(self, client=None, run_id: str | None = None, uri: str | None = None):
+        self.client, self.run_id, self.uri = client, run_id, uri
+
+    @property
+    def active(self) -> bool:
+        return self.client is not None
+
+    def log_params(self, params: dict[str, Any]) -> None:
+        if not self.active:
+            return
+        from mlflow.entities import Param
+
+        items = [Param(k, v) for k, v in flatten(params).items()]
+        for i in range(0, len(items), 100):
+            self.client.log_batch(self.run_id, params=items[i : i + 100])
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        if not self.active:
+            return
+        import time
+
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        items = [
+            Metric(_METRIC_CHARS.sub("_", k), float(v), now, step or 0)
+            for k, v in metrics.items()
+            if isinstance(v, int | float) and not isinstance(v, bool)
+        ]
+        if items:
+            self.client.log_batch(self.run_id, metrics=items)
+
+    def set_tags(self, tags: dict[str, Any]) -> None:
+        for k, v in tags.items():
+            if self.active:
+                self.client.set_tag(self.run_id, k, str(v))
+
+    def log_artifact(self, path: Path | str, artifact_path: str | None = None) -> None:
+        if self.active:
+            self.client.log_artifact(self.run_id, str(path), artifact_path)
+
+    def log_figure(self, fig, name: str) -> None:
+        if self.active:
+            self.client.log_figure(self.run_id, fig, name)
+
+    def log_dict(self, data: dict, name: str) -> None:
+        if self.active:
+            self.client.log_dict(self.run_id, data, name)
+
+    def lightning_logger(self):
+        """A Lightning MLFlowLogger writing into this run (None when tracking is off)."""
+        if not self.active:
+            return None
+        from lightning.pytorch.loggers import MLFlowLogger
+
+        return MLFlowLogger(tracking_uri=self.uri, run_id=self.run_id)
+
+    def end(self, status: str = "FINISHED") -> None:
+        if self.active:
+            self.client.set_terminated(self.run_id, status)
+
+
+class Tracker:
+    """The workflow's MLflow parent run and its children."""
+
+    def __init__(self, cfg: TrackingConfig, run_dir: Path, active: bool):
+        self.cfg = cfg
+        self.run_dir = run_dir
+        self.active = active and cfg.enabled
+        self.uri = _resolve_uri(cfg.uri)
+        self.client = None
+        self.parent: StageRun = StageRun()
+
+    def connect(self) -> None:
+        """Fail now, with the fix, when MLflow cannot be reached (not after hours of compute)."""
+        if not self.active:
+            return
+        if self.uri.startswith("http"):
+            try:
+                urllib.request.urlopen(self.uri.rstrip("/") + "/health", timeout=10)
+            except (urllib.error.URLError, OSError) as e:
+                raise LowbitError(
+                    f"MLflow server at tracking.uri={self.cfg.uri} is not reachable ({e}). "
+                    "Start it (mlflow server --host 127.0.0.1 --port 5000), fix tracking.uri, "
+                    "or run with tracking=none."
+                ) from None
+        os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        import mlflow
+        from mlflow.tracking import MlflowClient
+
+        self.client = MlflowClient(self.uri)
+        try:
+            exp = self.client.get_experiment_by_name(self.cfg.experiment)
+            if exp is None:
+                location = None
+                if self.cfg.artifact_location and not self.uri.startswith("http"):
+                    location = Path(self.cfg.artifact_location).resolve().as_uri()
+                self.client.create_experiment(self.cfg.experiment, artifact_location=location)
+        except mlflow.exceptions.MlflowException as e:
+            raise LowbitError(
+                f"MLflow store tracking.uri={self.cfg.uri} is not usable: {e}. "
+                "Fix tracking.uri or run with tracking=none."
+            ) from None
+
+    def start_parent(self, name: str, params: dict[str, Any]) -> StageRun:
+        if not self.active:
+            return self.parent
+        marker = self.run_dir / "_mlflow.json"
+        run_id = None
+        if marker.exists():
+            saved = json.loads(marker.read_text())
+            if saved.get("uri") == self.uri:
+                run_id = saved["run_id"]
+                try:
+                    self.client.get_run(run_id)
+                    self.client.update_run(run_id, status="RUNNING")
+                except Exception:  # the store was wiped: start a new parent
+                    run_id = None
+        if run_id is None:
+            exp = self.client.get_experiment_by_name(self.cfg.experiment)
+            run = self.client.create_run(exp.experiment_id, run_name=name, tags=self._tags())
+            run_id = run.info.run_id
+            marker.write_text(json.dumps({"uri": self.uri, "run_id": run_id}))
+            self.parent = StageRun(self.client, run_id, self.uri)
+            self.parent.log_params(params)
+            with tempfile.TemporaryDirectory() as tmp:
+                p = Path(tmp) / "config.json"
+                p.write_text(json.dumps(params, indent=1, default=str))
+                self.parent.log_artifact(p)
+        self.parent = StageRun(self.client, run_id, self.uri)
+        return self.parent
+
+    def start_stage(self, stage: str, params: dict[str, Any], tags: dict[str, Any]) -> StageRun:
+        if not self.active:
+            return StageRun()
+        exp = self.client.get_experiment_by_name(self.cfg.experiment)
+        all_tags = {**self._tags(), **{k: str(v) for k, v in tags.items()}}
+        all_tags["mlflow.parentRunId"] = self.parent.run_id
+        all_tags["lowbit.stage"] = stage
+        run = self.client.create_run(exp.experiment_id, run_name=stage, tags=all_tags)
+        child = StageRun(self.client, run.info.run_id, self.uri)
+        child.log_params(params)
+        return child
+
+    def ui_command(self) -> str:
+        if self.uri.startswith("sqlite"):
+            art = ""
+            if self.cfg.artifact_location:
+                art = f" --artifacts-destination {Path(self.cfg.artifact_location).resolve()}"
+            return f"mlflow ui --backend-store-uri {self.uri}{art}"
+        return f"open {self.uri}"
+
+    @staticmethod
+    def _tags() -> dict[str, str]:
+        from pipeline import __version__
+
+        return {
+            "lowbit.version": __version__,
+            "git_commit": git_commit(),
+            "host": socket.gethostname(),
+            "world_size": os.environ.get("WORLD_SIZE", "1"),
+        }

@@ -1,0 +1,265 @@
+"""Runs the configured stages in order, each exactly once per fingerprint.
+
+A stage's fingerprint hashes its resolved config sections, the fingerprints and output digests of
+the stages it reads, and the package version. A stage folder is written atomically: the stage
+writes into `<run_dir>/.<stage>.tmp/`, the workflow adds `_done.json` and renames it into place,
+so a crash or Ctrl-C never leaves a half-written stage folder. Work that must survive a crash
+inside a stage (Lightning checkpoints, finished quantization segments) goes to
+`<run_dir>/.work/<stage>-<fingerprint>/`, which the same fingerprint finds again on resume.
+
+Every rank runs this loop (torchrun/srun); rank 0 writes, the others wait at barriers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from pipeline import __version__, stages
+from pipeline.config import to_plain, tracking_cfg
+from pipeline.dist import Dist, init_from_env
+from pipeline.errors import ConfigError, LowbitError
+from pipeline.tracking import StageRun, Tracker
+
+log = logging.getLogger("lowbit")
+DONE = "_done.json"
+
+
+@dataclass
+class StageContext:
+    """What a stage's run() gets: its config, where to write, what earlier stages produced."""
+
+    name: str
+    cfg: DictConfig
+    out_dir: Path
+    work_dir: Path
+    run_dir: Path
+    inputs: dict[str, Path] = field(default_factory=dict)
+    dist: Dist = field(default_factory=Dist)
+    log: StageRun = field(default_factory=StageRun)
+
+    @property
+    def params(self) -> DictConfig:
+        return self.cfg.stage[self.name]
+
+    def target_dir(self) -> Path:
+        """The FP target checkpoint: the user's, or the one bootstrap trained."""
+        if self.cfg.model.target.path:
+            return Path(self.cfg.model.target.path)
+        if "bootstrap" not in self.inputs:
+            raise LowbitError("no target model: set model.target.path or run the bootstrap stage")
+        return self.inputs["bootstrap"] / "target"
+
+    def draft_dir(self) -> Path | None:
+        """The FP draft checkpoint, or None (then the target drafts for itself)."""
+        if self.cfg.model.draft.path:
+            return Path(self.cfg.model.draft.path)
+        if not self.cfg.model.target.path and "bootstrap" in self.inputs:
+            return self.inputs["bootstrap"] / "draft"
+        return None
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def read_done(stage_dir: Path) -> dict | None:
+    try:
+        return json.loads((stage_dir / DONE).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def fingerprint(cfg: DictConfig, name: str, mod: ModuleType, inputs: dict[str, dict]) -> str:
+    """Hash of what determines the stage's result (see the module docstring)."""
+    sections = {"stage": to_plain(cfg.stage.get(name)), "seed": cfg.seed}
+    for key in mod.KEYS:
+        sections[key] = to_plain(OmegaConf.select(cfg, key))
+    payload = {
+        "version": __version__,
+        "config": sections,
+        "inputs": {k: [v["fingerprint"], v.get("outputs_digest")] for k, v in sorted(inputs.items())},
+    }
+    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def plan(cfg: DictConfig, run_dir: Path) -> list[tuple[str, ModuleType]]:
+    """Validate the stage list and every selected stage's config, before any compute."""
+    selected = list(cfg.stages)
+    if not selected:
+        raise ConfigError("stages", "is empty", ", ".join(stages.ORDER))
+    mods = [(n, stages.load(n)) for n in selected]
+    order = [n for n in stages.ORDER if n in selected]
+    if order != selected:
+        raise ConfigError("stages", f"is out of order {selected}", f"this order: {order}")
+    tracking_cfg(cfg)
+    for name, mod in mods:
+        mod.validate(cfg)
+        for need in mod.NEEDS:
+            upstream = stages.load(need)
+            skipped = getattr(upstream, "skip_reason", lambda c: None)(cfg)
+            if need not in selected and not skipped and read_done(run_dir / need) is None:
+                raise ConfigError(
+                    "stages",
+                    f"runs {name!r}, which needs the outputs of {need!r}, but {run_dir / need} "
+                    "has none",
+                    f"add {need!r} to stages",
+                )
+    return mods
+
+
+def _commit(tmp: Path, final: Path) -> None:
+    """Replace `final` by `tmp` with renames only (each atomic on one file system)."""
+    old = final.with_name(f".{final.name}.old")
+    shutil.rmtree(old, ignore_errors=True)
+    if final.exists():
+        final.rename(old)
+    tmp.rename(final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _outputs(stage_dir: Path) -> dict[str, dict]:
+    out = {}
+    for p in sorted(stage_dir.rglob("*")):
+        if p.is_file() and p.name != DONE:
+            out[str(p.relative_to(stage_dir))] = {"bytes": p.stat().st_size, "sha256": sha256(p)}
+    return out
+
+
+def _log_outputs(run: StageRun, stage_dir: Path) -> None:
+    """Small human-readable outputs (JSON, plots, reports) go to MLflow; weights do not."""
+    for p in sorted(stage_dir.glob("*")):
+        if p.is_file() and p.suffix in {".json", ".png", ".md", ".csv"} and p.stat().st_size < 5e6:
+            run.log_artifact(p)
+
+
+def summary_line(name: str, seconds: float, metrics: dict[str, Any]) -> str:
+    shown = [f"{k}={v:.4g}" for k, v in metrics.items() if isinstance(v, int | float)][:4]
+    return f"{name:<12} done in {seconds:7.1f}s  " + "  ".join(shown)
+
+
+def run(cfg: DictConfig) -> dict[str, dict]:
+    """Run the workflow; returns {stage: its _done.json} for the stages of this run."""
+    dist = init_from_env((cfg.get("trainer") or {}).get("dist_backend"))
+    run_dir = Path(cfg.run_dir).resolve()
+    mods = plan(cfg, run_dir)
+    tracker = Tracker(tracking_cfg(cfg), run_dir, active=dist.is_main)
+    if dist.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        tracker.connect()
+        tracker.start_parent(cfg.name, to_plain(cfg))
+    dist.barrier()
+
+    results: dict[str, dict] = {}
+    known: dict[str, dict] = {}  # stage -> its _done.json, for fingerprints of readers
+    selected = set(cfg.stages)
+    t_start = time.time()
+    status = "FAILED"
+    try:
+        for name, mod in mods:
+            reason = getattr(mod, "skip_reason", lambda c: None)(cfg)
+            if reason:
+                log.info("%-12s not needed: %s", name, reason)
+                continue
+            wanted = set(mod.NEEDS) | set(getattr(mod, "USES", ()))
+            inputs, input_done = {}, {}
+            for dep in sorted(wanted):
+                done = known.get(dep) if dep in selected else read_done(run_dir / dep)
+                if done is not None:
+                    inputs[dep], input_done[dep] = run_dir / dep, done
+            fp = fingerprint(cfg, name, mod, input_done)
+            done = read_done(run_dir / name)
+            if done and done.get("fingerprint") == fp and not cfg.force:
+                log.info("%-12s up to date (fingerprint %s), skipped", name, fp[:12])
+                known[name] = results[name] = done
+                continue
+            known[name] = results[name] = _run_stage(
+                cfg, name, mod, fp, inputs, input_done, run_dir, dist, tracker
+            )
+        status = "FINISHED"
+    except KeyboardInterrupt:
+        status = "KILLED"
+        raise
+    finally:
+        if dist.is_main:
+            tracker.parent.end(status)
+    if dist.is_main:
+        log.info("workflow %s finished in %.1fs; results in %s", cfg.name, time.time() - t_start, run_dir)
+        if tracker.active:
+            log.info("MLflow: %s", tracker.ui_command())
+    return results
+
+
+def _run_stage(cfg, name, mod, fp, inputs, input_done, run_dir, dist, tracker) -> dict:
+    work = run_dir / ".work" / f"{name}-{fp[:12]}"
+    tmp = run_dir / f".{name}.tmp"
+    if dist.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        work.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    out_dir = tmp if dist.is_main else Path(tempfile.mkdtemp(prefix=f"lowbit-{name}-"))
+    child = StageRun()
+    if dist.is_main:
+        params = {"stage": to_plain(cfg.stage.get(name)), "seed": cfg.seed}
+        params.update({k: to_plain(OmegaConf.select(cfg, k)) for k in mod.KEYS})
+        child = tracker.start_stage(name, params, {"fingerprint": fp})
+    ctx = StageContext(name, cfg, out_dir, work, run_dir, inputs, dist, child)
+    log.info("%-12s running (fingerprint %s)", name, fp[:12])
+    t0 = time.time()
+    error = None
+    try:
+        metrics = mod.run(ctx) if (mod.DISTRIBUTED or dist.is_main) else {}
+    except BaseException as e:  # KeyboardInterrupt too: the run is marked, the tmp dir dropped
+        error = e
+        metrics = {}
+    # Rank 0's outcome decides for everyone, so no rank waits forever on a failed peer.
+    failed = dist.broadcast(error is not None and dist.is_main)
+    if error is not None or failed:
+        if dist.is_main:
+            child.end("KILLED" if isinstance(error, KeyboardInterrupt) else "FAILED")
+            shutil.rmtree(tmp, ignore_errors=True)
+        if error is not None:
+            raise error
+        raise LowbitError(f"stage {name} failed on rank 0")
+    seconds = time.time() - t0
+    metrics = {k: v for k, v in (metrics or {}).items()}
+    metrics["world_size"] = dist.world_size
+    done: dict[str, Any] = {}
+    if dist.is_main:
+        outputs = _outputs(tmp)
+        digest = hashlib.sha256(json.dumps(outputs, sort_keys=True).encode()).hexdigest()
+        done = {
+            "stage": name,
+            "fingerprint": fp,
+            "outputs_digest": digest,
+            "inputs": {k: v["fingerprint"] for k, v in input_done.items()},
+            "metrics": metrics,
+            "outputs": outputs,
+            "timings": {"start": t0, "end": time.time(), "seconds": seconds},
+            "version": __version__,
+        }
+        (tmp / DONE).write_text(json.dumps(done, indent=1))
+        _commit(tmp, run_dir / name)
+        child.log_metrics({k: v for k, v in metrics.items()} | {"stage_seconds": seconds})
+        _log_outputs(child, run_dir / name)
+        child.end("FINISHED")
+        shutil.rmtree(work, ignore_errors=True)
+        log.info("%s", summary_line(name, seconds, metrics))
+    else:
+        shutil.rmtree(out_dir, ignore_errors=True)
+    return dist.broadcast(done)
