@@ -26,7 +26,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from pipeline import __version__, stages
-from pipeline.config import to_plain, tracking_cfg
+from pipeline.config import data_cfg, model_cfg, quant_cfg, to_plain, tracking_cfg
 from pipeline.dist import Dist, init_from_env
 from pipeline.errors import ConfigError, LowbitError
 from pipeline.tracking import StageRun, Tracker
@@ -106,7 +106,9 @@ def plan(cfg: DictConfig, run_dir: Path) -> list[tuple[str, ModuleType]]:
     order = [n for n in stages.ORDER if n in selected]
     if order != selected:
         raise ConfigError("stages", f"is out of order {selected}", f"this order: {order}")
-    tracking_cfg(cfg)
+    # The shared sections are checked whatever the stages, so a typo never waits for its stage.
+    for check in (model_cfg, data_cfg, quant_cfg, tracking_cfg):
+        check(cfg)
     for name, mod in mods:
         mod.validate(cfg)
         for need in mod.NEEDS:

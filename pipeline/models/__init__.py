@@ -3,6 +3,7 @@
 from pipeline.models.adapters import (
     ADAPTERS,
     Adapter,
+    UnsupportedArchitectureError,
     attention_kind,
     fused_groups,
     get_adapter,
@@ -10,6 +11,8 @@ from pipeline.models.adapters import (
     supported,
 )
 from pipeline.models.checkpoint import (
+    CheckpointError,
+    CheckpointNotFoundError,
     StreamingCheckpoint,
     convert_bin_to_safetensors,
     read_safetensors_header,
@@ -19,8 +22,11 @@ from pipeline.models.synthetic import ShardWriter, synthetic_config, write_synth
 __all__ = [
     "ADAPTERS",
     "Adapter",
+    "CheckpointError",
+    "CheckpointNotFoundError",
     "ShardWriter",
     "StreamingCheckpoint",
+    "UnsupportedArchitectureError",
     "attention_kind",
     "convert_bin_to_safetensors",
     "fused_groups",

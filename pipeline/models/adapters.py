@@ -19,6 +19,8 @@ from typing import Any
 
 from torch import nn
 
+from pipeline.errors import LowbitError
+
 # Linears of one decoder block, in execution order (relative to "model.layers.{i}.").
 LLAMA_LINEARS = (
     "self_attn.q_proj",
@@ -34,6 +36,10 @@ LLAMA_FUSED = (
     ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
     ("mlp.gate_proj", "mlp.up_proj"),
 )
+
+
+class UnsupportedArchitectureError(LowbitError, ValueError):
+    """A checkpoint whose model family has no adapter."""
 
 
 @dataclass(frozen=True)
@@ -129,7 +135,8 @@ def get_adapter(config_or_model: Any) -> Adapter:
     """Return the adapter for a config (or a model, or a config.json dict).
 
     Raises:
-        ValueError: The architecture has no adapter; the message lists the supported ones.
+        UnsupportedArchitectureError: (a ValueError) The architecture has no adapter; the
+            message lists the supported ones.
     """
     config = _config_of(config_or_model)
     model_type = _field(config, "model_type")
@@ -138,7 +145,7 @@ def get_adapter(config_or_model: Any) -> Adapter:
         if model_type in adapter.model_types or set(archs) & set(adapter.architectures):
             return adapter
     what = f"architecture {archs[0]!r}" if archs else f"model_type {model_type!r}"
-    raise ValueError(
+    raise UnsupportedArchitectureError(
         f"unsupported {what}; supported: {', '.join(supported())}. "
         "Use a checkpoint of one of these families."
     )

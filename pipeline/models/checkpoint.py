@@ -6,8 +6,10 @@ safetensors headers when it opens a checkpoint (a few KB per shard), then builds
 piece (embeddings, decoder block ``i``, final norm, lm_head) on the meta device and fills it
 with exactly that piece's tensors. Peak memory is one segment of blocks, whatever the depth.
 
-Trade-off: each load re-opens the shards it needs (a header parse, microseconds) instead of
-keeping memory maps open, so page-cache pages of finished blocks are never pinned by us.
+Tensors are read with plain ``readinto`` calls at the header's offsets, straight into their
+final buffers. A memory map (``safe_open``) would be as fast, but the mapped pages count as
+resident next to the copies, which doubles a block's peak. Trade-off: no zero-copy views, so
+every load pays one read of the block from disk or page cache (GB/s, small next to GPTQ).
 Pickled ``.bin`` checkpoints run code on load and cannot be read lazily by name; they are
 refused unless explicitly allowed (then loaded with ``weights_only`` and ``mmap``), and
 :func:`convert_bin_to_safetensors` rewrites them shard by shard.
@@ -21,10 +23,19 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 from torch import nn
 
+from pipeline.errors import LowbitError
 from pipeline.models.adapters import Adapter, attention_kind, get_adapter
+
+
+class CheckpointError(LowbitError, ValueError):
+    """A checkpoint that cannot be used as it is: corrupt, incomplete, or unsafe to unpickle."""
+
+
+class CheckpointNotFoundError(LowbitError, FileNotFoundError):
+    """A checkpoint directory, config.json or shard that is not there."""
+
 
 SAFE_SINGLE, SAFE_INDEX = "model.safetensors", "model.safetensors.index.json"
 BIN_SINGLE, BIN_INDEX = "pytorch_model.bin", "pytorch_model.bin.index.json"
@@ -37,19 +48,22 @@ _DTYPES = {
 _MAX_HEADER = 100 << 20  # the safetensors format caps headers at 100 MB
 
 
-def read_safetensors_header(file: Path) -> dict[str, tuple[torch.dtype, list[int]]]:
+Entry = tuple[torch.dtype, list[int], int, int]  # dtype, shape, first and end byte in the file
+
+
+def read_safetensors_header(file: Path) -> dict[str, Entry]:
     """Parse one shard's header and check its offsets against the file size (no data read).
 
     Returns:
-        ``{name: (dtype, shape)}``.
+        ``{name: (dtype, shape, start, stop)}`` with absolute byte offsets into ``file``.
 
     Raises:
-        ValueError: The header is unreadable or does not describe exactly the bytes on disk
+        CheckpointError: The header is unreadable or does not describe exactly the bytes on disk
             (a truncated download, a partial copy); the message names the file.
     """
 
-    def corrupt(why: str) -> ValueError:
-        return ValueError(f"corrupt safetensors file {file}: {why}; re-download or re-save it")
+    def corrupt(why: str) -> CheckpointError:
+        return CheckpointError(f"corrupt safetensors file {file}: {why}; re-download or re-save it")
 
     size = file.stat().st_size
     with open(file, "rb") as f:
@@ -73,28 +87,58 @@ def read_safetensors_header(file: Path) -> dict[str, tuple[torch.dtype, list[int
         if begin < 0 or stop - begin != torch.Size(shape).numel() * dtype.itemsize:
             raise corrupt(f"tensor {name} spans {stop - begin} bytes, not {shape} x {dtype}")
         end = max(end, stop)
-        out[name] = (dtype, shape)
+        out[name] = (dtype, shape, 8 + n + begin, 8 + n + stop)
     if end != data:  # the format forbids holes, so the last tensor must end at EOF
         raise corrupt(f"header expects {end} data bytes but the file holds {data} (truncated?)")
     return out
 
 
+def _read_tensors(file: Path, entries: dict[str, Entry]) -> dict[str, torch.Tensor]:
+    """Read ``entries`` from a safetensors file straight into freshly allocated tensors.
+
+    Plain reads rather than a memory map: the process then holds exactly these tensors, not
+    also the mapped file pages they were copied from (which would double a block's peak).
+    """
+    out = {}
+    with open(file, "rb", buffering=0) as f:
+        for name, (dtype, shape, start, stop) in sorted(entries.items(), key=lambda e: e[1][2]):
+            t = torch.empty(shape, dtype=dtype)
+            view = memoryview(t.reshape(-1).view(torch.uint8).numpy())  # the tensor's own bytes
+            f.seek(start)
+            got = 0
+            while got < stop - start:  # one read() returns at most ~2 GiB on Linux
+                k = f.readinto(view[got:])
+                if not k:
+                    raise CheckpointError(
+                        f"corrupt safetensors file {file}: {name} ends past the end of the file "
+                        "(truncated after opening?); re-download or re-save it"
+                    )
+                got += k
+            out[name] = t
+    return out
+
+
 def _load_bin(file: Path) -> dict[str, torch.Tensor]:
     # weights_only refuses arbitrary objects; mmap keeps the tensors on disk until copied.
-    return torch.load(file, map_location="cpu", mmap=True, weights_only=True)
+    try:
+        return torch.load(file, map_location="cpu", mmap=True, weights_only=True)
+    except Exception as err:  # pickle, zip and legacy-format errors alike
+        raise CheckpointError(f"cannot load {file}: {err}; re-save it as safetensors") from err
 
 
 def _read_json(file: Path) -> dict[str, Any]:
     try:
         return json.loads(file.read_text())
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ValueError(f"{file} is not valid JSON ({err}); re-download or re-save it") from err
+        raise CheckpointError(
+            f"{file} is not valid JSON ({err}); re-download or re-save it"
+        ) from err
 
 
 def _weight_map(index: Path) -> dict[str, str]:
     weight_map = _read_json(index).get("weight_map")
     if not isinstance(weight_map, dict):
-        raise ValueError(f"{index} has no 'weight_map'; re-download or re-save it")
+        raise CheckpointError(f"{index} has no 'weight_map'; re-download or re-save it")
     return weight_map
 
 
@@ -110,16 +154,16 @@ def _weight_files(path: Path, allow_bin: bool) -> tuple[list[Path], Path | None,
         else:
             continue
         if is_bin and not allow_bin:
-            raise ValueError(
+            raise CheckpointError(
                 f"{files[0]} is a pickled .bin checkpoint, which can run code when loaded; "
                 "pass allow_bin=True to load it anyway (weights_only), or convert it once with "
                 f"`python -m pipeline.models.checkpoint {path} OUT_DIR` (writes safetensors)"
             )
         for file in files:
             if not file.is_file():
-                raise FileNotFoundError(f"shard {file} named in {path / index} is missing")
+                raise CheckpointNotFoundError(f"shard {file} named in {path / index} is missing")
         return files, index and path / index, is_bin
-    raise FileNotFoundError(f"no {SAFE_SINGLE}, {SAFE_INDEX} or *.safetensors in {path}")
+    raise CheckpointNotFoundError(f"no {SAFE_SINGLE}, {SAFE_INDEX} or *.safetensors in {path}")
 
 
 class StreamingCheckpoint:
@@ -135,8 +179,10 @@ class StreamingCheckpoint:
         attn_implementation: Attention kernel of the decoder layers ("sdpa" or "eager").
 
     Raises:
-        FileNotFoundError: The directory, config.json or a shard named by the index is missing.
-        ValueError: Unsupported architecture, ``.bin`` weights without ``allow_bin``, or a
+        CheckpointNotFoundError: (a FileNotFoundError) The directory, config.json or a shard
+            named by the index is missing.
+        UnsupportedArchitectureError: (a ValueError) No adapter for the model family.
+        CheckpointError: (a ValueError) ``.bin`` weights without ``allow_bin``, or a
             corrupt/truncated shard (the message names the file).
     """
 
@@ -151,10 +197,10 @@ class StreamingCheckpoint:
     ) -> None:
         self.path = Path(path)
         if not self.path.is_dir():
-            raise FileNotFoundError(f"checkpoint directory {self.path} does not exist")
+            raise CheckpointNotFoundError(f"checkpoint directory {self.path} does not exist")
         cfg_file = self.path / "config.json"
         if not cfg_file.is_file():
-            raise FileNotFoundError(f"{cfg_file} is missing: not a Hugging Face checkpoint")
+            raise CheckpointNotFoundError(f"{cfg_file} is missing: not a Hugging Face checkpoint")
         # Refuse unsupported families before transformers parses (and maybe rejects) the config.
         self.adapter: Adapter = get_adapter(_read_json(cfg_file))
 
@@ -168,28 +214,32 @@ class StreamingCheckpoint:
         self._where, self._info = self._index_tensors()
         embed = self.adapter.embed + ".weight"
         if embed not in self._info:
-            raise ValueError(f"checkpoint {self.path} has no {embed}: the checkpoint is incomplete")
+            raise CheckpointError(
+                f"checkpoint {self.path} has no {embed}: the checkpoint is incomplete"
+            )
         self.dtype = dtype or self._info[embed][0]
         self._rotary: nn.Module | None = None
         self._check_layers()
 
     # ----------------------------------------------------------------------------- reading
-    def _index_tensors(self) -> tuple[dict[str, Path], dict[str, tuple[torch.dtype, list[int]]]]:
-        """Map every tensor name to its file and (dtype, shape), reading headers only."""
+    def _index_tensors(self) -> tuple[dict[str, Path], dict[str, Entry]]:
+        """Map every tensor name to its file and (dtype, shape, offsets), reading headers only."""
         where: dict[str, Path] = {}
-        info: dict[str, tuple[torch.dtype, list[int]]] = {}
+        info: dict[str, Entry] = {}
         for file in self._files:
             if self.is_bin:
-                header = {n: (t.dtype, list(t.shape)) for n, t in _load_bin(file).items()}
+                header = {n: (t.dtype, list(t.shape), -1, -1) for n, t in _load_bin(file).items()}
             else:
                 header = read_safetensors_header(file)
             for name, meta in header.items():
                 if name in where:
-                    raise ValueError(f"tensor {name} is stored twice: in {where[name]} and {file}")
+                    raise CheckpointError(
+                        f"tensor {name} is stored twice: in {where[name]} and {file}"
+                    )
                 where[name], info[name] = file, meta
         for name, shard in (_weight_map(self._index) if self._index else {}).items():
             if where.get(name, Path()).name != shard:
-                raise ValueError(
+                raise CheckpointError(
                     f"{self._index} says {name} is in {shard}, but {self.path / shard} does not "
                     "hold it: the index and the shards come from different checkpoints"
                 )
@@ -199,7 +249,7 @@ class StreamingCheckpoint:
         for i in range(self.num_layers):
             prefix = self.adapter.block_prefix(i)
             if not self._by_prefix(prefix):
-                raise ValueError(
+                raise CheckpointError(
                     f"checkpoint {self.path} has no tensors for {prefix} although config.json "
                     f"declares {self.num_layers} layers"
                 )
@@ -227,7 +277,7 @@ class StreamingCheckpoint:
         return numel * self.dtype.itemsize
 
     def _read_many(self, names: list[str]) -> dict[str, torch.Tensor]:
-        """Materialise exactly ``names``, opening each shard once."""
+        """Materialise exactly ``names`` (cast, on ``self.device``), opening each shard once."""
         by_file: dict[Path, list[str]] = defaultdict(list)
         for name in names:
             if name not in self._where:
@@ -235,20 +285,16 @@ class StreamingCheckpoint:
             by_file[self._where[name]].append(name)
         out: dict[str, torch.Tensor] = {}
         for file, group in by_file.items():
-            try:
-                if self.is_bin:
-                    state = _load_bin(file)
-                    raw = {n: state[n] for n in group}
-                else:
-                    with safe_open(file, framework="pt", device="cpu") as f:
-                        raw = {n: f.get_tensor(n) for n in group}
-            except Exception as err:  # safetensors raises its own SafetensorError type
-                raise ValueError(f"cannot read {file}: {err}; the file is corrupt") from err
+            if self.is_bin:
+                state = _load_bin(file)
+                # clone() detaches each tensor from the memory-mapped file.
+                raw = {n: state[n].clone() for n in group}
+            else:
+                raw = _read_tensors(file, {n: self._info[n] for n in group})
             for n, t in raw.items():
-                if t.is_floating_point():
+                if t.is_floating_point() and t.dtype != self.dtype:
                     t = t.to(self.dtype)
-                # .clone() detaches bin tensors from their mmap; safetensors already copied.
-                out[n] = t.to(self.device) if self.device.type != "cpu" else t.clone()
+                out[n] = t.to(self.device)
         return out
 
     def tensor(self, name: str) -> torch.Tensor:
@@ -261,13 +307,13 @@ class StreamingCheckpoint:
         state = {n[len(prefix) :]: t for n, t in self._read_many(self._by_prefix(prefix)).items()}
         result = module.load_state_dict(state, strict=False, assign=True)
         if result.missing_keys or result.unexpected_keys:
-            raise ValueError(
+            raise CheckpointError(
                 f"checkpoint {self.path}: {what} does not match config.json "
                 f"(missing {result.missing_keys}, unexpected {result.unexpected_keys})"
             )
         left = [n for n, t in [*module.named_parameters(), *module.named_buffers()] if t.is_meta]
         if left:  # e.g. a non-persistent buffer the checkpoint cannot provide
-            raise ValueError(f"{what}: tensors {left} are not stored in the checkpoint")
+            raise CheckpointError(f"{what}: tensors {left} are not stored in the checkpoint")
         return module.eval()
 
     def load_block(self, i: int) -> nn.Module:
@@ -299,7 +345,7 @@ class StreamingCheckpoint:
         tied = getattr(cfg, "tie_word_embeddings", False)
         prefix = a.embed + "." if tied else a.lm_head + "."
         if prefix + "weight" not in self:
-            raise ValueError(
+            raise CheckpointError(
                 f"checkpoint {self.path} has no {a.lm_head}.weight and config.json does not set "
                 "tie_word_embeddings: the checkpoint is incomplete"
             )
@@ -396,7 +442,7 @@ def convert_bin_to_safetensors(
     writer = ShardWriter(dst, shard_bytes)
     for file in files:
         for name, t in _load_bin(file).items():
-            writer.add(name, t)
+            writer.add(name, t.clone())  # tied weights share storage, which safetensors refuses
     writer.close()
     for extra in src.iterdir():
         if extra.is_file() and not extra.name.startswith("pytorch_model"):

@@ -178,15 +178,24 @@ def fit_exp(wg: Tensor, weight: Tensor | None = None) -> tuple[Tensor, Tensor]:
     for r in EXP_RATIOS:
         rt = torch.tensor(r, dtype=wg.dtype, device=wg.device)
         powers = exp_powers(rt)  # (8,)
-        bounds = exp_bounds(powers).contiguous()
+        levels, bounds = powers.tolist(), exp_bounds(powers).tolist()
         for clip in EXP_CLIPS:
             s = to_fp16(amax * clip / powers[-1])
-            x = a / s[..., None]
-            m = torch.bucketize(x, bounds)  # == number of bounds below x, as in exp_encode
-            err = (powers[m].mul_(s[..., None]) - a).square_()
-            if weight is not None:
-                err.mul_(weight)
-            err = err.sum(-1)
+            err = torch.empty_like(s)
+            for rows, ach, weight_ch in _row_chunks(a, weight):
+                s_ = s[rows, ..., None]
+                x = torch.div(ach, s_)
+                mag, step = torch.zeros_like(x), torch.empty_like(x)
+                for j, bound in enumerate(bounds):
+                    # step = [x > bound] * level, exactly, with float ops only (boolean masks
+                    # are several times slower on CPU); bounds ascend, so the running max is
+                    # levels[#bounds below x], the level exp_encode picks.
+                    torch.sub(x, bound, out=step).clamp_(0, 1).ceil_().mul_(levels[j + 1])
+                    torch.maximum(mag, step, out=mag)
+                mag.mul_(s_).sub_(ach).square_()
+                if weight_ch is not None:
+                    mag.mul_(weight_ch)
+                err[rows] = mag.sum(-1)
             better = err < best_err
             best_err = torch.where(better, err, best_err)
             best_s = torch.where(better, s, best_s)

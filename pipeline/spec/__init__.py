@@ -10,13 +10,16 @@ from pipeline.spec.metrics import (
     theoretical_tau,
     tvd,
 )
+from pipeline.spec.rollout import Rollout, draft_rollout
 from pipeline.spec.sampling import Verification, logits_to_probs, sample_tokens, verify_draft
 from pipeline.spec.stats import SpecStats
 
 __all__ = [
     "AdaptiveGamma",
+    "Rollout",
     "SpecStats",
     "Verification",
+    "draft_rollout",
     "expected_acceptance",
     "logits_to_probs",
     "measure_cost_ratio",

@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from pipeline.spec.decoding import _CachedLM
+from pipeline.spec.decoding import CachedLM, vocab_size
 
 __all__ = ["measure_cost_ratio"]
 
@@ -33,7 +33,7 @@ def _synchronize(device: torch.device) -> None:
 def _step_seconds(
     model: torch.nn.Module, prompt: torch.Tensor, n_warmup: int, n_iters: int
 ) -> float:
-    lm = _CachedLM(model)
+    lm = CachedLM(model)
     lm.forward(prompt, keep=1)
     length = lm.length
     token = prompt[:, -1:]
@@ -76,17 +76,10 @@ def measure_cost_ratio(
     if n_iters < 1:
         raise ValueError(f"n_iters must be >= 1, got {n_iters}")
     if input_ids is None:
-        vocab = min(_vocab(target), _vocab(draft))
+        vocab = min(vocab_size(target), vocab_size(draft))
         gen = torch.Generator().manual_seed(seed)
         input_ids = torch.randint(0, vocab, (1, context_len), generator=gen)
     input_ids = torch.as_tensor(input_ids, dtype=torch.long).reshape(1, -1)
     t_target = _step_seconds(target, input_ids, n_warmup, n_iters)
     t_draft = _step_seconds(draft, input_ids, n_warmup, n_iters)
     return t_draft / max(t_target, 1e-9)
-
-
-def _vocab(model: torch.nn.Module) -> int:
-    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
-    if vocab is None:
-        vocab = model.get_output_embeddings().weight.shape[0]
-    return int(vocab)

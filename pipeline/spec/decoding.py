@@ -30,10 +30,17 @@ from pipeline.spec.adaptive import AdaptiveGamma
 from pipeline.spec.sampling import logits_to_probs, sample_tokens, verify_draft
 from pipeline.spec.stats import SpecStats
 
-__all__ = ["SpecStats", "plain_generate", "speculative_generate"]
+__all__ = [
+    "CachedLM",
+    "SpecStats",
+    "draft_probs",
+    "plain_generate",
+    "speculative_generate",
+    "vocab_size",
+]
 
 
-class _CachedLM:
+class CachedLM:
     """A causal LM with its KV cache: feeds tokens at the right positions and rolls back."""
 
     def __init__(self, model: torch.nn.Module) -> None:
@@ -47,7 +54,7 @@ class _CachedLM:
         self.length = 0  # tokens held by the cache
 
     def forward(self, tokens: torch.Tensor, keep: int | None = None) -> torch.Tensor:
-        """Feed (1, n) tokens after the cached ones; returns (1, keep or n, V) logits."""
+        """Feed (B, n) tokens after the cached ones; returns (B, keep or n, V) logits."""
         n = tokens.shape[-1]
         position_ids = torch.arange(self.length, self.length + n, device=self.device)[None]
         kwargs = {} if self.cache is None else {self._cache_kw: self.cache}
@@ -102,7 +109,7 @@ def _cut_at_eos(tokens: list[int], eos: set[int]) -> tuple[list[int], bool]:
     return tokens, False
 
 
-def _draft_probs(logits: torch.Tensor, vocab: int, temperature: float) -> torch.Tensor:
+def draft_probs(logits: torch.Tensor, vocab: int, temperature: float) -> torch.Tensor:
     """Draft distribution on the target's vocabulary: (1, V_q) logits -> (1, V_p) probs.
 
     Extra draft rows (embedding padding) are cut before sampling; target tokens the draft
@@ -149,22 +156,23 @@ def speculative_generate(
     greedy = temperature == 0
     eos = _eos_set(eos_token_id)
     seq = ids[0].tolist()
-    tgt, drf = _CachedLM(target), _CachedLM(draft)
+    tgt, drf = CachedLM(target), CachedLM(draft)
     stats = SpecStats()
     start = time.perf_counter()
     if len(seq) > 1 and max_new_tokens > 0:
         tgt.forward(ids[:, :-1], keep=1)
         drf.forward(ids[:, :-1], keep=1)
-    vocab = _vocab_of(tgt)
+    vocab = vocab_size(target)
     produced, done = 0, False
     while produced < max_new_tokens and not done:
         # Never draft past the budget: a round emits at most g + 1 tokens.
         g = min(adaptive.gamma if adaptive is not None else gamma, max_new_tokens - produced - 1)
-        pending = torch.tensor([seq[drf.length :]])  # (1, k) committed tokens the draft lacks
+        # Committed tokens the draft has not read yet: (1, 1), or (1, 2) after a full accept.
+        pending = torch.tensor([seq[drf.length :]], dtype=torch.long)
         drafts, q_rows = [], []
         for _ in range(g):
             q_logits = drf.forward(pending, keep=1)[:, -1]  # (1, V_q)
-            q = _draft_probs(q_logits, vocab, temperature)  # (1, V)
+            q = draft_probs(q_logits, vocab, temperature)  # (1, V)
             tok = sample_tokens(q, generator, greedy)  # (1,)
             drafts.append(tok)
             q_rows.append(q)
@@ -210,7 +218,7 @@ def plain_generate(
     ids = _as_prompt(input_ids, max_new_tokens)
     eos = _eos_set(eos_token_id)
     seq = ids[0].tolist()
-    lm = _CachedLM(model)
+    lm = CachedLM(model)
     stats = SpecStats()
     start = time.perf_counter()
     feed = ids
@@ -226,10 +234,9 @@ def plain_generate(
     return torch.tensor([seq], device=ids.device), stats
 
 
-def _vocab_of(lm: _CachedLM) -> int:
-    """Target vocabulary size (from the config, else the output embedding)."""
-    config = getattr(lm.model, "config", None)
-    vocab = getattr(config, "vocab_size", None)
+def vocab_size(model: torch.nn.Module) -> int:
+    """Vocabulary size of a causal LM (from its config, else its output embedding)."""
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
     if vocab is None:
-        vocab = lm.model.get_output_embeddings().weight.shape[0]
+        vocab = model.get_output_embeddings().weight.shape[0]
     return int(vocab)

@@ -1,4 +1,4 @@
-"""Fixtures for the cluster tests: a local Slurm cluster and the `lowbit` command.
+"""Fixtures for the cluster tests: a local Slurm cluster, the `lowbit` command, one smoke run.
 
 The cluster is started once per session (about 2 s) and only when a test asks for it; without
 the Debian packages (`.ci/slurm.sh install`) or root, those tests skip and say why.
@@ -10,8 +10,20 @@ from pathlib import Path
 
 import pytest
 
-from .runs import BIN, job_env
+from .runs import (
+    BIN,
+    REPO,
+    SMOKE_STAGES,
+    SmokeRun,
+    job_env,
+    overrides,
+    require_stages,
+    run_cmd,
+    tail,
+)
 from .slurm import LocalSlurm, missing_requirements
+
+SMOKE_TIMEOUT = 900  # seconds; the 2-rank smoke run takes a few minutes on 2 cores
 
 
 @pytest.fixture(scope="session")
@@ -33,3 +45,30 @@ def lowbit_cli() -> Path:
     if not exe.exists():
         pytest.skip(f"{exe} not found; install the project into this environment: pip install -e .")
     return exe
+
+
+@pytest.fixture(scope="session")
+def smoke_2rank_run(request, lowbit_cli, tmp_path_factory) -> SmokeRun:
+    """The smoke workflow up to distill on 2 ranks of one node, run once per session.
+
+    Under Slurm (jobs/smoke.sbatch, 2 srun tasks) when a local cluster can start;
+    otherwise `lowbit ... trainer=ddp`, which starts its 2 ranks with torchrun itself.
+    """
+    require_stages(*SMOKE_STAGES)
+    root = tmp_path_factory.mktemp("smoke")
+    run_dir, uri = root / "run", f"sqlite:///{root / 'mlflow.db'}"
+    args = overrides(run_dir, SMOKE_STAGES, uri, "tracking.experiment=cluster-smoke")
+    log = root / "job.log"
+    if missing_requirements() is None:
+        cluster: LocalSlurm = request.getfixturevalue("slurm_cluster")
+        # sbatch + polling rather than `sbatch --wait`, whose back-off (2, 4, ... 32 s) adds up
+        # to half a minute after the job ends; test_slurm_fixture.py covers --wait itself.
+        options = (f"--output={log}", f"--chdir={root}")
+        job_id = cluster.sbatch(REPO / "jobs" / "smoke.sbatch", *args, options=options)
+        job = cluster.wait_job(job_id, timeout=SMOKE_TIMEOUT, poll=2.0)
+        assert (job["JobState"], job["ExitCode"]) == ("COMPLETED", "0:0"), tail(log)
+        return SmokeRun(run_dir, uri, "cluster-smoke", "slurm", log.read_text(), job)
+    argv = [lowbit_cli, "experiment=smoke", "trainer=ddp", *args]
+    rc = run_cmd(argv, env=job_env(), cwd=root, timeout=SMOKE_TIMEOUT, log=log)
+    assert rc == 0, tail(log)
+    return SmokeRun(run_dir, uri, "cluster-smoke", "local", log.read_text())

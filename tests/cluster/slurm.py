@@ -15,6 +15,7 @@ Run `python tests/cluster/slurm.py` to get a cluster for manual experiments (Ctr
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import shutil
 import signal
@@ -45,6 +46,15 @@ def missing_requirements() -> str | None:
     if not MUNGE_KEY.is_file():
         return f"{MUNGE_KEY} missing; reinstall munge (it generates the key)"
     return None
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: get SIGTERM when the process that started it dies.
+
+    Linux's PR_SET_PDEATHSIG; it keeps a killed test session from leaving daemons behind.
+    """
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
 
 
 def free_port() -> int:
@@ -109,6 +119,8 @@ class LocalSlurm:
             "KillWait=5",
             f"StateSaveLocation={r}/state",
             f"SlurmdSpoolDir={r}/spool",
+            f"SlurmctldLogFile={r}/log/slurmctld.log",
+            f"SlurmdLogFile={r}/log/slurmd.log",
             f"SlurmctldPidFile={r}/run/slurmctld.pid",
             f"SlurmdPidFile={r}/run/slurmd.pid",
             f"NodeName={h} NodeAddr=127.0.0.1 CPUs={self.cpus} RealMemory=20000 State=UNKNOWN",
@@ -119,7 +131,9 @@ class LocalSlurm:
     def _spawn(self, name: str, argv: list[str]) -> None:
         log = open(self.root / "log" / f"{name}.out", "w")  # noqa: SIM115 (closed in stop)
         self._logs.append(log)
-        proc = subprocess.Popen(argv, env=self.env, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            argv, env=self.env, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent
+        )
         self._procs.append((name, proc))
 
     def start(self, timeout: float = 60.0) -> None:
@@ -198,7 +212,9 @@ class LocalSlurm:
     def log_tail(self, lines: int = 20) -> str:
         """Last lines of every daemon log, for error messages."""
         parts = []
-        for log in sorted((self.root / "log").glob("*")):
+        # The *.log files carry timestamps; munged (and a daemon that dies early) only stderr.
+        logs = sorted((self.root / "log").glob("*.log")) + [self.root / "log" / "munged.out"]
+        for log in logs:
             tail = log.read_text(errors="replace").splitlines()[-lines:]
             parts.append(f"--- {log.name}\n" + "\n".join(tail))
         return "logs:\n" + "\n".join(parts)
@@ -258,10 +274,16 @@ class LocalSlurm:
         )
 
 
+def _exit_on_signal(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
 if __name__ == "__main__":
     reason = missing_requirements()
     if reason:
         raise SystemExit(reason)
+    signal.signal(signal.SIGTERM, _exit_on_signal)
+    signal.signal(signal.SIGINT, _exit_on_signal)
     with LocalSlurm(Path(tempfile.mkdtemp(prefix="lowbit-slurm-"))) as cluster:
         print(f"export SLURM_CONF={cluster.conf}\n(Ctrl-C stops the cluster)", flush=True)
         with contextlib.suppress(KeyboardInterrupt):

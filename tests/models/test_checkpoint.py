@@ -74,24 +74,13 @@ def test_qwen2_blocks_carry_qkv_biases(hf_dirs):
 
 def test_load_block_reads_and_allocates_only_that_block(llama_dir, monkeypatch):
     read: list[str] = []
-    real_open = ckpt_mod.safe_open
+    real_read = ckpt_mod._read_tensors
 
-    class RecordingOpen:  # records every tensor materialised from disk
-        def __init__(self, *args, **kwargs):
-            self.inner = real_open(*args, **kwargs)
+    def recording_read(file, entries):  # records every tensor materialised from disk
+        read.extend(entries)
+        return real_read(file, entries)
 
-        def __enter__(self):
-            self.handle = self.inner.__enter__()
-            return self
-
-        def __exit__(self, *exc):
-            return self.inner.__exit__(*exc)
-
-        def get_tensor(self, name):
-            read.append(name)
-            return self.handle.get_tensor(name)
-
-    monkeypatch.setattr(ckpt_mod, "safe_open", RecordingOpen)
+    monkeypatch.setattr(ckpt_mod, "_read_tensors", recording_read)
     ck = StreamingCheckpoint(llama_dir)
     assert read == []  # opening reads headers only
     block = ck.load_block(1)
@@ -127,3 +116,13 @@ def test_tensor_materialises_one_tensor(llama_dir):
     assert ck.tensor("model.norm.weight").shape == (32,)
     with pytest.raises(KeyError, match="model.nope"):
         ck.tensor("model.nope")
+
+
+@pytest.mark.gpu
+def test_streamed_on_cuda_matches_cpu(hf_dirs):
+    ck = StreamingCheckpoint(hf_dirs["qwen2"], device="cuda")
+    out = streamed_logits(ck, IDS.cuda())
+    assert out.device.type == "cuda"
+    torch.testing.assert_close(
+        out.cpu(), reference_logits(hf_dirs["qwen2"], IDS, "eager"), atol=1e-4, rtol=1e-4
+    )

@@ -9,7 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.models import StreamingCheckpoint, convert_bin_to_safetensors
+from pipeline.errors import LowbitError
+from pipeline.models import (
+    CheckpointError,
+    StreamingCheckpoint,
+    UnsupportedArchitectureError,
+    convert_bin_to_safetensors,
+)
 
 
 @pytest.fixture
@@ -26,7 +32,8 @@ def test_truncated_shard_names_the_file(copy):
     shard = a_shard(copy)
     data = shard.read_bytes()
     shard.write_bytes(data[:-100])  # an interrupted download
-    with pytest.raises(ValueError, match=f"{shard.name}.*truncated"):
+    # A LowbitError: the CLI prints the message alone, without a traceback.
+    with pytest.raises(LowbitError, match=f"{shard.name}.*truncated"):
         StreamingCheckpoint(copy)
 
 
@@ -50,7 +57,7 @@ def test_truncation_after_open_is_caught_by_verify(copy):
 def test_corrupt_header_names_the_file(copy, damage):
     shard = a_shard(copy)
     shard.write_bytes(damage(shard.read_bytes()))
-    with pytest.raises(ValueError, match=f"corrupt safetensors file .*{shard.name}"):
+    with pytest.raises(CheckpointError, match=f"corrupt safetensors file .*{shard.name}"):
         StreamingCheckpoint(copy)
 
 
@@ -80,7 +87,8 @@ def test_unsupported_architecture_lists_supported(tmp_path):
 
     GPT2Config(n_layer=1, n_embd=8, n_head=2).save_pretrained(tmp_path)
     with pytest.raises(
-        ValueError, match="'gpt2'; supported: LlamaForCausalLM, MistralForCausalLM, Qwen2"
+        UnsupportedArchitectureError,
+        match="'gpt2'; supported: LlamaForCausalLM, MistralForCausalLM, Qwen2",
     ):
         StreamingCheckpoint(tmp_path)
 

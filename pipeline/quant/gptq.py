@@ -1,0 +1,187 @@
+"""GPTQ: one-shot weight quantization with second-order error feedback.
+
+Frantar et al., "GPTQ: Accurate Post-Training Quantization for Generative Pre-trained
+Transformers", ICLR 2023. For a linear layer with calibration inputs X, the layer-output
+error ||W X - Q X||^2 is a quadratic in the weights with Hessian H = 2 X X^T / N. Columns are
+quantized one at a time; the rounding error of column q is pushed onto the not yet quantized
+columns through row q of the upper Cholesky factor U of H^-1 (H^-1 = U^T U), which is the
+optimal (OBS) update. Updates inside a block of columns are applied eagerly, the rest
+lazily as one matmul per block ("lazy batch updates"), which makes the algorithm
+matmul-bound instead of memory-bound.
+
+Choices made here:
+* Dampening lambda = damp * mean(diag H). If H + lambda I is still not positive definite
+  (numerically), lambda is raised 10x and the factorisation retried, with a warning.
+* Dead inputs (H_ii = 0, never activated) get H_ii = 1 and weight 0, as in the reference.
+* Group parameters are fitted (same grid search as RTN) on the *current*, error-updated
+  weights of a group when its first column is reached. Unlike the reference, the group's
+  columns include the pending lazy updates of the current block, so the fit sees exactly the
+  weights it will quantize, whatever the block size.
+* act_order quantizes columns by decreasing H_ii. Groups stay contiguous in the original
+  column order (column j belongs to group j // G, so no g_idx is needed at export); a
+  group's parameters are fitted when the first of its columns comes up in the permuted
+  order, and the codes are un-permuted before they are stored.
+* exp formats use the same feedback with their own rounding (nearest LUT level).
+* The returned loss is 1/2 * sum (w - q)^2 / [H^-1]_qq over all weights (the diagonal of
+  the inverse of the still-unquantized sub-Hessian, i.e. U_qq^2). With H = 2 X X^T / N this
+  is the mean over calibration samples of the squared layer-output error ||(W - Q) x||^2
+  (exactly so for lambda = 0), which is the number reported per layer.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import Tensor
+
+from pipeline.quant.formats import Format, parse_format
+from pipeline.quant.qtensor import QTensor
+from pipeline.quant.rtn import decode, encode, fit_group_params, float_qtensor, pack_qtensor
+
+MAX_DAMP_TRIES = 6
+
+
+class HessianAccumulator:
+    """Running H = 2/N * sum_n x_n x_n^T over the inputs of one linear layer.
+
+    Args:
+        in_features: Input dimension of the layer.
+        dtype: Accumulation dtype (float32 is enough for a running mean; float64 optional).
+        device: Where H lives.
+    """
+
+    def __init__(self, in_features: int, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str | None = None) -> None:
+        self.in_features = in_features
+        self.H = torch.zeros(in_features, in_features, dtype=dtype, device=device)
+        self.n_samples = 0
+
+    @torch.no_grad()
+    def add_batch(self, x: Tensor) -> None:
+        """Add inputs x of shape (..., in_features); every leading index is one sample."""
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"expected inputs (..., {self.in_features}), got {tuple(x.shape)}")
+        x = x.reshape(-1, self.in_features).to(device=self.H.device, dtype=self.H.dtype)
+        n = x.shape[0]
+        if n == 0:
+            return
+        total = self.n_samples + n
+        self.H.mul_(self.n_samples / total).addmm_(x.T, x, alpha=2.0 / total)
+        self.n_samples = total
+
+    def merge(self, other: HessianAccumulator) -> None:
+        """Fold in another accumulator (e.g. from another rank), weighting by sample counts."""
+        total = self.n_samples + other.n_samples
+        if total == 0:
+            return
+        self.H.mul_(self.n_samples / total).add_(other.H.to(self.H), alpha=other.n_samples / total)
+        self.n_samples = total
+
+
+def _inverse_cholesky(H: Tensor, damp: float) -> Tensor:
+    """Upper Cholesky factor U of (H + lambda I)^-1, raising lambda until it factorises."""
+    mean_diag = H.diagonal().mean()
+    eye = torch.eye(H.shape[0], dtype=H.dtype, device=H.device)
+    for attempt in range(MAX_DAMP_TRIES):
+        d = damp if attempt == 0 else max(damp, 1e-2) * 10**attempt
+        L, info = torch.linalg.cholesky_ex(H + d * mean_diag * eye)
+        if info.item() == 0:
+            U, info = torch.linalg.cholesky_ex(torch.cholesky_inverse(L), upper=True)
+            if info.item() == 0 and torch.isfinite(U).all():
+                if attempt:
+                    warnings.warn(f"Hessian not positive definite with damp={damp}; "
+                                  f"used damp={d:g}", stacklevel=3)
+                return U
+    raise ValueError(f"Hessian is not positive definite even with damp={d:g}; the calibration "
+                     "inputs are degenerate: use more calibration samples or a larger damp")
+
+
+def gptq_quantize(w: Tensor, H: Tensor, fmt: Format | str, block_size: int = 128,
+                  damp: float = 0.01, act_order: bool = False) -> tuple[QTensor, float]:
+    """Quantize a weight matrix with GPTQ.
+
+    Args:
+        w: Weight (out, in).
+        H: Hessian (in, in), e.g. ``HessianAccumulator.H``.
+        fmt: Format or format name.
+        block_size: Columns per lazy-update block.
+        damp: Relative dampening (fraction of mean diag(H)).
+        act_order: Quantize columns in order of decreasing H_ii.
+
+    Returns:
+        ``(qtensor, loss)`` with loss = 1/2 sum (w - q)^2 / [H^-1]_qq (see module docstring).
+    """
+    fmt = parse_format(fmt)
+    n_out, n_in = w.shape
+    if H.shape != (n_in, n_in):
+        raise ValueError(f"Hessian shape {tuple(H.shape)} does not match weight in={n_in}")
+    if not torch.isfinite(H).all():
+        raise ValueError("Hessian contains NaN/Inf: check the calibration activations")
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    H = H.detach().to(device=w.device, dtype=torch.float32)
+    if fmt.kind == "float":
+        qt = float_qtensor(w)
+        delta = qt.dequantize() - w.detach().float()
+        return qt, float(0.5 * ((delta @ H) * delta).sum())
+
+    W = w.detach().float().clone()  # (out, in), updated in place
+    H = H.clone()
+    dead = H.diagonal() == 0
+    H[dead, dead] = 1.0
+    W[:, dead] = 0.0
+    perm = torch.argsort(H.diagonal(), descending=True) if act_order else torch.arange(
+        n_in, device=w.device)
+    pos_of = torch.argsort(perm)  # permuted position of each original column
+    W, H = W[:, perm], H[perm][:, perm]
+    U = _inverse_cholesky(H, damp)  # (in, in) upper
+
+    G = fmt.group_len(n_in)
+    n_groups = fmt.n_groups(n_in)
+    group_of = (perm // G).tolist()  # group of each permuted position
+    p1 = torch.zeros(n_out, n_groups, device=w.device)
+    p2 = torch.zeros_like(p1)
+    fitted = [False] * n_groups
+    codes = torch.empty(n_out, n_in, dtype=torch.int64, device=w.device)
+    losses = torch.zeros(n_out, device=w.device)
+
+    for i1 in range(0, n_in, block_size):
+        i2 = min(i1 + block_size, n_in)
+        W1 = W[:, i1:i2].clone()  # (out, B) current block, updated eagerly
+        U1 = U[i1:i2, i1:i2]
+        Err1 = torch.zeros_like(W1)
+        for i in range(i2 - i1):
+            g = group_of[i1 + i]
+            if not fitted[g]:
+                cols = pos_of[g * G : (g + 1) * G]  # permuted positions, all >= i1 + i
+                wg = _current(W, W1, Err1[:, :i], U, cols, i1, i2)  # (out, G)
+                p1[:, g], p2[:, g] = fit_group_params(wg, fmt)
+                fitted[g] = True
+            col = W1[:, i]
+            c = encode(col, fmt, p1[:, g], p2[:, g])
+            q = decode(c, fmt, p1[:, g], p2[:, g])
+            codes[:, i1 + i] = c
+            d = U1[i, i]
+            err = (col - q) / d
+            losses += err.square()
+            W1[:, i:].addr_(err, U1[i, i:], alpha=-1.0)
+            Err1[:, i] = err
+        W[:, i2:].addmm_(Err1, U[i1:i2, i2:], alpha=-1.0)  # lazy update of later columns
+
+    codes = codes[:, pos_of]  # back to the original column order
+    return pack_qtensor(codes, fmt, p1, p2), float(0.5 * losses.sum())
+
+
+def _current(W: Tensor, W1: Tensor, err: Tensor, U: Tensor, cols: Tensor, i1: int,
+             i2: int) -> Tensor:
+    """Current weights of permuted columns ``cols`` while inside block [i1, i2).
+
+    Columns in the block are up to date in ``W1``; later ones still miss this block's
+    updates so far, ``err @ U[i1:i1+k, cols]`` (k = columns already quantized in the block).
+    """
+    inside = cols < i2
+    out = W[:, cols] - err @ U[i1 : i1 + err.shape[1], cols]
+    if inside.any():
+        out[:, inside] = W1[:, cols[inside] - i1]
+    return out

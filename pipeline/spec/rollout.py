@@ -1,0 +1,113 @@
+"""Batched on-policy rollouts: one speculative round on many contexts at once.
+
+The reinforce stage trains the draft on its own proposals (on-policy, as DistillSpec and OSD
+find most reliable). A rollout takes B equal-length contexts (scenario windows), lets the
+draft propose gamma tokens for every row with its KV cache, has the target score all rows in
+one forward, and runs the exact verification of :func:`~pipeline.spec.sampling.verify_draft`
+row by row in one vectorised call. The result holds everything the loss terms of
+:mod:`pipeline.spec.rewards` need: the proposed tokens (policy-gradient actions), the target
+logits at the visited positions (TVD term), and the accepted counts (reward).
+
+Nothing here carries gradients: the training step re-runs the draft on ``sequences`` with
+gradients enabled, which costs one batched forward and keeps the rollout cheap and free of
+autograd state across the gamma sampling steps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pipeline.spec.decoding import CachedLM, draft_probs, vocab_size
+from pipeline.spec.sampling import Verification, logits_to_probs, sample_tokens, verify_draft
+
+__all__ = ["Rollout", "draft_rollout"]
+
+
+@dataclass(frozen=True)
+class Rollout:
+    """One speculative round on a batch of contexts.
+
+    Attributes:
+        sequences: (B, T + G) contexts followed by the draft's proposals.
+        tokens: (B, G) the proposals.
+        p_logits: (B, G + 1, V) target logits predicting each proposal and the bonus position.
+        q_logits: (B, G, V_q) draft logits the proposals were sampled from.
+        verification: accepted counts, correction/bonus tokens and beta per position.
+        context_len: T.
+    """
+
+    sequences: torch.Tensor
+    tokens: torch.Tensor
+    p_logits: torch.Tensor
+    q_logits: torch.Tensor
+    verification: Verification
+    context_len: int
+
+    def draft_positions(self) -> slice:
+        """Positions of ``sequences`` whose logits predict the proposals (T - 1 .. T + G - 2)."""
+        t, g = self.context_len, self.tokens.shape[1]
+        return slice(t - 1, t + g - 1)
+
+
+@torch.no_grad()
+def draft_rollout(
+    target: torch.nn.Module,
+    draft: torch.nn.Module,
+    contexts: torch.Tensor,
+    gamma: int,
+    *,
+    temperature: float = 1.0,
+    generator: torch.Generator | None = None,
+) -> Rollout:
+    """Propose ``gamma`` tokens per context with the draft and verify them with the target.
+
+    Args:
+        target: verifying causal LM.
+        draft: proposing causal LM (same tokenizer).
+        contexts: (B, T) token ids, all rows the same length (no padding).
+        gamma: tokens proposed per row (>= 1).
+        temperature: sampling temperature of both models (0 = greedy).
+        generator: randomness for proposals and verification.
+
+    Returns:
+        The :class:`Rollout`.
+    """
+    contexts = torch.as_tensor(contexts, dtype=torch.long)
+    if contexts.dim() != 2 or contexts.shape[1] == 0:
+        raise ValueError(f"contexts must be (B, T) token ids, got {tuple(contexts.shape)}")
+    if gamma < 1:
+        raise ValueError(f"gamma must be >= 1, got {gamma}")
+    greedy = temperature == 0
+    drf = CachedLM(draft)
+    vocab = vocab_size(target)
+    feed, tokens, q_logits, q_probs = contexts, [], [], []
+    for _ in range(gamma):
+        logits = drf.forward(feed, keep=1)[:, -1]  # (B, V_q)
+        q = draft_probs(logits, vocab, temperature)  # (B, V)
+        tok = sample_tokens(q, generator, greedy)  # (B,)
+        tokens.append(tok)
+        q_logits.append(logits)
+        q_probs.append(q)
+        feed = tok[:, None]
+    tokens_t = torch.stack(tokens, dim=1)  # (B, G)
+    sequences = torch.cat([contexts.to(tokens_t.device), tokens_t], dim=1)  # (B, T + G)
+    # The target reads every proposal in one forward; a fresh cache, so positions start at 0.
+    p_logits = CachedLM(target).forward(sequences, keep=gamma + 1)  # (B, G + 1, V)
+    p = logits_to_probs(p_logits, temperature)
+    verification = verify_draft(
+        tokens_t.to(p.device),
+        torch.stack(q_probs, dim=1).to(p.device),
+        p,
+        greedy=greedy,
+        generator=generator,
+    )
+    return Rollout(
+        sequences=sequences,
+        tokens=tokens_t,
+        p_logits=p_logits,
+        q_logits=torch.stack(q_logits, dim=1),
+        verification=verification,
+        context_len=contexts.shape[1],
+    )

@@ -1,0 +1,92 @@
+"""Shared fixtures: composed configs, a real MLflow server, one smoke workflow per session."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from pipeline import conf_dir
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+REPO = Path(__file__).resolve().parents[1]
+
+
+def make_cfg(*overrides: str):
+    """The config `lowbit <overrides>` would run with."""
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides))
+
+
+def smoke_cfg(tmp: Path, *overrides: str):
+    return make_cfg(
+        "experiment=smoke",
+        f"run_dir={tmp / 'run'}",
+        f"tracking.uri=sqlite:///{tmp / 'mlflow.db'}",
+        f"tracking.artifact_location={tmp / 'artifacts'}",
+        *overrides,
+    )
+
+
+def lowbit_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "pipeline", *args]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def mlflow_server(tmp_path_factory):
+    """A real `mlflow server` on 127.0.0.1, stopped at the end of the session."""
+    root = tmp_path_factory.mktemp("mlflow-server")
+    port = free_port()
+    mlflow_bin = Path(sys.executable).with_name("mlflow")
+    proc = subprocess.Popen(
+        [str(mlflow_bin), "server", "--host", "127.0.0.1", "--port", str(port),
+         "--backend-store-uri", f"sqlite:///{root / 'db.sqlite'}",
+         "--artifacts-destination", str(root / "artifacts"), "--workers", "1"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )
+    uri = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 90
+    while True:
+        try:
+            urllib.request.urlopen(uri + "/health", timeout=2)
+            break
+        except OSError:
+            if proc.poll() is not None or time.time() > deadline:
+                proc.kill()
+                pytest.fail("mlflow server did not become healthy")
+            time.sleep(0.5)
+    yield uri
+    os.killpg(proc.pid, 15)
+    proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="session")
+def smoke_run(tmp_path_factory):
+    """The whole `experiment=smoke` workflow, run once per test session through the CLI."""
+    tmp = tmp_path_factory.mktemp("smoke")
+    args = [
+        "experiment=smoke",
+        f"run_dir={tmp / 'run'}",
+        f"tracking.uri=sqlite:///{tmp / 'mlflow.db'}",
+        f"tracking.artifact_location={tmp / 'artifacts'}",
+    ]
+    t0 = time.time()
+    proc = subprocess.run(lowbit_cmd(*args), cwd=tmp, capture_output=True, text=True)
+    seconds = time.time() - t0
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return {"dir": tmp, "run_dir": tmp / "run", "args": args, "seconds": seconds,
+            "uri": f"sqlite:///{tmp / 'mlflow.db'}", "log": proc.stdout + proc.stderr}

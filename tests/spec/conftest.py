@@ -1,0 +1,79 @@
+"""Tiny Llama target/draft pairs shared by the speculative decoding tests."""
+
+import copy
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+VOCAB = 64
+
+
+def tiny_llama(
+    seed: int, vocab: int = VOCAB, layers: int = 2, hidden: int = 32
+) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        intermediate_size=2 * hidden,
+        max_position_embeddings=512,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+def perturbed(model: torch.nn.Module, scale: float, seed: int) -> torch.nn.Module:
+    """A copy with Gaussian noise on every weight: agrees with the original often, not always."""
+    out = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in out.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * scale)
+    return out
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny models gain nothing from intra-op threads, and on a busy machine OpenMP spin-waits
+    make them tens of times slower; restored after each test module."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def make_llama():
+    """Factory for tiny Llamas: make_llama(seed, vocab=64, layers=2, hidden=32)."""
+    return tiny_llama
+
+
+@pytest.fixture(scope="session")
+def perturb():
+    """perturb(model, scale, seed) -> noisy copy."""
+    return perturbed
+
+
+@pytest.fixture(scope="module")
+def target() -> LlamaForCausalLM:
+    return tiny_llama(0)
+
+
+@pytest.fixture(scope="module")
+def stranger() -> LlamaForCausalLM:
+    """Independently initialised draft: disagrees with the target almost always (greedy)."""
+    return tiny_llama(1)
+
+
+@pytest.fixture(scope="module")
+def near_draft(target) -> torch.nn.Module:
+    """Noisy copy of the target: partial acceptance, so rollbacks of every length happen."""
+    return perturbed(target, 0.004, seed=1)
+
+
+@pytest.fixture
+def prompt() -> torch.Tensor:
+    return torch.randint(0, VOCAB, (1, 12), generator=torch.Generator().manual_seed(3))
