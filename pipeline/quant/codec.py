@@ -147,8 +147,12 @@ def exp_bounds(powers: Tensor) -> Tensor:
 
 def exp_encode(w: Tensor, base: Tensor, ratio: Tensor) -> Tensor:
     """4-bit exp codes (int64) of ``w``; ``base``/``ratio`` broadcast against ``w``."""
+    return exp_encode_bounds(w, base, exp_bounds(exp_powers(ratio)))
+
+
+def exp_encode_bounds(w: Tensor, base: Tensor, bounds: Tensor) -> Tensor:
+    """``exp_encode`` with precomputed ``bounds = exp_bounds(exp_powers(ratio))`` (..., 7)."""
     x = w.abs() / base
-    bounds = exp_bounds(exp_powers(ratio))  # (..., 7)
     m = torch.zeros_like(x, dtype=torch.int64)
     for j in range(EXP_LEVELS - 1):  # 7 comparisons, vectorised over all weights
         m += x > bounds[..., j]

@@ -35,6 +35,7 @@ import warnings
 import torch
 from torch import Tensor
 
+from pipeline.quant import codec
 from pipeline.quant.formats import Format, parse_format
 from pipeline.quant.qtensor import QTensor
 from pipeline.quant.rtn import decode, encode, fit_group_params, float_qtensor, pack_qtensor
@@ -126,15 +127,19 @@ def gptq_quantize(w: Tensor, H: Tensor, fmt: Format | str, block_size: int = 128
         delta = qt.dequantize() - w.detach().float()
         return qt, float(0.5 * ((delta @ H) * delta).sum())
 
-    W = w.detach().float().clone()  # (out, in), updated in place
+    # Work on W^T (in, out): a weight column is then a contiguous row, which makes the
+    # per-column rank-1 updates several times faster on CPU.
+    Wt = w.detach().float().t().contiguous()  # (in, out), updated in place
     H = H.clone()
     dead = H.diagonal() == 0
     H[dead, dead] = 1.0
-    W[:, dead] = 0.0
-    perm = torch.argsort(H.diagonal(), descending=True) if act_order else torch.arange(
-        n_in, device=w.device)
+    Wt[dead] = 0.0
+    if act_order:
+        perm = torch.argsort(H.diagonal(), descending=True)
+    else:
+        perm = torch.arange(n_in, device=w.device)
     pos_of = torch.argsort(perm)  # permuted position of each original column
-    W, H = W[:, perm], H[perm][:, perm]
+    Wt, H = Wt[perm], H[perm][:, perm]
     U = _inverse_cholesky(H, damp)  # (in, in) upper
 
     G = fmt.group_len(n_in)
@@ -143,45 +148,53 @@ def gptq_quantize(w: Tensor, H: Tensor, fmt: Format | str, block_size: int = 128
     p1 = torch.zeros(n_out, n_groups, device=w.device)
     p2 = torch.zeros_like(p1)
     fitted = [False] * n_groups
-    codes = torch.empty(n_out, n_in, dtype=torch.int64, device=w.device)
+    exp_tables: dict[int, tuple[Tensor, Tensor]] = {}
+    codes = torch.empty(n_in, n_out, dtype=torch.int64, device=w.device)  # permuted, transposed
     losses = torch.zeros(n_out, device=w.device)
 
     for i1 in range(0, n_in, block_size):
         i2 = min(i1 + block_size, n_in)
-        W1 = W[:, i1:i2].clone()  # (out, B) current block, updated eagerly
+        W1 = Wt[i1:i2].clone()  # (B, out) current block, updated eagerly
         U1 = U[i1:i2, i1:i2]
         Err1 = torch.zeros_like(W1)
         for i in range(i2 - i1):
             g = group_of[i1 + i]
             if not fitted[g]:
-                cols = pos_of[g * G : (g + 1) * G]  # permuted positions, all >= i1 + i
-                wg = _current(W, W1, Err1[:, :i], U, cols, i1, i2)  # (out, G)
-                p1[:, g], p2[:, g] = fit_group_params(wg, fmt)
+                rows = pos_of[g * G : (g + 1) * G]  # permuted positions, all >= i1 + i
+                wg = _current(Wt, W1, Err1[:i], U, rows, i1, i2)  # (G, out)
+                p1[:, g], p2[:, g] = fit_group_params(wg.t(), fmt)
                 fitted[g] = True
-            col = W1[:, i]
-            c = encode(col, fmt, p1[:, g], p2[:, g])
-            q = decode(c, fmt, p1[:, g], p2[:, g])
-            codes[:, i1 + i] = c
-            d = U1[i, i]
-            err = (col - q) / d
+                if fmt.kind == "exp":  # this group's decision bounds and LUT, once
+                    exp_tables[g] = (codec.exp_bounds(codec.exp_powers(p2[:, g])),  # (out, 7)
+                                     codec.exp_lut(p1[:, g], p2[:, g]))  # (out, 16)
+            col = W1[i]  # (out,)
+            if fmt.kind == "exp":
+                bounds, lut = exp_tables[g]
+                c = codec.exp_encode_bounds(col, p1[:, g], bounds)
+                q = torch.gather(lut, 1, c[:, None]).squeeze(1)
+            else:
+                c = encode(col, fmt, p1[:, g], p2[:, g])
+                q = decode(c, fmt, p1[:, g], p2[:, g])
+            codes[i1 + i] = c
+            err = (col - q) / U1[i, i]
             losses += err.square()
-            W1[:, i:].addr_(err, U1[i, i:], alpha=-1.0)
-            Err1[:, i] = err
-        W[:, i2:].addmm_(Err1, U[i1:i2, i2:], alpha=-1.0)  # lazy update of later columns
+            W1[i:].addr_(U1[i, i:], err, alpha=-1.0)
+            Err1[i] = err
+        Wt[i2:].addmm_(U[i1:i2, i2:].t(), Err1, alpha=-1.0)  # lazy update of later columns
 
-    codes = codes[:, pos_of]  # back to the original column order
+    codes = codes[pos_of].t()  # back to the original column order, (out, in)
     return pack_qtensor(codes, fmt, p1, p2), float(0.5 * losses.sum())
 
 
-def _current(W: Tensor, W1: Tensor, err: Tensor, U: Tensor, cols: Tensor, i1: int,
+def _current(Wt: Tensor, W1: Tensor, err: Tensor, U: Tensor, rows: Tensor, i1: int,
              i2: int) -> Tensor:
-    """Current weights of permuted columns ``cols`` while inside block [i1, i2).
+    """Current weights (G, out) of permuted columns ``rows`` while inside block [i1, i2).
 
     Columns in the block are up to date in ``W1``; later ones still miss this block's
-    updates so far, ``err @ U[i1:i1+k, cols]`` (k = columns already quantized in the block).
+    updates so far, ``U[i1:i1+k, rows]^T @ err`` (k = columns already quantized in the block).
     """
-    inside = cols < i2
-    out = W[:, cols] - err @ U[i1 : i1 + err.shape[1], cols]
+    inside = rows < i2
+    out = Wt[rows] - U[i1 : i1 + err.shape[0], rows].t() @ err
     if inside.any():
-        out[:, inside] = W1[:, cols[inside] - i1]
+        out[inside] = W1[rows[inside] - i1]
     return out

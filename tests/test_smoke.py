@@ -1,0 +1,48 @@
+"""The whole `experiment=smoke` workflow through the CLI, and its rerun."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+
+from mlflow.tracking import MlflowClient
+
+from tests.conftest import lowbit_cmd, make_cfg
+
+
+def test_smoke_workflow_writes_every_stage(smoke_run):
+    stages = list(make_cfg("experiment=smoke").stages)
+    for stage in stages:
+        done = json.loads((smoke_run["run_dir"] / stage / "_done.json").read_text())
+        assert done["stage"] == stage and done["outputs"]
+    ev = json.loads((smoke_run["run_dir"] / "evaluate" / "eval.json").read_text())
+    # The bootstrap target is clearly better than the draft.
+    assert ev["ppl"]["target_fp"] < ev["ppl"]["draft_fp"]
+    assert 0 < ev["acceptance"]["draft_fp@target_fp"]["mix"] <= 1
+
+
+def test_smoke_mlflow_has_a_child_per_stage(smoke_run):
+    client = MlflowClient(smoke_run["uri"])
+    exp = client.get_experiment_by_name("lowbit")
+    runs = client.search_runs([exp.experiment_id])
+    parents = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
+    assert len(parents) == 1
+    children = {r.info.run_name: r for r in runs if "mlflow.parentRunId" in r.data.tags}
+    assert set(children) == set(make_cfg("experiment=smoke").stages)
+    assert children["evaluate"].data.metrics["ppl_target_fp"] > 1
+    assert "eval.json" in {a.path for a in client.list_artifacts(children["evaluate"].info.run_id)}
+
+
+def test_rerun_skips_everything_quickly(smoke_run):
+    t0 = time.time()
+    proc = subprocess.run(
+        lowbit_cmd(*smoke_run["args"]), cwd=smoke_run["dir"], capture_output=True, text=True
+    )
+    seconds = time.time() - t0
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    log = proc.stdout + proc.stderr
+    for stage in make_cfg("experiment=smoke").stages:
+        assert f"{stage}" in log and "skipped" in log
+    assert "running" not in log
+    assert seconds < smoke_run["seconds"] / 3, (seconds, smoke_run["seconds"])

@@ -1,0 +1,77 @@
+"""MLflow contents against a real SQLite store and a real `mlflow server`."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from pipeline import workflow
+from pipeline.errors import LowbitError
+from tests.conftest import make_cfg
+from tests.test_workflow import toy_stages  # noqa: F401  (fixture)
+
+
+def _cfg(tmp_path, uri, *over):
+    return make_cfg(
+        "stages=[bootstrap,sensitivity,evaluate]",
+        f"run_dir={tmp_path / 'run'}",
+        f"tracking.uri={uri}",
+        f"tracking.artifact_location={tmp_path / 'art'}",
+        "name=trk",
+        *over,
+    )
+
+
+def _check_store(uri: str, n_children: int):
+    client = MlflowClient(uri)
+    exp = client.get_experiment_by_name("lowbit")
+    runs = client.search_runs([exp.experiment_id])
+    parents = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
+    children = [r for r in runs if "mlflow.parentRunId" in r.data.tags]
+    assert len(parents) == 1
+    parent = parents[0]
+    assert parent.info.run_name == "trk" and parent.info.status == "FINISHED"
+    assert parent.data.params["quant.method"] == "gptq"  # flattened config
+    assert len(children) == n_children
+    for child in children:
+        assert child.data.tags["mlflow.parentRunId"] == parent.info.run_id
+        assert len(child.data.tags["fingerprint"]) == 64
+        assert {"git_commit", "host", "world_size"} <= set(child.data.tags)
+        assert "value" in child.data.metrics and "stage_seconds" in child.data.metrics
+        assert child.info.status == "FINISHED"
+        names = {a.path for a in client.list_artifacts(child.info.run_id)}
+        assert "_done.json" in names
+    return client, parent, children
+
+
+def test_sqlite_store_holds_parent_and_children(toy_stages, tmp_path):  # noqa: F811
+    uri = f"sqlite:///{tmp_path / 'm.db'}"
+    workflow.run(_cfg(tmp_path, uri))
+    _, parent, children = _check_store(uri, 3)
+    assert {c.info.run_name for c in children} == {"bootstrap", "sensitivity", "evaluate"}
+    sens = next(c for c in children if c.info.run_name == "sensitivity")
+    assert sens.data.params["quant.budget_bits"] == "3.0"
+    # Resuming the run dir reuses the parent and adds a child for the stage that reran.
+    workflow.run(_cfg(tmp_path, uri, "data.eval_windows=3"))
+    _, parent2, children2 = _check_store(uri, 4)
+    assert parent2.info.run_id == parent.info.run_id
+    marker = json.loads((tmp_path / "run" / "_mlflow.json").read_text())
+    assert marker["run_id"] == parent.info.run_id
+
+
+def test_server_store_holds_parent_and_children(toy_stages, tmp_path, mlflow_server):  # noqa: F811
+    workflow.run(_cfg(tmp_path, mlflow_server, "tracking.artifact_location=null"))
+    _check_store(mlflow_server, 3)
+
+
+def test_unreachable_server_fails_at_start(toy_stages, tmp_path):  # noqa: F811
+    from tests.conftest import free_port
+
+    t0 = time.time()
+    with pytest.raises(LowbitError, match="not reachable"):
+        workflow.run(_cfg(tmp_path, f"http://127.0.0.1:{free_port()}"))
+    assert time.time() - t0 < 30
+    assert not (tmp_path / "run" / "bootstrap").exists()
