@@ -29,6 +29,7 @@ from pipeline import __version__, stages
 from pipeline.config import data_cfg, model_cfg, quant_cfg, to_plain, tracking_cfg
 from pipeline.dist import Dist, init_from_env
 from pipeline.errors import ConfigError, LowbitError
+from pipeline.report import write_report
 from pipeline.tracking import StageRun, Tracker
 
 log = logging.getLogger("lowbit")
@@ -200,7 +201,11 @@ def run(cfg: DictConfig) -> dict[str, dict]:
         if dist.is_main:
             tracker.parent.end(status)
     if dist.is_main:
-        log.info("workflow %s finished in %.1fs; results in %s", cfg.name, time.time() - t_start, run_dir)
+        report = write_report(run_dir)
+        tracker.parent.log_artifact(report)
+        for plot in sorted(run_dir.glob("*/*.png")):
+            tracker.parent.log_artifact(plot, "plots")
+        log.info("workflow %s finished in %.1fs; report %s", cfg.name, time.time() - t_start, report)
         if tracker.active:
             log.info("MLflow: %s", tracker.ui_command())
     return results

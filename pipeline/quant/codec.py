@@ -28,8 +28,8 @@ from pipeline.quant.formats import Format
 FP16_TINY = 2.0**-24  # smallest positive fp16 (subnormal); scales never go below it
 FP16_MAX = 65504.0
 INT_CLIPS = tuple(1.0 - 0.025 * i for i in range(21))  # 1.0 .. 0.5
-EXP_RATIOS = (1.25, 1.375, 1.5, 1.625, 1.75, 2.0, 2.25, 2.5)  # exact in fp16
-EXP_CLIPS = (1.0, 0.9, 0.8, 0.7, 0.6)
+EXP_RATIOS = (1.1875, 1.25, 1.3125, 1.375, 1.4375, 1.5, 1.625, 1.75, 2.0, 2.5)  # exact in fp16
+EXP_CLIPS = (1.0, 0.925, 0.85, 0.775, 0.7, 0.6)
 EXP_LEVELS = 8  # magnitudes per sign: zero + s * r**k, k = 0..6
 CHUNK = 1 << 18  # elements per search chunk (1 MiB of float32)
 
@@ -37,8 +37,9 @@ CHUNK = 1 << 18  # elements per search chunk (1 MiB of float32)
 def to_fp16(x: Tensor, round_down: bool = False) -> Tensor:
     """Round to the nearest (or the next lower) positive fp16 value, returned in float32."""
     h = x.clamp(FP16_TINY, FP16_MAX).to(torch.float16)
-    if round_down:
-        h = torch.where(h.float() > x, torch.nextafter(h, torch.zeros_like(h)), h)
+    if round_down:  # for positive floats, bit pattern - 1 is the next lower value
+        lower = (h.view(torch.int16) - 1).view(torch.float16)
+        h = torch.where(h.float() > x, lower, h)
     return h.float().clamp_min(FP16_TINY)
 
 
@@ -72,8 +73,8 @@ def int_decode(codes: Tensor, scale: Tensor, zero: Tensor | float) -> Tensor:
 def _row_chunks(wg: Tensor, weight: Tensor | None):
     """Yield ``(rows, wg_chunk, weight_chunk)`` slices of about ``CHUNK`` elements.
 
-    The search makes ~10 elementwise passes per candidate; on chunks that stay in cache and
-    with reused buffers these run several times faster than on whole-matrix temporaries.
+    The search makes ~10 elementwise passes per candidate; on chunks that stay in cache these
+    run several times faster than on whole-matrix temporaries.
     """
     per_row = max(1, wg[0].numel()) if wg.dim() > 1 else 1
     step = max(1, CHUNK // per_row)

@@ -111,84 +111,115 @@ def grad_scale_factor(mode: str, fmt: Format | str, numel: int) -> float:
 class FakeQuantLinear(nn.Module):
     """Linear layer whose weight is quantize-dequantized on every forward.
 
-    Build it with ``from_qtensor`` (or ``from_linear``); ``to_qtensor`` converts back.
+    Two modes, chosen by ``learn_weights``:
+
+    * ``True`` (LSQ): float ``weight`` is trained and re-rounded every forward. It starts on
+      the grid, where LSQ's scale gradient ``round(v) - v`` is exactly 0; the scale starts
+      learning once the weights have moved off the grid.
+    * ``False`` (frozen codes, as EfficientQAT's step-size training): the integer codes are
+      fixed (buffer ``codes``, uint8) and ``W_hat = (codes - z) * s``, so the scale gets the
+      exact gradient ``codes - z``. Re-rounding frozen on-grid weights would give it zero
+      gradient. ``weight`` is None in this mode (it saves the float copy).
 
     Attributes:
-        weight: (out, in) float weights (trainable iff ``learn_weights``).
+        weight: (out, in) float weights, or None with frozen codes.
+        codes: (out, in) uint8 frozen codes, or None.
         scale: (out, n_groups) scale (exp: base ``s``), trainable iff ``learn_scales``.
-        zero: (out, n_groups) zero point in code units (asymmetric int only).
+        zero: (out, n_groups) zero point in code units (asymmetric int only), same.
         ratio: (out, n_groups) buffer, exp ratio ``r``.
     """
 
-    def __init__(self, weight: Tensor, fmt: Format, scales: Tensor | None = None,
-                 zeros: Tensor | None = None, ratios: Tensor | None = None,
-                 bias: Tensor | None = None, learn_scales: bool = True,
-                 learn_weights: bool = False) -> None:
+    def __init__(
+        self,
+        qt: QTensor,
+        bias: Tensor | None = None,
+        learn_scales: bool = True,
+        learn_weights: bool = False,
+    ) -> None:
         super().__init__()
-        self.fmt = fmt
-        self.out_features, self.in_features = weight.shape
-        self.weight = nn.Parameter(weight.detach().float().clone(), requires_grad=learn_weights)
-        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(),
-                                                           requires_grad=learn_weights)
+        self.fmt = qt.fmt
+        self.out_features, self.in_features = qt.shape
+        frozen = not learn_weights and qt.fmt.kind != "float"
+        weight = None if frozen else nn.Parameter(qt.dequantize(), requires_grad=learn_weights)
+        self.register_parameter("weight", weight)
+        self.register_buffer("codes", qt.codes.clone() if frozen else None)
+        self.bias = (
+            None
+            if bias is None
+            else nn.Parameter(bias.detach().clone(), requires_grad=learn_weights)
+        )
         self.scale = self.zero = None
-        if scales is not None:
-            self.scale = nn.Parameter(scales.detach().float().clone(), requires_grad=learn_scales)
-        if zeros is not None:
-            self.zero = nn.Parameter(zeros.detach().float().clone(), requires_grad=learn_scales)
-        if ratios is not None:
-            self.register_buffer("ratio", ratios.detach().float().clone())
+        if qt.scales is not None:
+            self.scale = nn.Parameter(qt.scales.float(), requires_grad=learn_scales)
+        if qt.zeros is not None:
+            self.zero = nn.Parameter(qt.zeros.float(), requires_grad=learn_scales)
+        self.register_buffer("ratio", None if qt.ratios is None else qt.ratios.float())
         self.grad_scale = 1.0
 
     @classmethod
-    def from_qtensor(cls, qt: QTensor, bias: Tensor | None = None, learn_scales: bool = True,
-                     learn_weights: bool = False) -> FakeQuantLinear:
+    def from_qtensor(
+        cls,
+        qt: QTensor,
+        bias: Tensor | None = None,
+        learn_scales: bool = True,
+        learn_weights: bool = False,
+    ) -> FakeQuantLinear:
         """Start from a QTensor: the first forward reproduces ``qt.dequantize()`` exactly."""
-        return cls(qt.dequantize(), qt.fmt, qt.scales, qt.zeros, qt.ratios, bias,
-                   learn_scales, learn_weights)
+        return cls(qt, bias, learn_scales, learn_weights)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, fmt: Format | str, **kwargs) -> FakeQuantLinear:
         """RTN-quantize ``linear`` and wrap it (kwargs as in ``from_qtensor``)."""
-        return cls.from_qtensor(quantize_rtn(linear.weight, fmt), linear.bias, **kwargs)
+        return cls(quantize_rtn(linear.weight, fmt), linear.bias, **kwargs)
 
     def set_grad_scale(self, factor: float) -> None:
         """Multiply the gradients of scale and zero by ``factor`` from now on."""
         self.grad_scale = float(factor)
 
-    def _params(self) -> tuple[Tensor | None, Tensor | None]:
+    def _params(self) -> tuple[Tensor, Tensor | None]:
+        """Scale (fp16-rounded) and integer zero, (out, n_groups, 1), with gradient scaling."""
         s, z = self.scale, self.zero
         if self.grad_scale != 1.0:
             s = _ScaleGrad.apply(s, self.grad_scale)
             z = None if z is None else _ScaleGrad.apply(z, self.grad_scale)
+        s = _Fp16STE.apply(s)[..., None]
+        if z is not None:
+            z = _RoundSTE.apply(z).clamp(0, self.fmt.maxq)[..., None]
+        elif self.fmt.kind == "int":
+            z = torch.tensor(float(1 << (self.fmt.bits - 1)), device=s.device)
         return s, z
 
     def quantized_weight(self) -> Tensor:
         """(out, in) float32 quantize-dequantized weight, differentiable by STE."""
-        w = self.weight.float()
         if self.fmt.kind == "float":
-            return _HalfSTE.apply(w)
+            return _HalfSTE.apply(self.weight.float())
         s, z = self._params()
-        s = _Fp16STE.apply(s)[..., None]  # (out, n_groups, 1)
-        wg = codec.to_groups(w, self.fmt.group_len(self.in_features))  # (out, n_groups, G)
-        if self.fmt.kind == "exp":
-            w_hat = self._exp_fake(wg, s)
-        else:
-            if z is None:
-                z = torch.tensor(float(1 << (self.fmt.bits - 1)), device=w.device)
+        g = self.fmt.group_len(self.in_features)
+        if self.codes is not None:  # frozen codes
+            if self.fmt.kind == "exp":
+                c = codec.to_groups(self.codes.long(), g)  # (out, n_groups, G)
+                w_hat = self._exp_levels(c % codec.EXP_LEVELS, s)
+                w_hat = torch.where(c >= codec.EXP_LEVELS, -w_hat, w_hat)
             else:
-                z = _RoundSTE.apply(z).clamp(0, self.fmt.maxq)[..., None]
-            codes = torch.clamp(_RoundSTE.apply(wg / s) + z, 0, self.fmt.maxq)
-            w_hat = (codes - z) * s
+                w_hat = (codec.to_groups(self.codes, g).float() - z) * s
+        else:  # LSQ on float weights
+            wg = codec.to_groups(self.weight.float(), g)  # (out, n_groups, G)
+            if self.fmt.kind == "exp":
+                with torch.no_grad():
+                    m = codec.exp_encode(wg, s, self.ratio[..., None]) % codec.EXP_LEVELS
+                mag = self._exp_levels(m, s)
+                top = s * codec.exp_powers(self.ratio)[..., -1:]  # (out, n_groups, 1)
+                inside = (wg.abs() <= top).float()  # no weight gradient past the top level
+                w_hat = torch.where(wg < 0, -mag, mag) + (wg - wg.detach()) * inside
+            else:
+                codes = torch.clamp(_RoundSTE.apply(wg / s) + z, 0, self.fmt.maxq)
+                w_hat = (codes - z) * s
         return w_hat.flatten(1)[:, : self.in_features]
 
-    def _exp_fake(self, wg: Tensor, s: Tensor) -> Tensor:
+    def _exp_levels(self, m: Tensor, s: Tensor) -> Tensor:
+        """Magnitude ``s * r**(m-1)`` (0 for m = 0) of indices m (out, n_groups, G)."""
         powers = codec.exp_powers(self.ratio)[:, :, None, :]  # (out, n_groups, 1, 8)
-        with torch.no_grad():
-            m = codec.exp_encode(wg, s, self.ratio[..., None]) % codec.EXP_LEVELS
-        mag = s * torch.gather(powers.expand(*m.shape, -1), -1, m[..., None]).squeeze(-1)
-        w_hat = torch.where(wg < 0, -mag, mag)
-        inside = (wg.abs() <= s * powers[..., -1]).float()  # no weight gradient past the top
-        return w_hat + (wg - wg.detach()) * inside
+        return s * torch.gather(powers.expand(*m.shape, -1), -1, m[..., None]).squeeze(-1)
 
     def forward(self, x: Tensor) -> Tensor:
         w = self.quantized_weight()
@@ -197,22 +228,28 @@ class FakeQuantLinear(nn.Module):
 
     @torch.no_grad()
     def to_qtensor(self) -> QTensor:
-        """Quantize the current weights with the current (fp16-rounded) parameters."""
+        """The current state as a QTensor (fp16 scales, rounded zeros, current codes)."""
         if self.fmt.kind == "float":
             return float_qtensor(self.weight)
         s = codec.to_fp16(self.scale.float())
-        wg = codec.to_groups(self.weight.float(), self.fmt.group_len(self.in_features))
         if self.fmt.kind == "exp":
             p2 = self.ratio.float()
+        elif self.zero is None:
+            p2 = torch.full_like(s, float(1 << (self.fmt.bits - 1)))
+        else:
+            p2 = torch.round(self.zero.float()).clamp(0, self.fmt.maxq)
+        if self.codes is not None:
+            return pack_qtensor(self.codes.long(), self.fmt, s, p2)
+        wg = codec.to_groups(self.weight.float(), self.fmt.group_len(self.in_features))
+        if self.fmt.kind == "exp":
             codes = codec.exp_encode(wg, s[..., None], p2[..., None])
         else:
-            if self.zero is None:
-                p2 = torch.full_like(s, float(1 << (self.fmt.bits - 1)))
-            else:
-                p2 = torch.round(self.zero.float()).clamp(0, self.fmt.maxq)
             codes = codec.int_encode(wg, s[..., None], p2[..., None], self.fmt.maxq).long()
         return pack_qtensor(codes.flatten(1)[:, : self.in_features], self.fmt, s, p2)
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"fmt={self.fmt.name}, bias={self.bias is not None}")
+        mode = "frozen codes" if self.codes is not None else "lsq"
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"fmt={self.fmt.name}, mode={mode}, bias={self.bias is not None}"
+        )

@@ -112,8 +112,9 @@ def parse_format(name: str) -> Format:
     if isinstance(name, Format):
         return name
     if not isinstance(name, str):
-        raise ValueError(f"format must be a string, got {type(name).__name__} {name!r}; "
-                         f"allowed: {GRAMMAR}")
+        raise ValueError(
+            f"format must be a string, got {type(name).__name__} {name!r}; allowed: {GRAMMAR}"
+        )
     text = name.strip()
     if text == "float":
         return Format("float", "float", FLOAT_BITS, 0, True)

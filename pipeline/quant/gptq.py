@@ -52,8 +52,12 @@ class HessianAccumulator:
         device: Where H lives.
     """
 
-    def __init__(self, in_features: int, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str | None = None) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ) -> None:
         self.in_features = in_features
         self.H = torch.zeros(in_features, in_features, dtype=dtype, device=device)
         self.n_samples = 0
@@ -82,24 +86,34 @@ class HessianAccumulator:
 
 def _inverse_cholesky(H: Tensor, damp: float) -> Tensor:
     """Upper Cholesky factor U of (H + lambda I)^-1, raising lambda until it factorises."""
-    mean_diag = H.diagonal().mean()
+    mean_diag = H.diagonal().mean().abs().clamp_min(1e-12)  # scale of the dampening
     eye = torch.eye(H.shape[0], dtype=H.dtype, device=H.device)
     for attempt in range(MAX_DAMP_TRIES):
-        d = damp if attempt == 0 else max(damp, 1e-2) * 10**attempt
+        d = damp if attempt == 0 else max(damp, 1e-3) * 10**attempt
         L, info = torch.linalg.cholesky_ex(H + d * mean_diag * eye)
         if info.item() == 0:
             U, info = torch.linalg.cholesky_ex(torch.cholesky_inverse(L), upper=True)
             if info.item() == 0 and torch.isfinite(U).all():
                 if attempt:
-                    warnings.warn(f"Hessian not positive definite with damp={damp}; "
-                                  f"used damp={d:g}", stacklevel=3)
+                    warnings.warn(
+                        f"Hessian not positive definite with damp={damp}; used damp={d:g}",
+                        stacklevel=3,
+                    )
                 return U
-    raise ValueError(f"Hessian is not positive definite even with damp={d:g}; the calibration "
-                     "inputs are degenerate: use more calibration samples or a larger damp")
+    raise ValueError(
+        f"Hessian is not positive definite even with damp={d:g}; the calibration "
+        "inputs are degenerate: use more calibration samples or a larger damp"
+    )
 
 
-def gptq_quantize(w: Tensor, H: Tensor, fmt: Format | str, block_size: int = 128,
-                  damp: float = 0.01, act_order: bool = False) -> tuple[QTensor, float]:
+def gptq_quantize(
+    w: Tensor,
+    H: Tensor,
+    fmt: Format | str,
+    block_size: int = 128,
+    damp: float = 0.01,
+    act_order: bool = False,
+) -> tuple[QTensor, float]:
     """Quantize a weight matrix with GPTQ.
 
     Args:
@@ -162,11 +176,13 @@ def gptq_quantize(w: Tensor, H: Tensor, fmt: Format | str, block_size: int = 128
             if not fitted[g]:
                 rows = pos_of[g * G : (g + 1) * G]  # permuted positions, all >= i1 + i
                 wg = _current(Wt, W1, Err1[:i], U, rows, i1, i2)  # (G, out)
-                p1[:, g], p2[:, g] = fit_group_params(wg.t(), fmt)
+                p1[:, g], p2[:, g] = fit_group_params(wg.t().contiguous(), fmt)
                 fitted[g] = True
                 if fmt.kind == "exp":  # this group's decision bounds and LUT, once
-                    exp_tables[g] = (codec.exp_bounds(codec.exp_powers(p2[:, g])),  # (out, 7)
-                                     codec.exp_lut(p1[:, g], p2[:, g]))  # (out, 16)
+                    exp_tables[g] = (
+                        codec.exp_bounds(codec.exp_powers(p2[:, g])),  # (out, 7)
+                        codec.exp_lut(p1[:, g], p2[:, g]),
+                    )  # (out, 16)
             col = W1[i]  # (out,)
             if fmt.kind == "exp":
                 bounds, lut = exp_tables[g]
@@ -186,8 +202,9 @@ def gptq_quantize(w: Tensor, H: Tensor, fmt: Format | str, block_size: int = 128
     return pack_qtensor(codes, fmt, p1, p2), float(0.5 * losses.sum())
 
 
-def _current(Wt: Tensor, W1: Tensor, err: Tensor, U: Tensor, rows: Tensor, i1: int,
-             i2: int) -> Tensor:
+def _current(
+    Wt: Tensor, W1: Tensor, err: Tensor, U: Tensor, rows: Tensor, i1: int, i2: int
+) -> Tensor:
     """Current weights (G, out) of permuted columns ``rows`` while inside block [i1, i2).
 
     Columns in the block are up to date in ``W1``; later ones still miss this block's

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from pipeline.quant.codec import expand_groups, exp_lut, to_groups
+from pipeline.quant.codec import exp_lut, expand_groups, to_groups
 from pipeline.quant.formats import Format, parse_format
 
 _FIELDS = ("codes", "scales", "zeros", "ratios")
@@ -58,8 +58,10 @@ class QTensor:
             for name in ("scales", "zeros", "ratios"):
                 t = getattr(self, name)
                 if t is not None and tuple(t.shape) != (self.shape[0], n_groups):
-                    raise ValueError(f"{name} shape {tuple(t.shape)} != "
-                                     f"({self.shape[0]}, {n_groups}) for {self.fmt.name}")
+                    raise ValueError(
+                        f"{name} shape {tuple(t.shape)} != "
+                        f"({self.shape[0]}, {n_groups}) for {self.fmt.name}"
+                    )
 
     @property
     def group_len(self) -> int:
@@ -100,8 +102,10 @@ class QTensor:
             scale and offset float32 ``[out, n_groups]`` (``[out, 1]`` per channel).
         """
         if self.fmt.kind != "int":
-            raise ValueError(f"signed() needs an int format, got {self.fmt.name}; exp codes "
-                             "decode through .lut and float weights through dequantize()")
+            raise ValueError(
+                f"signed() needs an int format, got {self.fmt.name}; exp codes "
+                "decode through .lut and float weights through dequantize()"
+            )
         half = 1 << (self.fmt.bits - 1)
         q = (self.codes.to(torch.int16) - half).to(torch.int8)
         offset = (self._zero_points() - half).expand(self.scales.shape).float().contiguous()
@@ -113,8 +117,11 @@ class QTensor:
 
     def to_state_dict(self, prefix: str = "") -> dict[str, Tensor]:
         """Flat tensors (format name included) under ``{prefix}.<field>``."""
-        sd = {_key(prefix, n): getattr(self, n).contiguous() for n in _FIELDS
-              if getattr(self, n) is not None}
+        sd = {
+            _key(prefix, n): getattr(self, n).contiguous()
+            for n in _FIELDS
+            if getattr(self, n) is not None
+        }
         sd[_key(prefix, "format")] = torch.tensor(list(self.fmt.name.encode()), dtype=torch.uint8)
         return sd
 
@@ -123,8 +130,10 @@ class QTensor:
         """Inverse of ``to_state_dict``."""
         fkey = _key(prefix, "format")
         if fkey not in sd or _key(prefix, "codes") not in sd:
-            raise KeyError(f"no quantized tensor under prefix {prefix!r} "
-                           f"(expected keys {fkey!r} and {_key(prefix, 'codes')!r})")
+            raise KeyError(
+                f"no quantized tensor under prefix {prefix!r} "
+                f"(expected keys {fkey!r} and {_key(prefix, 'codes')!r})"
+            )
         fmt = parse_format(bytes(sd[fkey].tolist()).decode())
         fields = {n: sd.get(_key(prefix, n)) for n in _FIELDS}
         return cls(fmt=fmt, shape=tuple(fields["codes"].shape), **fields)
@@ -151,6 +160,9 @@ def load_qtensors(path: str | Path) -> dict[str, QTensor]:
     if not Path(path).is_file():
         raise FileNotFoundError(f"quantized weights file not found: {path}")
     flat = load_file(str(path))
-    names = sorted(k[: -len(".format")] if k != "format" else "" for k in flat
-                   if k == "format" or k.endswith(".format"))
+    names = sorted(
+        k[: -len(".format")] if k != "format" else ""
+        for k in flat
+        if k == "format" or k.endswith(".format")
+    )
     return {name: QTensor.from_state_dict(flat, name) for name in names}

@@ -18,7 +18,9 @@ from pipeline.quant.formats import Format, parse_format
 from pipeline.quant.qtensor import QTensor
 
 
-def fit_group_params(wg: Tensor, fmt: Format, weight: Tensor | None = None) -> tuple[Tensor, Tensor]:
+def fit_group_params(
+    wg: Tensor, fmt: Format, weight: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
     """Search the two per-group parameters of ``fmt`` for groups ``wg`` of shape (..., G).
 
     Returns:
@@ -58,10 +60,13 @@ def float_qtensor(w: Tensor) -> QTensor:
     """The ``float`` format: fp16 weights stored as their int16 bit pattern."""
     h = w.detach().to(torch.float16)
     if not torch.isfinite(h).all():
-        raise ValueError("weight has values that are not finite in fp16 (|w| > 65504 or "
-                         "NaN/Inf); keep this layer in its original dtype outside lowbit")
-    return QTensor(h.view(torch.int16).contiguous(), None, None, parse_format("float"),
-                   tuple(h.shape))
+        raise ValueError(
+            "weight has values that are not finite in fp16 (|w| > 65504 or "
+            "NaN/Inf); keep this layer in its original dtype outside lowbit"
+        )
+    return QTensor(
+        h.view(torch.int16).contiguous(), None, None, parse_format("float"), tuple(h.shape)
+    )
 
 
 def quantize_rtn(w: Tensor, fmt: Format | str, hdiag: Tensor | None = None) -> QTensor:

@@ -59,6 +59,7 @@ def draft_rollout(
     gamma: int,
     *,
     temperature: float = 1.0,
+    draft_temperature: float | None = None,
     generator: torch.Generator | None = None,
 ) -> Rollout:
     """Propose ``gamma`` tokens per context with the draft and verify them with the target.
@@ -69,6 +70,9 @@ def draft_rollout(
         contexts: (B, T) token ids, all rows the same length (no padding).
         gamma: tokens proposed per row (>= 1).
         temperature: sampling temperature of both models (0 = greedy).
+        draft_temperature: the draft samples at this temperature instead (exploration during
+            training); verification stays exact because it uses the distribution each proposal
+            was actually drawn from. None = ``temperature``.
         generator: randomness for proposals and verification.
 
     Returns:
@@ -80,12 +84,15 @@ def draft_rollout(
     if gamma < 1:
         raise ValueError(f"gamma must be >= 1, got {gamma}")
     greedy = temperature == 0
+    t_draft = temperature if draft_temperature is None else draft_temperature
+    if greedy and t_draft != 0:
+        raise ValueError("greedy verification (temperature=0) needs a greedy draft")
     drf = CachedLM(draft)
     vocab = vocab_size(target)
     feed, tokens, q_logits, q_probs = contexts, [], [], []
     for _ in range(gamma):
         logits = drf.forward(feed, keep=1)[:, -1]  # (B, V_q)
-        q = draft_probs(logits, vocab, temperature)  # (B, V)
+        q = draft_probs(logits, vocab, t_draft)  # (B, V)
         tok = sample_tokens(q, generator, greedy)  # (B,)
         tokens.append(tok)
         q_logits.append(logits)

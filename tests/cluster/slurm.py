@@ -252,6 +252,8 @@ class LocalSlurm:
 
         Slurm holds a requeued job for about two minutes (BeginTime); real clusters want that
         back-off, a test does not, so the begin time is reset once the job is pending again.
+        Not at once, though: slurmd refuses a launch whose credential dates from the same
+        second as the revocation of the killed run's ("Job credential revoked").
         """
         self.run("scontrol", "requeue", str(job_id))
         deadline = time.monotonic() + timeout
@@ -259,6 +261,7 @@ class LocalSlurm:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"requeued job {job_id} did not return to PENDING")
             time.sleep(0.2)
+        time.sleep(1.5)
         self.run("scontrol", "update", f"JobId={job_id}", "StartTime=now")
 
     def wait_job(self, job_id: int, timeout: float = 600.0, poll: float = 1.0) -> dict[str, str]:

@@ -1,0 +1,133 @@
+"""Forward hooks that summarise what each linear layer reads.
+
+Two things are gathered from a linear's INPUT x (tokens × in_features) while calibration data
+flows through the model:
+
+* Outlier statistics. LLM activations carry a few channels with magnitudes 10-100× the rest
+  (Dettmers et al., LLM.int8(), 2022); they make per-tensor activation quantization and, through
+  GPTQ's Hessian, weight quantization harder. Per input channel the running absmax is kept; a
+  channel is an outlier by the robust MAD rule |a_c − median(a)| > 3.5 · 1.4826 · MAD(a)
+  (Iglewicz & Hoaglin's modified z-score; 1.4826 makes the MAD a σ estimate for Gaussian data).
+  Kurtosis (Pearson, 3 for a Gaussian) of all input values comes from running raw moments kept
+  in float64, so it is exact and can be summed across ranks.
+* Optionally H = 2/N Σ x xᵀ per distinct input (``HessianAccumulator``), for the GPTQ proxy.
+  Linears of a fused group read the same tensor and share one accumulator.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as tdist
+from torch import Tensor, nn
+
+from pipeline.dist import Dist
+from pipeline.quant.gptq import HessianAccumulator
+
+MAD_K = 3.5
+MAD_SIGMA = 1.4826
+
+
+class InputStats:
+    """Running moments of all input values and per-channel absmax of one linear's input."""
+
+    def __init__(self, in_features: int, device: torch.device | str = "cpu") -> None:
+        self.moments = torch.zeros(5, dtype=torch.float64, device=device)  # n, Σx, Σx², Σx³, Σx⁴
+        self.absmax = torch.zeros(in_features, dtype=torch.float32, device=device)  # (in,)
+
+    @torch.no_grad()
+    def add(self, x: Tensor) -> None:
+        x = x.detach().reshape(-1, x.shape[-1])  # (tokens, in)
+        self.absmax = torch.maximum(self.absmax, x.abs().amax(0).float())
+        xd = x.double()
+        x2 = xd * xd
+        self.moments += torch.stack(
+            [xd.new_tensor(xd.numel()), xd.sum(), x2.sum(), (x2 * xd).sum(), (x2 * x2).sum()]
+        )
+
+    def reduce_(self, dist: Dist) -> None:
+        """Sum the moments and take the max of the absmax over ranks."""
+        dist.all_reduce_(self.moments)
+        if dist.world_size > 1:
+            tdist.all_reduce(self.absmax, op=tdist.ReduceOp.MAX)
+
+    def summary(self) -> dict[str, float | None]:
+        """{"share", "kurtosis", "max_over_median"} (None where undefined)."""
+        n = float(self.moments[0])
+        kurt = None
+        if n > 0:
+            _, m1, m2, m3, m4 = (self.moments / n).tolist()  # raw moments E[x^k]
+            var = m2 - m1 * m1
+            central4 = m4 - 4 * m1 * m3 + 6 * m1 * m1 * m2 - 3 * m1**4
+            kurt = central4 / var**2 if var > 0 else None
+        return {**outlier_summary(self.absmax), "kurtosis": kurt}
+
+
+def outlier_summary(absmax: Tensor) -> dict[str, float | None]:
+    """Share of outlier channels (MAD rule) and max/median of the per-channel absmax (in,)."""
+    a = absmax.double()
+    med = a.median()
+    mad = (a - med).abs().median()
+    share = ((a - med).abs() > MAD_K * MAD_SIGMA * mad).double().mean()
+    return {
+        "share": float(share),
+        "max_over_median": float(a.max() / med) if med > 0 else None,
+    }
+
+
+class Capture:
+    """Hooks on ``modules`` ({name: nn.Linear}) collecting InputStats and optional Hessians.
+
+    Args:
+        modules: The linears to watch.
+        hessians: Also accumulate H = 2/N Σ x xᵀ per input.
+        shared: {name: name of the module whose input it shares} (fused groups); those reuse
+            the owner's statistics and accumulator instead of computing them again.
+    """
+
+    def __init__(self, modules: dict[str, nn.Module], hessians: bool = False,
+                 shared: dict[str, str] | None = None) -> None:
+        self.stats: dict[str, InputStats] = {}
+        self.hessians: dict[str, HessianAccumulator] = {}
+        shared = {n: o for n, o in (shared or {}).items() if o in modules}
+        self._owner = {n: shared.get(n, n) for n in modules}
+        self._handles = []
+        owners = [n for n in modules if self._owner[n] == n]
+        for name in owners:  # one hook per distinct input
+            mod = modules[name]
+            self.stats[name] = InputStats(mod.in_features, mod.weight.device)
+            if hessians:
+                self.hessians[name] = HessianAccumulator(mod.in_features, device=mod.weight.device)
+            self._handles.append(mod.register_forward_pre_hook(self._hook(name)))
+        for name in modules:  # members of a fused group see their owner's statistics
+            self.stats.setdefault(name, self.stats[self._owner[name]])
+
+    def _hook(self, name: str):
+        def hook(module: nn.Module, args: tuple) -> None:
+            x = args[0]  # (B, T, in)
+            self.stats[name].add(x)
+            if name in self.hessians:
+                self.hessians[name].add_batch(x.detach())
+
+        return hook
+
+    def hessian(self, name: str) -> Tensor:
+        """H of ``name``'s input (in, in); shared within a fused group."""
+        return self.hessians[self._owner[name]].H
+
+    def reduce_(self, dist: Dist) -> None:
+        """Combine every rank's statistics (and Hessians, weighted by their sample counts)."""
+        for name, st in self.stats.items():
+            if self._owner[name] == name:  # shared objects are reduced once
+                st.reduce_(dist)
+        for acc in self.hessians.values():
+            n = torch.tensor([float(acc.n_samples)], dtype=torch.float64, device=acc.H.device)
+            acc.H.mul_(acc.n_samples)  # back to the sum 2 Σ x xᵀ, which adds across ranks
+            dist.all_reduce_(acc.H)
+            dist.all_reduce_(n)
+            acc.n_samples = int(n.item())
+            acc.H.div_(max(acc.n_samples, 1))
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()

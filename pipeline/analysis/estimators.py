@@ -1,0 +1,124 @@
+"""Curvature estimates that turn a weight perturbation into a predicted loss increase.
+
+A second-order Taylor expansion around the trained weights (gradient ≈ 0 at a minimum) gives
+ΔL ≈ ½ δᵀ H δ for a perturbation δ = Q(w) − w. Three ways to approximate H per layer:
+
+* ``fisher_diagonal``: the diagonal empirical Fisher F_ii = E[g_i²] (Kirkpatrick et al., EWC,
+  2017; used for quantization by Kim et al., SqueezeLLM, 2024). One backward per calibration
+  sequence; the squared gradient of the sequence's summed token loss, divided by its token count,
+  estimates the per-token Fisher under independent tokens, so ½ Σ F δ² is in units of the mean
+  token loss. Cheap (one backward per sequence) but noisy and blind to off-diagonal terms.
+* ``hutchinson_trace``: Tr(H_l) per layer by Hutchinson's estimator E_v[vᵀHv] with Rademacher v
+  and exact Hessian-vector products (double backward), as in HAWQ-v2 (Dong et al., 2020). The
+  layer's Hessian is then summarised by its mean eigenvalue Tr/n: the true Hessian (not a
+  Fisher), but one number per layer. Costs ~2-3× a backward per probe.
+* ``forward_pass`` + ``Capture(hessians=True)``: the GPTQ proxy H = 2/N Σ x xᵀ of each linear's
+  input (Frantar et al., 2023): gradient-free, measures the layer's output error rather than the
+  loss, so it ignores how much the rest of the network amplifies that error.
+
+Every function works on this rank's share of the sequences (``dist.shard``) and returns sums
+all-reduced over ranks, so N ranks give the single-process result (up to summation order).
+All accumulation is float32 or float64, whatever the model's dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from tqdm.auto import tqdm
+
+from pipeline.dist import Dist
+
+
+def sequence_loss(model: nn.Module, x: Tensor) -> Tensor:
+    """Mean next-token cross-entropy of the windows x (B, T)."""
+    logits = model(input_ids=x).logits[:, :-1].float()  # (B, T-1, V)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1))
+
+
+def _bar(dist: Dist, items, desc: str, progress: bool):
+    return tqdm(items, desc=desc, disable=not (progress and dist.is_main), leave=False)
+
+
+def fisher_diagonal(model: nn.Module, windows: Tensor, params: dict[str, nn.Parameter],
+                    dist: Dist, progress: bool = False) -> dict[str, Tensor]:
+    """Diagonal empirical Fisher of ``params`` from the calibration windows (S, T).
+
+    Returns:
+        {name: F} with F shaped like the parameter, float32, averaged over all S sequences.
+    """
+    names, tensors = list(params), list(params.values())
+    fisher = [torch.zeros_like(p, dtype=torch.float32) for p in tensors]
+    tokens = windows.shape[1] - 1
+    device = tensors[0].device
+    for s in _bar(dist, dist.shard(len(windows)), "fisher", progress):
+        x = windows[s : s + 1].to(device)  # (1, T): one backward per sequence
+        grads = torch.autograd.grad(sequence_loss(model, x), tensors)
+        for f, g in zip(fisher, grads):
+            g = g.float()
+            f.addcmul_(g, g, value=tokens)
+    for f in fisher:
+        dist.all_reduce_(f).div_(len(windows))
+    return dict(zip(names, fisher))
+
+
+def _rademacher(shape: torch.Size, gen: torch.Generator, device: torch.device) -> Tensor:
+    return (torch.randint(0, 2, shape, generator=gen) * 2 - 1).float().to(device)
+
+
+def hutchinson_trace(model: nn.Module, windows: Tensor, params: dict[str, nn.Parameter],
+                     dist: Dist, probes: int = 4, seed: int = 0,
+                     progress: bool = False) -> dict[str, float]:
+    """Hutchinson estimate of Tr(H) of the mean loss w.r.t. each parameter tensor.
+
+    The probes of sequence s are drawn from a generator seeded by (seed, s), so the estimate
+    does not depend on how sequences are split across ranks.
+
+    Returns:
+        {name: trace estimate}, averaged over sequences and probes.
+    """
+    names, tensors = list(params), list(params.values())
+    trace = torch.zeros(len(tensors), dtype=torch.float64, device=tensors[0].device)
+    for s in _bar(dist, dist.shard(len(windows)), "hutchinson", progress):
+        x = windows[s : s + 1]  # (1, T)
+        trace += _probe_sequence(model, x, tensors, probes, seed * 1_000_003 + s)
+    dist.all_reduce_(trace).div_(len(windows) * probes)
+    return dict(zip(names, trace.tolist()))
+
+
+def _probe_sequence(model: nn.Module, x: Tensor, tensors: list[nn.Parameter], probes: int,
+                    seed: int) -> Tensor:
+    """Σ over probes of vᵀ H v per tensor for one sequence x (1, T). # (n_tensors,)"""
+    trace = torch.zeros(len(tensors), dtype=torch.float64, device=tensors[0].device)
+    x = x.to(tensors[0].device)
+    # The fused attention kernels have no double backward; the math one is plain autograd.
+    with sdpa_kernel(SDPBackend.MATH):
+        grads = torch.autograd.grad(sequence_loss(model, x), tensors, create_graph=True)
+    gen = torch.Generator().manual_seed(seed)
+    for k in range(probes):
+        vs = [_rademacher(p.shape, gen, p.device) for p in tensors]
+        gv = sum((g * v).sum() for g, v in zip(grads, vs))
+        hvs = torch.autograd.grad(gv, tensors, retain_graph=k < probes - 1)  # H v
+        trace += torch.stack([(h.double() * v).sum() for h, v in zip(hvs, vs)])
+    return trace
+
+
+@torch.no_grad()
+def forward_pass(model: nn.Module, windows: Tensor, dist: Dist, batch_size: int,
+                 vocab_size: int, progress: bool = False) -> Tensor:
+    """Run this rank's share of the windows forward (hooks collect what they need).
+
+    Returns:
+        Token counts (vocab_size,) float64 over all ranks: the one-hot "input" statistics of
+        the embedding table.
+    """
+    device = next(model.parameters()).device
+    counts = torch.zeros(vocab_size, dtype=torch.float64, device=device)
+    mine = list(dist.shard(len(windows)))
+    for i in _bar(dist, range(0, len(mine), batch_size), "forward", progress):
+        x = windows[mine[i : i + batch_size]].to(device)  # (B, T)
+        model(input_ids=x)
+        counts += torch.bincount(x.reshape(-1), minlength=vocab_size).double()
+    return dist.all_reduce_(counts)

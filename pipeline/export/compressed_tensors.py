@@ -1,0 +1,156 @@
+"""compressed-tensors "pack-quantized" checkpoints (vLLM's W4A16 / W8A16 on GPUs).
+
+Layout per quantized linear ``P`` (what compressed-tensors' PackedQuantizationCompressor and
+vLLM's CompressedTensorsWNA16 read), with signed codes ``q`` and ``W = (q - zp) * scale``:
+
+* ``P.weight_packed`` int32 ``[n, ceil(k*b/32)]``: each row's codes stored **unsigned**
+  (``q + 2**(b-1)``), element i at bits ``b*i`` of the row's little-endian bit stream, i.e.
+  32/b codes per int32 (the int4 case is Ascend's per-k nibble packing with every nibble
+  XOR 8);
+* ``P.weight_scale`` fp16 ``[n, k/G]`` (``[n, 1]`` per channel), exactly lowbit's fp16 scales;
+* ``P.weight_shape`` int64 ``[2]``;
+* asymmetric only: ``P.weight_zero_point`` = the signed offsets, packed the same way along
+  the **output** dim (int32 ``[ceil(n*b/32), k/G]``).
+
+``config.json`` gets a ``quantization_config`` with one config group per distinct
+(bits, strategy, group size, symmetry), targeting the layers by name; every unquantized 2-D
+weight's module is listed in ``ignore`` (vLLM refuses linear layers that match no group).
+Only uniform int4/int8 are exported: vLLM has no kernels for 2/3-bit or exponential codes.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from pipeline.export.artifact import ExportOptions, cast_float, copy_model_files
+from pipeline.export.ascend import ExportError, effective_group
+from pipeline.export.lowbit_format import LayerInfo
+from pipeline.export.manifest import ShardWriter
+from pipeline.export.source import Linear, Source
+from pipeline.quant.formats import parse_format
+from pipeline.quant.packing import pack_bits
+
+FORMAT = "pack-quantized"
+
+
+def pack_int32(q: Tensor, bits: int) -> Tensor:
+    """(rows, cols) signed codes -> (rows, ceil(cols*bits/32)) int32, unsigned fields."""
+    if sys.byteorder != "little":
+        raise RuntimeError("compressed-tensors packing assumes a little-endian host")
+    rows, cols = q.shape
+    per_word = 32 // bits
+    u = (q.to(torch.int16) + (1 << (bits - 1))).to(torch.uint8)
+    u = torch.nn.functional.pad(u, (0, (-cols) % per_word))
+    return pack_bits(u, bits).view(torch.int32).view(rows, -1).contiguous()
+
+
+def plan_layer(name: str, fmt_name: str, shape: tuple[int, int]) -> LayerInfo:
+    fmt = parse_format(fmt_name)
+    if fmt.kind != "int" or fmt.bits not in (4, 8):
+        raise ExportError(
+            f"{name} is {fmt.name}: compressed-tensors (vLLM) runs int4 and int8 weights only. "
+            "Export with stage.export.format=lowbit, or quantize with quant=w4g128 / quant=w8."
+        )
+    n, k = shape
+    group = effective_group(fmt, k)
+    if group and k % group:
+        raise ExportError(
+            f"{name} has {k} inputs, not a multiple of its group size {group}: "
+            "vLLM needs whole groups; quantize with a group size dividing it"
+        )
+    return LayerInfo(f"W{fmt.bits}A16", fmt.name, fmt.bits, group, (n, k), fmt.symmetric)
+
+
+def scheme_key(info: LayerInfo) -> tuple:
+    return info.bits, "group" if info.group_size else "channel", info.group_size, info.symmetric
+
+
+def quantization_config(infos: dict[str, LayerInfo], ignore: list[str]) -> dict:
+    groups: dict[tuple, list[str]] = {}
+    for name, info in infos.items():
+        groups.setdefault(scheme_key(info), []).append(name)
+    config_groups = {}
+    for i, ((bits, strategy, group, sym), names) in enumerate(sorted(groups.items())):
+        config_groups[f"group_{i}"] = {
+            "targets": sorted(names),
+            "weights": {
+                "num_bits": bits,
+                "type": "int",
+                "symmetric": sym,
+                "strategy": strategy,
+                "group_size": group or None,
+                "dynamic": False,
+                "actorder": None,
+            },
+            "input_activations": None,
+            "output_activations": None,
+            "format": FORMAT,
+        }
+    return {
+        "quant_method": "compressed-tensors",
+        "format": FORMAT,
+        "quantization_status": "compressed",
+        "config_groups": config_groups,
+        "ignore": sorted(ignore),
+        "kv_cache_scheme": None,
+        "sparsity_config": {},
+    }
+
+
+def write_compressed_tensors(source: Source, out: Path, opts: ExportOptions) -> dict:
+    """Write ``source`` as a pack-quantized HF checkpoint into ``out``; returns manifest info."""
+    infos, errors = {}, []
+    for name, fmt_name in source.layers.items():
+        if parse_format(fmt_name).kind == "float":
+            continue
+        try:
+            infos[name] = plan_layer(name, fmt_name, source.shape(f"{name}.codes"))
+        except ExportError as e:
+            errors.append(str(e))
+    if errors:
+        more = f" ({len(errors) - 1} more layers likewise)" if len(errors) > 1 else ""
+        raise ExportError(errors[0] + more)
+    config = copy_model_files(source.path, out, opts.float_dtype)
+    writer = ShardWriter(out, "model", opts.shard_bytes)
+    ignore, fp16_bytes = [], 0
+    for item in source.items():
+        if isinstance(item, Linear):
+            fp16_bytes += 2 * item.qt.shape[0] * item.qt.shape[1]
+            info = infos.get(item.name)
+            if info is None:
+                ignore.append(item.name)
+                w = cast_float(item.qt.dequantize(torch.float16), opts.float_dtype)
+                writer.add(f"{item.name}.weight", w)
+            else:
+                q, _, offset = item.qt.signed()
+                writer.add(f"{item.name}.weight_packed", pack_int32(q, info.bits))
+                writer.add(f"{item.name}.weight_scale", item.qt.scales.half())
+                writer.add(f"{item.name}.weight_shape", torch.tensor(info.shape))
+                if not info.symmetric:
+                    zp = pack_int32(offset.to(torch.int8).t(), info.bits).t()  # along n
+                    writer.add(f"{item.name}.weight_zero_point", zp.contiguous())
+            if item.bias is not None:
+                fp16_bytes += 2 * item.bias.numel()
+                writer.add(f"{item.name}.bias", cast_float(item.bias, opts.float_dtype))
+        else:
+            name, t = item
+            fp16_bytes += 2 * t.numel() if t.is_floating_point() else t.numel() * t.element_size()
+            if name.endswith(".weight") and t.dim() == 2:
+                ignore.append(name.removesuffix(".weight"))
+            writer.add(name, cast_float(t, opts.float_dtype))
+    weight_map = writer.close()
+    config["quantization_config"] = quantization_config(infos, ignore)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return {
+        "format": opts.format,
+        "model_type": config.get("model_type"),
+        "weights_bytes": writer.total_bytes,
+        "fp16_bytes": fp16_bytes,
+        "layers": {n: i.to_json() for n, i in infos.items()},
+        "tensors": {n: {**m, "file": weight_map[n]} for n, m in writer.tensors.items()},
+    }

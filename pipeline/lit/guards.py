@@ -1,0 +1,191 @@
+"""Training hygiene for long QAT runs: a NaN/Inf guard and checkpoint helpers.
+
+Low-bit training diverges now and then (a scale collapsing to 0, an exploding KL on a rare
+token, bf16 overflow). The guard keeps an in-memory copy of the last good training state and,
+when a step produced a non-finite loss or non-finite parameters, puts that copy back (so the bad
+step never happened), then halves the learning rate so the same batch region is crossed more
+gently. The check runs after the optimizer step, which works identically for plain optimizers,
+DDP and DeepSpeed ZeRO (whose engine steps on its own and cannot be told to skip): the restored
+state covers the module's trainable tensors, the optimizer's own parameters (ZeRO's flat fp32
+partitions) and its moments. The decision is reduced over ranks so every rank rolls back
+together. The cost is one copy of the trainable state (small for scale-only training).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+
+import lightning as L
+import torch
+from torch import Tensor
+
+log = logging.getLogger("lowbit")
+
+CKPT_DIR = "checkpoints"
+
+
+def _local(p: Tensor) -> Tensor:
+    """The tensor that holds this rank's values (ZeRO-3 keeps them in `ds_tensor`)."""
+    return getattr(p, "ds_tensor", p)
+
+
+def _base_optimizer(opt) -> torch.optim.Optimizer:
+    """The torch optimizer under a DeepSpeed ZeRO wrapper (or `opt` itself)."""
+    inner = getattr(opt, "optimizer", None)
+    return inner if isinstance(inner, torch.optim.Optimizer) else opt
+
+
+def _clone(x):
+    return x.detach().clone() if isinstance(x, Tensor) else x
+
+
+class NanGuard(L.Callback):
+    """Skip a non-finite step: restore the last good state and halve the learning rate.
+
+    Logs `guard/skipped` (steps rolled back so far) and `guard/lr_scale` (product of halvings).
+    """
+
+    def __init__(self, factor: float = 0.5, max_skips: int = 20) -> None:
+        self.factor, self.max_skips = factor, max_skips
+        self.skipped = 0
+        self.lr_scale = 1.0
+        self._snapshot: dict | None = None
+
+    # -------------------------------------------------------------- state capture
+    def _tensors(self, trainer, module) -> tuple[list[Tensor], list[torch.optim.Optimizer]]:
+        params = [_local(p) for p in module.parameters() if p.requires_grad]
+        opts = [_base_optimizer(o) for o in trainer.optimizers]
+        for opt in opts:
+            params += [p for g in opt.param_groups for p in g["params"]]
+        # Plain optimizers hold the module's own parameters: keep each tensor once.
+        unique = {id(p): p for p in params}
+        return list(unique.values()), opts
+
+    def _save(self, trainer, module) -> None:
+        params, opts = self._tensors(trainer, module)
+        self._snapshot = {
+            "params": [p.detach().clone() for p in params],
+            "state": [
+                {p: {k: _clone(v) for k, v in st.items()} for p, st in opt.state.items()}
+                for opt in opts
+            ],
+        }
+
+    @torch.no_grad()
+    def _restore(self, trainer, module) -> None:
+        params, opts = self._tensors(trainer, module)
+        for p, saved in zip(params, self._snapshot["params"]):
+            p.copy_(saved)
+        for opt, state in zip(opts, self._snapshot["state"]):
+            opt.state.clear()
+            for p, st in state.items():
+                opt.state[p] = {k: _clone(v) for k, v in st.items()}
+            opt.zero_grad(set_to_none=True)
+
+    def _halve_lr(self, trainer) -> None:
+        self.lr_scale *= self.factor
+        for opt in trainer.optimizers:
+            for group in opt.param_groups:
+                group["lr"] *= self.factor
+        # The scheduler recomputes lr = base_lr * lambda(step) every step: halve its base too.
+        for cfg in trainer.lr_scheduler_configs:
+            sched = cfg.scheduler
+            if hasattr(sched, "base_lrs"):
+                sched.base_lrs = [lr * self.factor for lr in sched.base_lrs]
+
+    # -------------------------------------------------------------- hooks
+    def on_train_start(self, trainer, pl_module) -> None:
+        self._save(trainer, pl_module)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        bad = loss is not None and not bool(torch.isfinite(loss.detach()).all())
+        if not bad:
+            params = self._tensors(trainer, pl_module)[0]
+            bad = any(not bool(torch.isfinite(p).all()) for p in params)
+        bad = trainer.strategy.reduce_boolean_decision(bad, all=False)
+        if bad:
+            self.skipped += 1
+            if self.skipped > self.max_skips:
+                raise FloatingPointError(
+                    f"{self.skipped} non-finite steps: training diverges even at "
+                    f"{self.lr_scale:.3g}x the learning rate; lower stage.distill.lr or check "
+                    "the quantized model's scales"
+                )
+            self._restore(trainer, pl_module)
+            self._halve_lr(trainer)
+            log.warning(
+                "non-finite step %d skipped: state restored, learning rate now %.3gx",
+                trainer.global_step,
+                self.lr_scale,
+            )
+        else:
+            self._save(trainer, pl_module)
+        pl_module.log_dict(
+            {"guard/skipped": float(self.skipped), "guard/lr_scale": self.lr_scale},
+            on_step=True,
+            on_epoch=False,
+        )
+
+    def state_dict(self) -> dict:
+        return {"skipped": self.skipped, "lr_scale": self.lr_scale}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.skipped = state_dict["skipped"]
+        self.lr_scale = state_dict["lr_scale"]
+
+
+# ------------------------------------------------------------------ checkpoints
+def checkpoint_callback(work_dir: Path, every: int) -> L.Callback:
+    """Keep the latest checkpoint (`step=000123.ckpt`) every `every` steps under work_dir."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    return ModelCheckpoint(
+        dirpath=str(Path(work_dir) / CKPT_DIR),
+        filename="{step:06d}",
+        every_n_train_steps=every,
+        save_top_k=1,
+        monitor="step",
+        mode="max",
+        save_last=False,
+        save_on_train_epoch_end=False,
+        enable_version_counter=False,
+    )
+
+
+_STEP_RE = re.compile(r"step=(\d+)")
+
+
+def checkpoint_step(path: Path) -> int:
+    m = _STEP_RE.search(Path(path).name)
+    return int(m.group(1)) if m else -1
+
+
+def last_checkpoint(work_dir: Path) -> Path | None:
+    """The checkpoint with the highest step under work_dir (a file, or a DeepSpeed directory)."""
+    root = Path(work_dir) / CKPT_DIR
+    if not root.is_dir():
+        return None
+    found = [p for p in root.iterdir() if p.name.endswith(".ckpt") and checkpoint_step(p) >= 0]
+    return max(found, key=checkpoint_step, default=None)
+
+
+def zero_trainable_state(ckpt_dir: Path, prefix: str) -> dict[str, Tensor]:
+    """Consolidated fp32 values of the trainable parameters under `prefix` of a ZeRO checkpoint.
+
+    Reads the fp32 master partitions of every rank from a checkpoint directory Lightning's
+    DeepSpeed strategy wrote (tag "checkpoint") and joins them (`zero_to_fp32`); frozen tensors
+    (the teacher, the codes) are not read. Works for ZeRO-1/2/3 and bf16 training alike.
+
+    Returns:
+        {name without `prefix`: float32 tensor}.
+    """
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    state = get_fp32_state_dict_from_zero_checkpoint(
+        str(ckpt_dir), tag="checkpoint", exclude_frozen_parameters=True, lazy_mode=True
+    )
+    # lazy_mode: one parameter at a time is materialised (`.contiguous()`), not the whole model.
+    return {k[len(prefix) :]: v.contiguous() for k, v in state.items() if k.startswith(prefix)}

@@ -1,0 +1,313 @@
+"""The quantized model directory: what `quantize` and `distill` write and later stages load.
+
+Layout (``<stage>/model/``):
+
+* ``config.json`` and the tokenizer files, copied from the FP checkpoint;
+* ``lowbit_quant.json`` = ``{"format_version": 1, "method": ..., "layers": {name: format}}``,
+  every quantized linear and its format (a linear not listed is float);
+* safetensors weights (``model.safetensors``, or ``model-0000i-of-0000N.safetensors`` plus
+  HF's ``model.safetensors.index.json``): for a quantized linear ``P`` the tensors of
+  ``QTensor.to_state_dict(P)`` (``P.codes``, ``P.scales``, ...) and ``P.bias``; every other
+  tensor under its HF name in its float dtype.
+
+:class:`QuantizedWriter` writes one *part* (one output shard) at a time, each atomically into a
+staging folder that survives crashes, and assembles the folder at the end; so a streaming
+writer never holds more than one segment and a resumed run keeps the parts it already has.
+:func:`load_quantized` rebuilds a transformers model whose quantized linears are
+:class:`~pipeline.quant.fakequant.FakeQuantLinear` initialised from the stored codes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import Tensor, nn
+
+from pipeline.errors import LowbitError
+from pipeline.models.checkpoint import CheckpointError, read_safetensors_header
+from pipeline.quant.fakequant import FakeQuantLinear
+from pipeline.quant.qtensor import QTensor
+
+FORMAT_VERSION = 1
+QUANT_JSON = "lowbit_quant.json"
+INDEX = "model.safetensors.index.json"
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+
+
+def _is_weight_file(p: Path) -> bool:
+    return p.name.endswith(_WEIGHT_SUFFIXES) or p.name in {INDEX, "pytorch_model.bin.index.json"}
+
+
+class QuantizedWriter:
+    """Writes a quantized model directory part by part (one part = one output shard).
+
+    Args:
+        out_dir: The model directory to create (e.g. ``<stage out>/model``).
+        parts_dir: Where finished parts wait until :meth:`close`; put it somewhere that
+            survives a crash (the stage's work dir) to resume. Default ``out_dir/.parts``.
+    """
+
+    def __init__(self, out_dir: str | Path, parts_dir: str | Path | None = None) -> None:
+        self.out_dir = Path(out_dir)
+        self.parts_dir = Path(parts_dir) if parts_dir is not None else self.out_dir / ".parts"
+        self.parts_dir.mkdir(parents=True, exist_ok=True)
+
+    def part_path(self, k: int) -> Path:
+        return self.parts_dir / f"part-{k:05d}.safetensors"
+
+    def has_part(self, k: int) -> bool:
+        """Whether part ``k`` was committed (written completely; checked from its header)."""
+        path = self.part_path(k)
+        if not path.is_file():
+            return False
+        try:
+            read_safetensors_header(path)
+        except CheckpointError:
+            return False
+        return True
+
+    def write_part(
+        self,
+        k: int,
+        tensors: dict[str, Tensor] | None = None,
+        qtensors: dict[str, QTensor] | None = None,
+    ) -> Path:
+        """Commit part ``k``: float ``tensors`` under their names and ``qtensors`` as fields.
+
+        The file appears under its final name only once complete (write, fsync, rename).
+        """
+        flat: dict[str, Tensor] = {}
+        for name, t in (tensors or {}).items():
+            flat[name] = t.detach().to("cpu").contiguous()
+        for name, qt in (qtensors or {}).items():
+            for key, t in qt.to_state_dict(name).items():
+                if key in flat:
+                    raise ValueError(f"tensor {key} is written twice in part {k}")
+                flat[key] = t.detach().to("cpu").contiguous()
+        for key, t in flat.items():  # views of one storage (tied weights) are refused on save
+            if t.untyped_storage().nbytes() != t.numel() * t.element_size():
+                flat[key] = t.clone()
+        final = self.part_path(k)
+        tmp = final.with_suffix(".tmp")
+        save_file(flat, str(tmp), metadata={"format": "pt"})
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+        return final
+
+    def close(
+        self,
+        n_parts: int,
+        *,
+        src_dir: str | Path,
+        method: str,
+        layers: dict[str, str],
+        config_overrides: dict[str, Any] | None = None,
+    ) -> Path:
+        """Assemble parts ``0..n_parts-1`` into the model directory; returns ``out_dir``.
+
+        Args:
+            n_parts: Number of parts written.
+            src_dir: The FP checkpoint whose config and tokenizer files are copied.
+            method: "gptq", "rtn" or "distill" (recorded in lowbit_quant.json).
+            layers: Every quantized linear's format name.
+            config_overrides: Fields changed in the copied config.json (e.g. untying the
+                lm_head when it was quantized).
+        """
+        missing = [k for k in range(n_parts) if not self.has_part(k)]
+        if missing:
+            raise LowbitError(f"quantized parts {missing} are missing in {self.parts_dir}")
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        names = [f"model-{k + 1:05d}-of-{n_parts:05d}.safetensors" for k in range(n_parts)]
+        if n_parts == 1:
+            names = ["model.safetensors"]
+        weight_map, total = {}, 0
+        for k, name in enumerate(names):
+            for key, (_, _, start, stop) in read_safetensors_header(self.part_path(k)).items():
+                weight_map[key] = name
+                total += stop - start
+            _place(self.part_path(k), self.out_dir / name)
+        if n_parts > 1:
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            (self.out_dir / INDEX).write_text(json.dumps(index, indent=2))
+        _copy_non_weights(Path(src_dir), self.out_dir, config_overrides or {})
+        meta = {"format_version": FORMAT_VERSION, "method": method, "layers": dict(layers)}
+        (self.out_dir / QUANT_JSON).write_text(json.dumps(meta, indent=1))
+        if self.parts_dir.is_relative_to(self.out_dir):
+            shutil.rmtree(self.parts_dir, ignore_errors=True)
+        return self.out_dir
+
+
+def _place(src: Path, dst: Path) -> None:
+    """Hard-link (the part stays valid for a resume) or copy across file systems."""
+    dst.unlink(missing_ok=True)
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def _copy_non_weights(src: Path, dst: Path, config_overrides: dict[str, Any]) -> None:
+    if not (src / "config.json").is_file():
+        raise LowbitError(f"{src} has no config.json: pass the FP checkpoint directory as src_dir")
+    for p in src.iterdir():
+        if p.is_file() and not _is_weight_file(p):
+            shutil.copy2(p, dst / p.name)
+    if config_overrides:
+        cfg = json.loads((dst / "config.json").read_text())
+        cfg.update(config_overrides)
+        (dst / "config.json").write_text(json.dumps(cfg, indent=2))
+
+
+def read_quant_meta(model_dir: str | Path) -> dict[str, Any]:
+    """The parsed ``lowbit_quant.json`` of a quantized model directory (validated)."""
+    path = Path(model_dir) / QUANT_JSON
+    if not path.is_file():
+        raise LowbitError(f"{path} is missing: {model_dir} is not a lowbit quantized model")
+    try:
+        meta = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise LowbitError(
+            f"{path} is not valid JSON ({err}); re-run the stage that wrote it"
+        ) from err
+    if meta.get("format_version") != FORMAT_VERSION or not isinstance(meta.get("layers"), dict):
+        raise LowbitError(
+            f"{path} has format_version {meta.get('format_version')!r} or no 'layers'; this "
+            f"lowbit reads version {FORMAT_VERSION}: re-run the stage that wrote it"
+        )
+    return meta
+
+
+def _read_weights(model_dir: Path) -> dict[str, Tensor]:
+    if (model_dir / INDEX).is_file():
+        weight_map = json.loads((model_dir / INDEX).read_text())["weight_map"]
+        files = [model_dir / f for f in dict.fromkeys(weight_map.values())]
+    else:
+        files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise LowbitError(f"{model_dir} has no *.safetensors weights")
+    state: dict[str, Tensor] = {}
+    for f in files:
+        if not f.is_file():
+            raise LowbitError(f"shard {f} named in {model_dir / INDEX} is missing")
+        read_safetensors_header(f)  # a truncated or corrupt shard fails naming the file
+        state.update(load_file(str(f)))
+    return state
+
+
+def load_quantized(
+    model_dir: str | Path, dtype: torch.dtype = torch.float32, **fake_quant_kwargs: Any
+) -> nn.Module:
+    """Load a quantized model directory as a transformers model (on CPU).
+
+    Args:
+        model_dir: Directory written by :class:`QuantizedWriter` / :func:`save_quantized_model`.
+        dtype: dtype of the float tensors (embeddings, norms, float linears).
+        **fake_quant_kwargs: Passed to ``FakeQuantLinear.from_qtensor`` (``learn_scales``...).
+
+    Returns:
+        The model in eval mode; each quantized linear is a ``FakeQuantLinear`` whose forward
+        uses exactly the dequantized stored weights.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model_dir = Path(model_dir)
+    meta = read_quant_meta(model_dir)
+    config = AutoConfig.from_pretrained(model_dir)
+    state = _read_weights(model_dir)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    for name, fmt in meta["layers"].items():
+        try:
+            qt = QTensor.from_state_dict(state, name)
+        except KeyError as err:
+            raise LowbitError(f"{model_dir}: {QUANT_JSON} lists {name}, but {err}") from None
+        if qt.fmt.name != fmt:
+            raise LowbitError(f"{model_dir}: {name} is stored as {qt.fmt.name}, listed as {fmt}")
+        for key in qt.to_state_dict(name):
+            state.pop(key)
+        bias = state.pop(f"{name}.bias", None)
+        module = FakeQuantLinear.from_qtensor(qt, bias, **fake_quant_kwargs)
+        model.set_submodule(name, module)
+    state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+    result = model.load_state_dict(state, strict=False, assign=True)
+    if result.unexpected_keys:
+        raise LowbitError(
+            f"{model_dir} holds tensors the model does not have: {result.unexpected_keys[:5]}"
+        )
+    if getattr(config, "tie_word_embeddings", False):
+        model.tie_weights()
+    _rebuild_meta_buffers(model)
+    left = [n for n, t in model.named_parameters() if t.is_meta]
+    if left:
+        raise LowbitError(f"{model_dir} lacks tensors {left[:5]}: the directory is incomplete")
+    return model.eval()
+
+
+def _rebuild_meta_buffers(model: nn.Module) -> None:
+    """Recreate computed (non-persistent) buffers, e.g. rotary ``inv_freq``, left on meta."""
+    for name, module in list(model.named_modules()):
+        own = [b for b in module.buffers(recurse=False) if b is not None and b.is_meta]
+        if own and not any(p.is_meta for p in module.parameters(recurse=False)):
+            with torch.device("cpu"):
+                fresh = type(module)(config=model.config)
+            model.set_submodule(name, fresh)
+
+
+def quantized_modules(model: nn.Module) -> dict[str, FakeQuantLinear]:
+    """``{name: module}`` of every FakeQuantLinear in ``model``."""
+    return {n: m for n, m in model.named_modules() if isinstance(m, FakeQuantLinear)}
+
+
+def save_quantized_model(
+    model: nn.Module,
+    out_dir: str | Path,
+    src_dir: str | Path,
+    method: str,
+    shard_bytes: int = 2 << 30,
+) -> Path:
+    """Write a model with FakeQuantLinear layers as a quantized model directory.
+
+    Codes and group parameters are re-derived with ``FakeQuantLinear.to_qtensor()``; all other
+    tensors are stored in their current dtype. Returns ``out_dir``.
+    """
+    qmods = quantized_modules(model)
+    layers = {name: m.fmt.name for name, m in qmods.items()}
+    config = model.config
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    overrides = {}
+    if tied and "lm_head" in qmods:
+        overrides["tie_word_embeddings"] = False  # a quantized head is its own tensor now
+    skip = tuple(f"{n}." for n in qmods)
+    items: list[tuple[str, Tensor | QTensor]] = []
+    for key, t in model.state_dict().items():
+        if key.startswith(skip) or (tied and "lm_head" not in qmods and key == "lm_head.weight"):
+            continue
+        items.append((key, t))
+    for name, m in qmods.items():
+        items.append((name, m.to_qtensor()))
+        if m.bias is not None:
+            items.append((f"{name}.bias", m.bias.detach()))
+    writer = QuantizedWriter(out_dir)
+    k, size, floats, quants = 0, 0, {}, {}
+    for key, t in items:
+        nbytes = sum(v.numel() * v.element_size() for v in _tensors_of(key, t))
+        if size and size + nbytes > shard_bytes:
+            writer.write_part(k, floats, quants)
+            k, size, floats, quants = k + 1, 0, {}, {}
+        (quants if isinstance(t, QTensor) else floats)[key] = t
+        size += nbytes
+    writer.write_part(k, floats, quants)
+    return writer.close(
+        k + 1, src_dir=src_dir, method=method, layers=layers, config_overrides=overrides
+    )
+
+
+def _tensors_of(key: str, t: Tensor | QTensor) -> list[Tensor]:
+    return list(t.to_state_dict(key).values()) if isinstance(t, QTensor) else [t]

@@ -1,0 +1,82 @@
+"""Small matplotlib helpers for stage reports: a heat map and a bar chart, saved as PNG.
+
+Figures are built with the object API on the Agg canvas (no pyplot global state, no display),
+so they are safe in worker processes and on headless cluster nodes. The workflow logs every
+PNG a stage writes to MLflow.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+
+def _figure(n_rows: int, width: float = 8.0) -> Figure:
+    height = min(max(3.0, 0.22 * n_rows + 1.5), 40.0)
+    fig = Figure(figsize=(width, height), layout="constrained")
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def short_name(name: str) -> str:
+    """``model.layers.3.self_attn.q_proj`` -> ``3.q_proj`` for axis labels."""
+    parts = name.split(".")
+    if len(parts) >= 4 and parts[1] == "layers":
+        return f"{parts[2]}.{parts[-1]}"
+    return parts[-1]
+
+
+def heatmap(values: Sequence[Sequence[float | None]], rows: Sequence[str], cols: Sequence[str],
+            path: Path, title: str, label: str, log10: bool = True) -> Path:
+    """Rows × columns heat map; ``log10`` shows log10 of the values (≤ 0 and None are blank).
+
+    Args:
+        values: values[i][j] for row i, column j.
+        rows: Row labels (layer names are shortened).
+        cols: Column labels.
+        path: Output PNG.
+        title: Figure title.
+        label: Colour bar label.
+        log10: Plot log10(value).
+    """
+    import numpy as np
+
+    data = np.array([[np.nan if v is None else float(v) for v in r] for r in values], dtype=float)
+    if log10:
+        with np.errstate(divide="ignore", invalid="ignore"):
+            data = np.where(data > 0, np.log10(np.where(data > 0, data, 1.0)), np.nan)
+    fig = _figure(len(rows), width=2.5 + 1.2 * len(cols))
+    ax = fig.add_subplot()
+    img = ax.imshow(np.ma.masked_invalid(data), aspect="auto", cmap="viridis")
+    ax.set_xticks(range(len(cols)), list(cols), rotation=30, ha="right")
+    ax.set_yticks(range(len(rows)), [short_name(r) for r in rows], fontsize=7)
+    ax.set_title(title)
+    fig.colorbar(img, ax=ax, label=label)
+    fig.savefig(path, dpi=110)
+    return Path(path)
+
+
+def bars(values: Sequence[float | None], labels: Sequence[str], path: Path, title: str,
+         ylabel: str, log_y: bool = False, hline: float | None = None,
+         hline_label: str | None = None, colors: Sequence[str] | None = None) -> Path:
+    """Vertical bars, one per label; optional horizontal reference line (e.g. the budget) and
+    per-bar colours (matplotlib colour names)."""
+    vals = [math.nan if v is None else float(v) for v in values]
+    fig = _figure(0, width=max(6.0, 0.25 * len(vals) + 2.0))
+    ax = fig.add_subplot()
+    ax.bar(range(len(vals)), vals, color=list(colors) if colors else "tab:blue")
+    ax.set_xticks(range(len(vals)), [short_name(n) for n in labels], rotation=90, fontsize=7)
+    if log_y and any(v > 0 for v in vals if not math.isnan(v)):
+        ax.set_yscale("log")
+    if hline is not None:
+        ax.axhline(hline, color="tab:red", linestyle="--", label=hline_label)
+        if hline_label:
+            ax.legend()
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    fig.savefig(path, dpi=110)
+    return Path(path)

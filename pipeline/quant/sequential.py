@@ -1,0 +1,200 @@
+"""Sequential quantization of one decoder block (GPTQ's "true sequential" order).
+
+Frantar et al. (GPTQ, 2023) quantize a transformer block by block; inside a block, each
+linear is quantized on the inputs it sees when every linear *before* it is already quantized,
+so later layers compensate earlier rounding errors. Linears that read the same tensor form one
+group and share one Hessian: for Llama-style blocks the order is
+
+    (q_proj, k_proj, v_proj) -> o_proj -> (gate_proj, up_proj) -> down_proj
+
+and a group's inputs are collected by running the calibration batches through the block with
+the earlier groups already replaced by their dequantized weights. The pass stops at the
+group's first linear (a pre-hook raises), so group g costs the forward up to g, not the whole
+block. With several ranks each rank holds a share of the calibration windows; the Hessian
+(or RTN's error sums) is all-reduced before the layer is quantized, so every rank computes
+the same codes.
+
+Reported per layer, on the calibration inputs X of that layer:
+* ``gptq_loss``: GPTQ's objective, the mean over tokens of ``||(W - Q) x||^2`` (for RTN the
+  same quantity, measured);
+* ``rel_output_error`` = ``||X W^T - X Q^T|| / ||X W^T||``, for GPTQ exactly from the
+  Hessian: ``sqrt(tr(D H D^T) / tr(W H W^T))`` with ``D = W - Q``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from pipeline.quant.gptq import HessianAccumulator, gptq_quantize
+from pipeline.quant.qtensor import QTensor
+from pipeline.quant.rtn import quantize_rtn
+
+
+@dataclass(frozen=True)
+class QuantOptions:
+    """How each linear is quantized (see ``gptq_quantize`` for the GPTQ fields)."""
+
+    method: str = "gptq"  # gptq | rtn
+    block_size: int = 128
+    damp: float = 0.01
+    act_order: bool = True
+
+
+class _Stop(Exception):
+    """Raised by a capture hook: the rest of the block's forward is not needed."""
+
+
+def block_groups(linears: Sequence[str], fused: Sequence[Sequence[str]]) -> list[tuple[str, ...]]:
+    """Linears in execution order, those sharing an input merged into one group."""
+    out: list[tuple[str, ...]] = []
+    for name in linears:
+        group = next((tuple(g) for g in fused if name in g), (name,))
+        if group not in out:
+            out.append(group)
+    return out
+
+
+class _OutputError:
+    """RTN's statistics: sums of ||x W^T||^2 and ||x D^T||^2 over tokens, per linear."""
+
+    def __init__(self, weights: dict[str, Tensor], deltas: dict[str, Tensor]) -> None:
+        self.weights, self.deltas = weights, deltas
+        self.sums = torch.zeros(2 * len(weights) + 1, dtype=torch.float64)
+
+    def add_batch(self, x: Tensor) -> None:
+        x = x.reshape(-1, x.shape[-1]).float()  # (tokens, in)
+        for i, name in enumerate(self.weights):
+            self.sums[2 * i] += (x @ self.weights[name].t()).square().sum().item()
+            self.sums[2 * i + 1] += (x @ self.deltas[name].t()).square().sum().item()
+        self.sums[-1] += x.shape[0]
+
+
+def _capture(modules: Iterable[nn.Module], stat: Any) -> list:
+    def hook(_module: nn.Module, args: tuple) -> None:
+        stat.add_batch(args[0].detach())
+        raise _Stop
+
+    return [m.register_forward_pre_hook(hook) for m in modules]
+
+
+@torch.no_grad()
+def run_block(block: nn.Module, batches: Callable[[], Iterable[Tensor]], kwargs: dict) -> None:
+    """Run every batch through ``block``, tolerating a capture hook's early stop."""
+    for x in batches():
+        with contextlib.suppress(_Stop):
+            block(x, **kwargs)
+
+
+@torch.no_grad()
+def quantize_block(
+    block: nn.Module,
+    formats: dict[str, str],
+    batches: Callable[[], Iterable[Tensor]],
+    kwargs: dict,
+    groups: Sequence[Sequence[str]],
+    opts: QuantOptions,
+    all_reduce: Callable[[Tensor], Tensor] | None = None,
+) -> tuple[dict[str, QTensor], dict[str, dict[str, Any]]]:
+    """Quantize the linears of ``block`` listed in ``formats``, group after group.
+
+    The block's linears are left holding their dequantized weights, so the caller's final
+    pass computes the quantized block's outputs.
+
+    Args:
+        block: The module (e.g. a decoder layer) on the compute device.
+        formats: ``{relative linear name: format}``; linears not listed stay float.
+        batches: Returns an iterable of this rank's input batches (B, T, C), on the device.
+        kwargs: Extra keyword arguments of ``block.forward`` (masks, position embeddings).
+        groups: Linear names in execution order, grouped by shared input (``block_groups``).
+        opts: Method and GPTQ settings.
+        all_reduce: In-place sum over ranks; None for a single process.
+
+    Returns:
+        ``({name: QTensor}, {name: report})``, report keys: format, gptq_loss,
+        rel_output_error, seconds.
+    """
+    qtensors: dict[str, QTensor] = {}
+    report: dict[str, dict[str, Any]] = {}
+    for group in groups:
+        names = [n for n in group if n in formats]
+        if not names:
+            continue
+        mods = {n: block.get_submodule(n) for n in names}
+        weights = {n: m.weight.detach().float() for n, m in mods.items()}  # (out, in)
+        t0 = time.perf_counter()
+        if opts.method == "rtn":
+            for n in names:  # RTN needs no data: quantize first, then measure on the inputs
+                qtensors[n] = quantize_rtn(weights[n], formats[n])
+            deltas = {n: weights[n] - qtensors[n].dequantize().to(weights[n]) for n in names}
+            stat = _OutputError(weights, deltas)
+        else:
+            first = weights[names[0]]
+            stat = HessianAccumulator(first.shape[1], device=first.device)
+        handles = _capture(mods.values(), stat)
+        try:
+            run_block(block, batches, kwargs)
+        finally:
+            for h in handles:
+                h.remove()
+        share = (time.perf_counter() - t0) / len(names)
+        if opts.method == "rtn":
+            sums = stat.sums if all_reduce is None else all_reduce(stat.sums)
+            tokens = max(sums[-1].item(), 1.0)
+            for i, n in enumerate(names):
+                ref, err = sums[2 * i].item(), sums[2 * i + 1].item()
+                report[n] = _entry(formats[n], weights[n], err / tokens, err, ref, share)
+        else:
+            H = stat.H if all_reduce is None else _reduce_hessian(stat, all_reduce)  # (in, in)
+            if stat.n_samples == 0 and all_reduce is None:
+                raise ValueError("no calibration tokens reached this layer")
+            for n in names:
+                t1 = time.perf_counter()
+                qt, loss = gptq_quantize(
+                    weights[n],
+                    H,
+                    formats[n],
+                    block_size=opts.block_size,
+                    damp=opts.damp,
+                    act_order=opts.act_order,
+                )
+                qtensors[n] = qt
+                d = weights[n] - qt.dequantize().to(weights[n])
+                err = float(((d @ H) * d).sum())
+                ref = float(((weights[n] @ H) * weights[n]).sum())
+                seconds = share + time.perf_counter() - t1
+                report[n] = _entry(formats[n], weights[n], loss, err, ref, seconds)
+            del H, stat
+        for n, m in mods.items():
+            m.weight.copy_(qtensors[n].dequantize().to(m.weight))
+    return qtensors, report
+
+
+def _reduce_hessian(acc: HessianAccumulator, all_reduce: Callable[[Tensor], Tensor]) -> Tensor:
+    """The Hessian of all ranks' inputs: counts-weighted mean of the per-rank means."""
+    n = torch.tensor([float(acc.n_samples)], dtype=torch.float64)
+    H = acc.H.mul_(acc.n_samples)
+    all_reduce(H)
+    total = all_reduce(n).item()
+    if total == 0:
+        raise ValueError("no calibration tokens reached this layer: quant.calib.samples is 0?")
+    return H.div_(total)
+
+
+def _entry(
+    fmt: str, w: Tensor, loss: float, err: float, ref: float, seconds: float
+) -> dict[str, Any]:
+    rel = (max(err, 0.0) / ref) ** 0.5 if ref > 0 else 0.0
+    return {
+        "format": fmt,
+        "shape": list(w.shape),
+        "gptq_loss": float(loss),
+        "rel_output_error": float(rel),
+        "seconds": round(seconds, 4),
+    }

@@ -1,0 +1,79 @@
+"""`report.md`: the outcome of a run on one page, written after every workflow.
+
+It is assembled only from what the stages wrote (their `_done.json`, `eval.json`, plots,
+artifact manifest), so it is the same whether a stage ran now or in an earlier invocation.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from pipeline.stages import ORDER
+
+
+def _load(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _fmt(v) -> str:
+    return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+
+def _stage_table(run_dir: Path) -> list[str]:
+    rows = ["| stage | seconds | key metrics |", "|---|---|---|"]
+    for stage in ORDER:
+        done = _load(run_dir / stage / "_done.json")
+        if done is None:
+            continue
+        shown = [
+            f"{k}={_fmt(v)}"
+            for k, v in done.get("metrics", {}).items()
+            if isinstance(v, int | float) and k != "world_size"
+        ][:5]
+        rows.append(f"| {stage} | {done['timings']['seconds']:.1f} | {', '.join(shown)} |")
+    return rows
+
+
+def _eval_tables(ev: dict) -> list[str]:
+    out = ["## Perplexity (held-out windows)", "", "| model | ppl |", "|---|---|"]
+    out += [f"| {k} | {v:.3f} |" for k, v in ev.get("ppl", {}).items()]
+    acc = ev.get("acceptance", {})
+    if acc:
+        scenarios = sorted({s for per in acc.values() for s in per})
+        out += ["", "## Acceptance α (draft@target, per scenario)", ""]
+        out += ["| pair | " + " | ".join(scenarios) + " |", "|---" * (len(scenarios) + 1) + "|"]
+        for pair, per in acc.items():
+            cells = [f"{per[s]:.3f}" if s in per else "" for s in scenarios]
+            out.append(f"| {pair} | " + " | ".join(cells) + " |")
+    return out
+
+
+def _artifact_size(run_dir: Path) -> list[str]:
+    manifest = _load(run_dir / "export" / "artifact" / "manifest.json")
+    if manifest is None:
+        return []
+    total = sum(p.stat().st_size for p in (run_dir / "export" / "artifact").rglob("*") if p.is_file())
+    return ["", "## Artifact", "", f"`export/artifact/`: {total / 2**20:.2f} MiB "
+            f"(format {manifest.get('format', '?')})"]
+
+
+def write_report(run_dir: Path) -> Path:
+    """Write `<run_dir>/report.md` from the stage folders present; returns its path."""
+    lines = [f"# lowbit run `{run_dir.name}`", "", "## Stages", "", *_stage_table(run_dir), ""]
+    ev = _load(run_dir / "evaluate" / "eval.json")
+    if ev:
+        lines += _eval_tables(ev)
+    plots = [p for s in ORDER for p in sorted((run_dir / s).glob("*.png"))]
+    if plots:
+        lines += ["", "## Plots", ""]
+        lines += [f"![{p.stem}]({p.relative_to(run_dir)})" for p in plots]
+    lines += _artifact_size(run_dir)
+    path = run_dir / "report.md"
+    tmp = path.with_suffix(".md.tmp")
+    tmp.write_text("\n".join(lines) + "\n")
+    tmp.replace(path)
+    return path

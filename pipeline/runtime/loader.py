@@ -1,0 +1,216 @@
+"""Load an exported artifact (ascend / lowbit layout) and generate text with it.
+
+``load`` checks the artifact before reading any weight: every file in manifest.json must be
+inside the directory and match its sha256, so a corrupt or tampered file is refused by name.
+It then builds the transformers model skeleton from ``config.json`` on the meta device (no
+weight initialisation), swaps each quantized linear for the backend's quantized layer, fills
+the float tensors, and recreates computed buffers (rotary tables). Memory stays near the
+artifact's size plus one layer's unpacking.
+
+``Runtime.generate`` decodes plainly or, with a draft artifact, speculatively with an
+adaptive draft length (``pipeline.spec``); at temperature 0 both give the target's greedy
+output.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from pipeline.export.lowbit_format import LayerInfo, unpack_linear
+from pipeline.export.manifest import ArtifactError, read_manifest, safe_relpath, verify
+from pipeline.runtime.backends import make_linear, resolve
+from pipeline.spec.adaptive import AdaptiveGamma
+from pipeline.spec.decoding import SpecStats, plain_generate, speculative_generate
+
+log = logging.getLogger("lowbit")
+
+
+@dataclass
+class Generation:
+    """Generated text, its token ids (new tokens only) and the decoding statistics."""
+
+    text: str
+    tokens: list[int]
+    stats: SpecStats
+
+
+@dataclass
+class Runtime:
+    """A loaded artifact: ``model`` (transformers causal LM with quantized linears)."""
+
+    root: Path
+    model: nn.Module
+    tokenizer: object
+    manifest: dict
+    backend: str
+    device: torch.device
+    draft: Runtime | None = None
+    layers: dict[str, LayerInfo] = field(default_factory=dict)
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompt: str,
+        max_new_tokens: int = 64,
+        temperature: float = 0.0,
+        *,
+        speculative: bool = True,
+        gamma: int | None = None,
+        seed: int = 0,
+    ) -> Generation:
+        """Continue ``prompt``.
+
+        Args:
+            prompt: Text to continue.
+            max_new_tokens: Generation budget.
+            temperature: 0 = greedy.
+            speculative: Use the draft (when one is loaded) to propose tokens.
+            gamma: Fixed draft length; None = adaptive (2..5 from recent acceptance).
+            seed: Sampling seed (temperature > 0).
+        """
+        ids = self.tokenizer(prompt, return_tensors="pt").input_ids.to(self.device)
+        if ids.shape[1] == 0:
+            ids = torch.tensor([[self.tokenizer.bos_token_id or 0]], device=self.device)
+        gen = torch.Generator(device=self.device).manual_seed(seed)
+        eos = self.tokenizer.eos_token_id
+        if speculative and self.draft is not None:
+            adaptive = AdaptiveGamma() if gamma is None else None
+            seq, stats = speculative_generate(
+                self.model,
+                self.draft.model,
+                ids,
+                max_new_tokens,
+                gamma=gamma or 4,
+                adaptive=adaptive,
+                temperature=temperature,
+                generator=gen,
+                eos_token_id=eos,
+            )
+        else:
+            seq, stats = plain_generate(self.model, ids, max_new_tokens, temperature, gen, eos)
+        new = seq[0, ids.shape[1] :].tolist()
+        return Generation(self.tokenizer.decode(new, skip_special_tokens=True), new, stats)
+
+
+def _float_dtype(backend: str, device: torch.device, dtype: torch.dtype | None) -> torch.dtype:
+    if dtype is not None:
+        return dtype
+    return torch.float32 if device.type == "cpu" else torch.float16
+
+
+def _rebuild_meta_buffers(model: nn.Module) -> None:
+    """Recreate computed (non-persistent) buffers left on meta, e.g. rotary ``inv_freq``."""
+    for name, module in list(model.named_modules()):
+        own = [b for b in module.buffers(recurse=False) if b is not None and b.is_meta]
+        if own and not any(p.is_meta for p in module.parameters(recurse=False)):
+            with torch.device("cpu"):
+                model.set_submodule(name, type(module)(config=model.config))
+
+
+def _read_tensors(root: Path, manifest: dict) -> dict[str, torch.Tensor]:
+    by_file: dict[str, list[str]] = defaultdict(list)
+    for name, entry in manifest.get("tensors", {}).items():
+        by_file[entry["file"]].append(name)
+    state = {}
+    for rel, names in by_file.items():
+        if rel not in manifest["files"]:
+            raise ArtifactError(f"{root}: weights file {rel} is not covered by manifest.json")
+        with safe_open(str(safe_relpath(root, rel)), framework="pt") as f:
+            for name in names:
+                state[name] = f.get_tensor(name)
+    return state
+
+
+def load(
+    artifact_dir: str | Path,
+    backend: str = "auto",
+    *,
+    draft: str | Path | None = "auto",
+    device: str | torch.device | None = None,
+    dtype: torch.dtype | None = None,
+    verify_hashes: bool = True,
+) -> Runtime:
+    """Load an ascend / lowbit artifact.
+
+    Args:
+        artifact_dir: The artifact directory (``<run_dir>/export/artifact``).
+        backend: "auto" (torch_npu when importable, else torch), "torch" or "npu".
+        draft: "auto" loads ``artifact_dir/draft`` when the artifact has one; a path loads that
+            artifact as the draft; None loads none.
+        device: Override the backend's device (torch backend: cuda when available, else cpu).
+        dtype: Float dtype of activations and float weights (default float32 on CPU, else fp16).
+        verify_hashes: Check every file's sha256 first (paths are always checked).
+
+    Returns:
+        The Runtime.
+
+    Raises:
+        ArtifactError: a missing, corrupt or tampered file, or a path outside the artifact.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    root = Path(artifact_dir)
+    manifest = verify(root) if verify_hashes else read_manifest(root)
+    for rel in manifest["files"]:
+        safe_relpath(root, rel)
+    if manifest.get("format") not in ("ascend", "lowbit"):
+        raise ArtifactError(
+            f"{root} is a {manifest.get('format')!r} artifact; lowbit-run loads the ascend and "
+            "lowbit formats (serve compressed-tensors checkpoints with vLLM)"
+        )
+    name, dev = resolve(backend)
+    dev = torch.device(device if device is not None else dev)
+    dtype = _float_dtype(name, dev, dtype)
+    config = AutoConfig.from_pretrained(root, local_files_only=True)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    state = _read_tensors(root, manifest)
+    layers = {n: LayerInfo.from_json(d) for n, d in manifest.get("layers", {}).items()}
+    for lname, info in layers.items():
+        prefix = f"{lname}."
+        local = {k[len(prefix) :]: state.pop(k) for k in list(state) if k.startswith(prefix)}
+        bias = local.pop("bias", None)
+        codes = unpack_linear(local, info)
+        bias = None if bias is None else bias.to(dtype)
+        model.set_submodule(lname, make_linear(name, codes, bias, dtype))
+    state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+    result = model.load_state_dict(state, strict=False, assign=True)
+    if result.unexpected_keys:
+        raise ArtifactError(
+            f"{root} holds tensors the model has no place for: {result.unexpected_keys[:5]}"
+        )
+    if getattr(config, "tie_word_embeddings", False):
+        model.tie_weights()
+    _rebuild_meta_buffers(model)
+    missing = [n for n, t in model.state_dict().items() if t.is_meta]
+    if missing:
+        raise ArtifactError(f"{root} lacks tensors {missing[:5]}; export the artifact again")
+    model = model.to(dev).eval()
+    tokenizer = AutoTokenizer.from_pretrained(root, local_files_only=True)
+    rt = Runtime(root, model, tokenizer, manifest, name, dev, layers=layers)
+    if draft == "auto":
+        draft = safe_relpath(root, manifest["draft"]["path"]) if manifest.get("draft") else None
+        # The parent manifest already hashed the draft's files.
+        verify_draft = False
+    else:
+        verify_draft = verify_hashes
+    if draft is not None:
+        rt.draft = load(
+            draft, backend, draft=None, device=dev, dtype=dtype, verify_hashes=verify_draft
+        )
+    log.info(
+        "runtime: loaded %s (%d quantized linears, backend %s on %s)%s",
+        root,
+        len(layers),
+        name,
+        dev,
+        " with a draft" if rt.draft else "",
+    )
+    return rt

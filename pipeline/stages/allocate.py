@@ -1,0 +1,238 @@
+"""allocate: one format per layer, minimising the predicted loss under the bit budget.
+
+Items are layers, except that a fused group (q/k/v, gate/up: one input, one kernel) is one item
+whose members share a format. Layers matching ``quant.keep_float`` are never quantized (a group
+with such a member stays float as a whole); ``quant.float_fallback: k`` keeps the k most
+sensitive remaining items float as well (msModelSlim's fallback: ranked by ΔL at their cheapest
+candidate). Float layers are excluded from the average. The rest solve
+
+    min Σ_i ΔL_i(f_i)   s.t.   Σ_i bits_i(f_i) ≤ quant.budget_bits · Σ_i n_i
+
+exactly (``pipeline.quant.allocate.solve_mckp``), with ``bits_i`` the exact storage of the
+layer's codes, scales and zeros (``Format.bits_per_weight``). A single candidate gives a uniform
+plan without sensitivity. Output: ``bitplan.json`` (every scored layer, ``float`` for the
+unquantized ones) and ``bits_per_layer.png``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from dataclasses import dataclass
+from fractions import Fraction
+from fnmatch import fnmatch
+from pathlib import Path
+
+from pipeline import plots
+from pipeline.analysis.shapes import LayerShapes, shapes_from_dir, shapes_from_spec
+from pipeline.config import QuantConfig, model_cfg, parse, positive, quant_cfg
+from pipeline.errors import ConfigError
+from pipeline.quant.allocate import layer_bits, solve_mckp
+from pipeline.quant.formats import parse_format
+
+NEEDS: tuple[str, ...] = ("sensitivity",)
+USES: tuple[str, ...] = ("bootstrap",)
+KEYS = ("model", "quant.candidates", "quant.budget_bits", "quant.float_fallback",
+        "quant.keep_float", "stage.sensitivity")
+DISTRIBUTED = False
+
+log = logging.getLogger("lowbit")
+
+
+@dataclass(frozen=True)
+class AllocateConfig:
+    # DP cells above which the solver switches to a coarser, still budget-safe resolution.
+    max_units: int = 1_000_000
+
+    def check(self, prefix: str) -> None:
+        positive(prefix, max_units=self.max_units)
+
+
+def keep_float(name: str, patterns: list[str]) -> bool:
+    """Whether ``name`` matches a keep_float entry: a glob, or a run of dotted components
+    (``lm_head``, ``embed_tokens``, ``mlp.down_proj``, ``model.layers.0``)."""
+    for pat in patterns:
+        if any(ch in pat for ch in "*?[") and fnmatch(name, pat):
+            return True
+        if f".{pat.strip('.')}." in f".{name}.":
+            return True
+    return False
+
+
+def items_of(names: list[str], fused: list[list[str]], floats: set[str]) -> list[list[str]]:
+    """Allocation items in model order: fused groups (when all present) and single layers.
+
+    A group with a float member turns float as a whole (``floats`` is updated)."""
+    group_of = {n: tuple(g) for g in fused if all(m in names for m in g) for n in g}
+    items, seen = [], set()
+    for n in names:
+        g = group_of.get(n, (n,))
+        if g in seen:
+            continue
+        seen.add(g)
+        if floats & set(g):
+            if not set(g) <= floats:
+                log.warning("allocate: %s kept float because %s is", list(g), sorted(floats & set(g)))
+            floats.update(g)
+            continue
+        items.append(list(g))
+    return items
+
+
+def infeasible(budget: float, minimum: Fraction, exact: bool) -> ConfigError:
+    floor = math.ceil(minimum * 10_000) / 10_000  # rounded up: setting it is feasible
+    what = "the minimum achievable" if exact else "a lower bound of what is achievable"
+    return ConfigError(
+        "quant.budget_bits",
+        f"is {budget}, below {what}: {floor:.4f} bits per weight (every quantized layer in "
+        "its cheapest candidate, scales and zeros included)",
+        f"quant.budget_bits >= {floor:.4f}, or a cheaper format in quant.candidates",
+    )
+
+
+def check_budget(q: QuantConfig, shapes: dict[str, tuple[int, int]], items: list[list[str]],
+                 exact: bool) -> None:
+    """Fail when no assignment meets the budget; ``exact=False`` checks a lower bound only."""
+    if q.budget_bits is None or not items:
+        return
+    cheapest = [min(sum(layer_bits(f, shapes[n]) for n in it) for f in q.candidates)
+                for it in items]
+    n_q = sum(math.prod(shapes[n]) for it in items for n in it)
+    if exact:
+        minimum = Fraction(sum(cheapest), n_q)
+    else:  # any average is at least the smallest per-item average
+        minimum = min(Fraction(c, sum(math.prod(shapes[n]) for n in it))
+                      for c, it in zip(cheapest, items))
+    if Fraction(q.budget_bits) < minimum:
+        raise infeasible(q.budget_bits, minimum, exact)
+
+
+def _config_shapes(cfg) -> LayerShapes | None:
+    m = model_cfg(cfg)
+    if m.target.path is None:
+        return shapes_from_spec(m.target, m.tokenizer.vocab_size)
+    try:
+        return shapes_from_dir(Path(m.target.path))
+    except (OSError, KeyError, ValueError):
+        return None  # not a checkpoint yet: checked at the start of run()
+
+
+def _scored(shapes: dict, cfg) -> dict:
+    """Drop what the sensitivity stage does not score (its include_* switches)."""
+    sens = cfg.stage.get("sensitivity") or {}
+    drop = set()
+    if not sens.get("include_lm_head", True):
+        drop.add("lm_head")
+    if not sens.get("include_embeddings", True):
+        drop.add("embed_tokens")
+    return {n: s for n, s in shapes.items() if n.split(".")[-1] not in drop}
+
+
+def validate(cfg) -> None:
+    parse(cfg.stage.allocate, AllocateConfig, "stage.allocate")
+    q = quant_cfg(cfg)
+    ls = _config_shapes(cfg)
+    if ls is None:
+        return
+    shapes = _scored(ls.shapes, cfg)
+    floats = {n for n in shapes if keep_float(n, q.keep_float)}
+    items = items_of(list(shapes), ls.fused, floats)
+    vocab_free = all(not n.endswith(("lm_head", "embed_tokens")) for it in items for n in it)
+    check_budget(q, shapes, items, exact=q.float_fallback == 0 and (ls.exact_vocab or vocab_free))
+
+
+def run(ctx) -> dict:
+    p = parse(ctx.params, AllocateConfig, "stage.allocate")
+    q = quant_cfg(ctx.cfg)
+    if "sensitivity" in ctx.inputs:
+        report = json.loads((ctx.inputs["sensitivity"] / "sensitivity.json").read_text())
+        layers = {layer["name"]: layer for layer in report["layers"]}
+        shapes = {n: tuple(layer["shape"]) for n, layer in layers.items()}
+        fused = report["fused_groups"]
+    else:  # uniform plan: no sensitivity needed, only the shapes
+        ls = shapes_from_dir(ctx.target_dir())
+        layers, shapes, fused = {}, _scored(ls.shapes, ctx.cfg), ls.fused
+    plan = make_plan(shapes, layers, fused, q, p.max_units)
+    (ctx.out_dir / "bitplan.json").write_text(json.dumps(plan, indent=1))
+    names = list(plan["layers"])
+    plots.bars(
+        [parse_format(plan["layers"][n]).bits_per_weight(shapes[n][1]) for n in names], names,
+        ctx.out_dir / "bits_per_layer.png", "bits per weight (scales and zeros included)",
+        "bits", hline=q.budget_bits, hline_label="budget",
+        colors=["tab:gray" if plan["layers"][n] == "float" else "tab:blue" for n in names],
+    )
+    metrics = {k: plan[k] for k in ("avg_bits", "total_bytes") if plan[k] is not None}
+    if plan["predicted_dloss"] is not None:
+        metrics["predicted_dloss"] = plan["predicted_dloss"]
+    metrics["float_layers"] = sum(f == "float" for f in plan["layers"].values())
+    for f in q.candidates:
+        metrics[f"layers_{f}"] = sum(v == f for v in plan["layers"].values())
+    log.info("allocate: avg %.4f bits (budget %s), predicted ΔL %s", plan["avg_bits"],
+             q.budget_bits, plan["predicted_dloss"])
+    return metrics
+
+
+def make_plan(shapes: dict[str, tuple[int, int]], layers: dict[str, dict],
+              fused: list[list[str]], q: QuantConfig, max_units: int = 1_000_000) -> dict:
+    """The bitplan (contract in the module docstring) for layers {name: (out, in)}.
+
+    Args:
+        shapes: Every planned layer's weight shape, in model order.
+        layers: sensitivity.json entries by name (``dloss`` per candidate); may be empty for a
+            single candidate without fallback.
+        fused: Groups that share a format.
+        q: The quant section (candidates, budget_bits, float_fallback, keep_float).
+        max_units: DP resolution cap.
+    """
+    names = list(shapes)
+    cands = [parse_format(c).name for c in q.candidates]
+    floats = {n for n in names if keep_float(n, q.keep_float)}
+    items = items_of(names, fused, floats)
+    kept = set(floats)  # keep_float matches, widened to whole fused groups
+
+    def dloss(it: list[str], f: str) -> float:
+        return sum(layers[n]["dloss"][f] for n in it)
+
+    def cost(it: list[str], f: str) -> int:
+        return sum(layer_bits(f, shapes[n]) for n in it)
+
+    fallback: list[str] = []
+    if q.float_fallback:
+        if not layers:
+            raise ConfigError("quant.float_fallback", "needs the sensitivity stage's output")
+        ranked = sorted(items, key=lambda it: -dloss(it, min(cands, key=lambda f: cost(it, f))))
+        for it in ranked[: q.float_fallback]:
+            fallback += it
+        items = [it for it in items if it[0] not in fallback]
+    if not items:
+        raise ConfigError("quant.keep_float", "keeps every layer float: nothing to quantize")
+    check_budget(q, shapes, items, exact=True)
+    n_q = sum(math.prod(shapes[n]) for it in items for n in it)
+    if len(cands) == 1:
+        choice, exact = [0] * len(items), True
+    else:
+        capacity = math.floor(Fraction(q.budget_bits) * n_q)  # exact: floats are dyadic
+        sol = solve_mckp([[cost(it, f) for f in cands] for it in items],
+                         [[dloss(it, f) for f in cands] for it in items], capacity, max_units)
+        choice, exact = sol.choice, sol.exact
+    plan = dict.fromkeys(names, "float")
+    for it, j in zip(items, choice):
+        plan.update(dict.fromkeys(it, cands[j]))
+    q_bits = sum(cost(it, cands[j]) for it, j in zip(items, choice))
+    all_bits = q_bits + sum(layer_bits("float", shapes[n]) for n in floats | set(fallback))
+    return {
+        "budget_bits": q.budget_bits,
+        "avg_bits": q_bits / n_q,
+        "total_bytes": math.ceil(all_bits / 8),
+        "predicted_dloss": sum(dloss(it, cands[j]) for it, j in zip(items, choice))
+        if layers else None,
+        "layers": plan,
+        "fused_groups": [g for g in fused if all(n in plan for n in g)],
+        "candidates": cands,
+        "quantized_params": n_q,
+        "quantized_bytes": math.ceil(q_bits / 8),
+        "keep_float": sorted(kept & set(names)),
+        "fallback": fallback,
+        "exact": exact,
+    }

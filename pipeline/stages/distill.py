@@ -1,0 +1,259 @@
+"""distill: precision-aware distillation (QAT) of the quantized target against its FP self.
+
+Student: the quantize stage's model, loaded with FakeQuantLinear layers that reproduce its codes,
+scales and zeros exactly; teacher: the FP target, frozen. The training (pipeline/lit/distill.py)
+runs on the configured Lightning strategy (cpu, ddp, DeepSpeed ZeRO-2/3, several nodes) with
+gradient clipping, quant-aware gradient scaling, a NaN/Inf guard and checkpoints in the stage's
+work dir, so a killed run resumes from its last checkpoint. At the end the learned parameters
+(consolidated from the ZeRO shards when DeepSpeed trained them) are written back in the quantize
+stage's representation (`model/`), which is all evaluate and export need to know.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Literal
+
+import torch
+
+from pipeline.config import data_cfg, model_cfg, parse, positive
+from pipeline.data.text import Corpus, windows
+from pipeline.errors import ConfigError, LowbitError
+from pipeline.lit.trainer import build_trainer, trainer_kwargs
+
+NEEDS: tuple[str, ...] = ("quantize",)
+USES: tuple[str, ...] = ("bootstrap",)
+KEYS = ("model", "data", "trainer")
+DISTRIBUTED = True  # every rank trains under the Lightning strategy
+
+log = logging.getLogger("lowbit")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+_TRAIN_SETS = (["scales"], ["scales", "weights"], ["scales", "weights", "norms"])
+
+
+@dataclass(frozen=True)
+class DistillConfig:
+    max_steps: int = 300
+    batch_size: int = 8
+    seq_len: int | None = None
+    lr: float = 1e-4
+    weight_lr: float = 1e-5
+    warmup_steps: int = 30
+    weight_decay: float = 0.0
+    train: list[str] = field(default_factory=lambda: ["scales"])
+    alpha: float = 1.0
+    beta: float = 1.0
+    temperature: float = 1.0
+    match: Literal["attention", "hidden", "both"] = "attention"
+    layer_weights: Literal["error", "uniform"] = "error"
+    teacher_dtype: Literal["float32", "bfloat16"] = "float32"
+    clip_norm: float = 1.0
+    grad_scale: Literal["bits", "lsq", "none"] = "bits"
+    fp32_modules: list[str] = field(default_factory=lambda: ["lm_head", "norm"])
+    nan_guard: bool = True
+    ckpt_every: int = 100
+    val_windows: int = 16
+
+    def check(self, prefix: str) -> None:
+        positive(
+            prefix,
+            max_steps=self.max_steps,
+            batch_size=self.batch_size,
+            lr=self.lr,
+            weight_lr=self.weight_lr,
+            temperature=self.temperature,
+            ckpt_every=self.ckpt_every,
+            seq_len=self.seq_len,
+        )
+        if sorted(self.train) not in [sorted(t) for t in _TRAIN_SETS]:
+            raise ConfigError(
+                f"{prefix}.train",
+                f"is {self.train}",
+                " or ".join(str(t).replace("'", "") for t in _TRAIN_SETS),
+            )
+        if not 1.0 <= self.clip_norm <= 3.0:
+            raise ConfigError(
+                f"{prefix}.clip_norm", f"is {self.clip_norm}", "1.0 <= clip_norm <= 3.0"
+            )
+        if self.alpha < 0 or self.beta < 0 or self.alpha + self.beta == 0:
+            raise ConfigError(
+                f"{prefix}.alpha", f"={self.alpha} and beta={self.beta}", "both >= 0 and not both 0"
+            )
+        for key, v in (
+            ("warmup_steps", self.warmup_steps),
+            ("val_windows", self.val_windows),
+            ("weight_decay", self.weight_decay),
+        ):
+            if v < 0:
+                raise ConfigError(f"{prefix}.{key}", f"must be >= 0, got {v}")
+
+
+def validate(cfg) -> None:
+    parse(cfg.stage.distill, DistillConfig, "stage.distill")
+    model_cfg(cfg)
+    data_cfg(cfg)
+    trainer_kwargs(cfg.trainer)
+
+
+def _layer_errors(quantize_dir) -> dict[str, float]:
+    path = quantize_dir / "quant_report.json"
+    try:
+        layers = json.loads(path.read_text())["layers"]
+        return {name: float(r["rel_output_error"]) for name, r in layers.items()}
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise LowbitError(
+            f"{path} has no per-layer rel_output_error ({e!r}); re-run the quantize stage, or set "
+            "stage.distill.layer_weights=uniform"
+        ) from None
+
+
+def build_student(model_dir, p: DistillConfig):
+    """The fake-quant student: exact quantize-stage weights, trainable sets, gradient scales."""
+    from pipeline.lit.distill import apply_grad_scale, keep_full_precision, set_trainable
+    from pipeline.models.quantized import load_quantized, quantized_modules
+
+    student = load_quantized(model_dir, learn_weights="weights" in p.train)
+    if not quantized_modules(student):
+        raise LowbitError(f"{model_dir} has no quantized linear: nothing to distill")
+    set_trainable(student, p.train)
+    apply_grad_scale(student, p.grad_scale)
+    keep_full_precision(student, p.fp32_modules)
+    if p.beta > 0 and p.match != "hidden":
+        student.set_attn_implementation("eager")  # attention probabilities need eager attention
+    return student
+
+
+def _is_deepspeed(trainer) -> bool:
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+
+    return isinstance(trainer.strategy, DeepSpeedStrategy)
+
+
+def _consolidate(trainer, ctx, model_dir, p: DistillConfig, student):
+    """The trained student as one complete model on rank 0 (None on other ranks)."""
+    if not _is_deepspeed(trainer):
+        return student if ctx.dist.is_main else None  # DDP replicas are identical
+    from pipeline.lit.guards import zero_trainable_state
+
+    path = ctx.work_dir / "final.ckpt"
+    trainer.save_checkpoint(path)  # every rank writes its shard
+    ctx.dist.barrier()
+    if not ctx.dist.is_main:
+        return None
+    state = zero_trainable_state(path, prefix="student.")
+    final = build_student(model_dir, p)
+    wanted = {n for n, t in final.named_parameters() if t.requires_grad}
+    if wanted - set(state):
+        raise LowbitError(f"{path} lacks trained tensors {sorted(wanted - set(state))[:5]}")
+    final.load_state_dict(state, strict=False)
+    return final
+
+
+def run(ctx) -> dict:
+    from pipeline.lit.distill import DistillData, DistillHParams, DistillModule, keep_full_precision
+    from pipeline.lit.guards import NanGuard, checkpoint_callback, last_checkpoint
+    from pipeline.models.hf import load_causal_lm, load_tokenizer, perplexity
+    from pipeline.quant.losses import layer_weights
+
+    p = parse(ctx.params, DistillConfig, "stage.distill")
+    data = data_cfg(ctx.cfg)
+    seq_len = p.seq_len or data.seq_len
+    model_dir = ctx.inputs["quantize"] / "model"
+    target_dir = ctx.target_dir()
+    torch.manual_seed(ctx.cfg.seed)
+
+    student = build_student(model_dir, p)
+    teacher = load_causal_lm(
+        target_dir, dtype=_DTYPES[p.teacher_dtype], allow_bin=ctx.cfg.model.allow_bin
+    )
+    if teacher.config.vocab_size != student.config.vocab_size:
+        raise LowbitError(
+            f"the teacher {target_dir} and the quantized {model_dir} differ in "
+            "vocabulary: re-run quantize on this target"
+        )
+    keep_full_precision(teacher, p.fp32_modules)
+    if p.beta > 0 and p.match != "hidden":
+        teacher.set_attn_implementation("eager")
+    n_layers = student.config.num_hidden_layers
+    if p.layer_weights == "error":
+        weights = layer_weights(_layer_errors(ctx.inputs["quantize"]), n_layers)
+    else:
+        weights = torch.full((n_layers,), 1.0 / n_layers)
+
+    corpus = Corpus(data, load_tokenizer(target_dir))
+    val = None
+    if p.val_windows:
+        val = windows(corpus.stream("validation"), seq_len, limit=p.val_windows)
+    metrics: dict[str, float] = {}
+    if val is not None and ctx.dist.is_main:
+        metrics["ppl_fp"] = perplexity(teacher, val)
+        metrics["ppl_quantized"] = perplexity(student, val)
+
+    hp = DistillHParams(
+        max_steps=p.max_steps,
+        lr=p.lr,
+        weight_lr=p.weight_lr,
+        warmup_steps=p.warmup_steps,
+        weight_decay=p.weight_decay,
+        alpha=p.alpha,
+        beta=p.beta,
+        temperature=p.temperature,
+        match=p.match,
+    )
+    module = DistillModule(student, teacher, hp, weights, p.train)
+    samples = p.max_steps * p.batch_size * ctx.dist.world_size
+    datamodule = DistillData(corpus.stream("train"), seq_len, p.batch_size, samples, ctx.cfg.seed)
+    guard = NanGuard() if p.nan_guard else None
+    callbacks = [c for c in (guard, checkpoint_callback(ctx.work_dir, p.ckpt_every)) if c]
+    trainer = build_trainer(
+        ctx.cfg.trainer,
+        max_steps=p.max_steps,
+        gradient_clip_val=p.clip_norm,
+        gradient_clip_algorithm="norm",
+        logger=ctx.log.lightning_logger() or False,
+        callbacks=callbacks,
+        default_root_dir=str(ctx.work_dir),
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+    )
+    found = last_checkpoint(ctx.work_dir) if ctx.dist.is_main else None
+    resume = ctx.dist.broadcast(str(found) if found else None)
+    if resume:
+        log.info("distill: resuming from %s", resume)
+    trainer.fit(module, datamodule=datamodule, ckpt_path=resume)
+
+    final = _consolidate(trainer, ctx, model_dir, p, student)
+    if final is None:
+        return {}
+    from pipeline.models.quantized import save_quantized_model
+
+    final.eval()
+    if val is not None:
+        metrics["ppl_distilled"] = perplexity(final, val)
+        gap = metrics["ppl_quantized"] - metrics["ppl_fp"]
+        if gap > 0:
+            metrics["gap_recovered"] = (metrics["ppl_quantized"] - metrics["ppl_distilled"]) / gap
+    save_quantized_model(final, ctx.out_dir / "model", src_dir=model_dir, method="distill")
+    logged = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("loss/")}
+    metrics.update(
+        {f"final_{k.replace('/', '_')}": v for k, v in logged.items() if math.isfinite(v)}
+    )
+    metrics.update(
+        steps=trainer.global_step,
+        resumed=float(resume is not None),
+        nan_skipped=float(guard.skipped if guard else 0),
+        lr_scale=guard.lr_scale if guard else 1.0,
+    )
+    report = {
+        "config": asdict(p),
+        "metrics": metrics,
+        "layer_weights": weights.tolist(),
+        "strategy": type(trainer.strategy).__name__,
+        "world_size": ctx.dist.world_size,
+    }
+    (ctx.out_dir / "distill_report.json").write_text(json.dumps(report, indent=1))
+    log.info("distill: %s", "  ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
+    return metrics

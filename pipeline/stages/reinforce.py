@@ -1,0 +1,368 @@
+"""reinforce: train the draft for acceptance against the target it will serve.
+
+The draft is trained on-policy on the acceptance scenarios (long contexts, heavy repetition,
+rare words, plain text; cut from the train split) with the loss of
+:mod:`pipeline.lit.reinforce` under Lightning (any `trainer=`; checkpoints every
+`checkpoint_every` steps in the stage's work dir, a rerun resumes from the last one).
+
+Which target: the one the run will deploy. The distilled model when the run has one, else the
+quantized one, else the FP target: a low-bit target's distribution moves, and the draft's
+acceptance should follow it. Which draft: the user's (`model.draft.path`, FP or a lowbit
+quantized directory, whose step sizes and zero points are then what trains) or the bootstrap
+draft. Without a draft (a user target and no `model.draft.path`) the target drafts for itself;
+there is nothing to reinforce and the workflow skips the stage, saying so.
+
+Outputs: `draft/` (HF dir, or a lowbit quantized dir for a quantized draft) and
+`reinforce.json`: acceptance per scenario on held-out prompts (test split) before and after,
+plus the FP draft on the FP target as the reference when the target is quantized, and a plot.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+from pipeline.config import data_cfg, model_cfg, parse, positive
+from pipeline.data.scenarios import SCENARIOS
+from pipeline.data.text import load_documents, split_documents
+from pipeline.errors import ConfigError
+from pipeline.lit.reinforce import DraftReinforce, LossWeights, ScenarioBatches, prepare_trainable
+from pipeline.lit.trainer import build_trainer, trainer_kwargs
+from pipeline.models.hf import load_causal_lm, load_tokenizer, save_hf
+from pipeline.spec.evaluation import acceptance_table, column, heldout_scenarios, plot_acceptance
+
+NEEDS: tuple[str, ...] = ("bootstrap",)
+USES: tuple[str, ...] = ("quantize", "distill")
+KEYS = ("model", "data", "trainer")
+DISTRIBUTED = True  # trains with the configured Lightning strategy on every rank
+
+log = logging.getLogger("lowbit")
+
+
+@dataclass(frozen=True)
+class ReinforceConfig:
+    max_steps: int = 300
+    batch_size: int = 8
+    gamma: int = 4
+    lr: float = 1e-4
+    warmup_steps: int = 10
+    temperature: float = 1.0
+    draft_t0: float = 1.0
+    w_acceptance: float = 0.7
+    w_throughput: float = 0.3
+    baseline_momentum: float = 0.9
+    pg_weight: float = 1.0
+    tvd_weight: float = 1.0
+    kl_weight: float = 0.05
+    grad_clip: float = 1.0
+    cost_ratio: float | None = None
+    quant_grad_scale: Literal["bits", "lsq", "none"] = "bits"
+    checkpoint_every: int = 50
+    monitor_window: int = 20
+    scenarios: list[str] = field(default_factory=lambda: list(SCENARIOS))
+    train_prompts: int = 64
+    eval_prompts: int = 8
+    prompt_len: int = 128
+    long_len: int = 576
+    eval_new_tokens: int = 32
+
+    def check(self, prefix: str) -> None:
+        positive(
+            prefix,
+            max_steps=self.max_steps,
+            batch_size=self.batch_size,
+            gamma=self.gamma,
+            lr=self.lr,
+            temperature=self.temperature,
+            draft_t0=self.draft_t0,
+            grad_clip=self.grad_clip,
+            cost_ratio=self.cost_ratio,
+            checkpoint_every=self.checkpoint_every,
+            monitor_window=self.monitor_window,
+            train_prompts=self.train_prompts,
+            eval_prompts=self.eval_prompts,
+            eval_new_tokens=self.eval_new_tokens,
+        )
+        for key in (
+            "w_acceptance",
+            "w_throughput",
+            "pg_weight",
+            "tvd_weight",
+            "kl_weight",
+            "warmup_steps",
+        ):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"{prefix}.{key}", f"must be >= 0, got {getattr(self, key)}")
+        if not 0 <= self.baseline_momentum < 1:
+            raise ConfigError(
+                f"{prefix}.baseline_momentum",
+                f"is {self.baseline_momentum}",
+                "0 <= baseline_momentum < 1",
+            )
+        bad = [s for s in self.scenarios if s not in SCENARIOS] or (not self.scenarios and ["[]"])
+        if bad:
+            raise ConfigError(
+                f"{prefix}.scenarios", f"contains {bad}", f"a non-empty list from {list(SCENARIOS)}"
+            )
+        if self.prompt_len < 2 or self.long_len < 2:
+            raise ConfigError(f"{prefix}.prompt_len", "and long_len must be >= 2")
+
+
+def skip_reason(cfg) -> str | None:
+    if cfg.model.target.path and not cfg.model.draft.path:
+        return (
+            "there is no draft (model.draft.path is null with a user target): the target "
+            "drafts for itself, nothing to reinforce; set model.draft.path to train one"
+        )
+    return None
+
+
+def validate(cfg) -> None:
+    parse(cfg.stage.reinforce, ReinforceConfig, "stage.reinforce")
+    model_cfg(cfg)
+    data_cfg(cfg)
+    trainer_kwargs(cfg.trainer)
+
+
+def pick_target(ctx) -> tuple[str, Path, bool]:
+    """(name, directory, is_quantized) of the target to reinforce against."""
+    for stage, name in (("distill", "target_distilled"), ("quantize", "target_quantized")):
+        if stage in ctx.inputs and (ctx.inputs[stage] / "model").is_dir():
+            return name, ctx.inputs[stage] / "model", True
+    return "target_fp", ctx.target_dir(), False
+
+
+def is_quantized_dir(path: Path) -> bool:
+    from pipeline.models.quantized import QUANT_JSON
+
+    return (Path(path) / QUANT_JSON).is_file()
+
+
+def load_model(path: Path, allow_bin: bool):
+    """A causal LM from an HF dir or a lowbit quantized dir (FakeQuantLinear layers)."""
+    if is_quantized_dir(path):
+        from pipeline.models.quantized import load_quantized
+
+        return load_quantized(path)
+    return load_causal_lm(path, allow_bin=allow_bin)
+
+
+def _scenarios(ctx, p: ReinforceConfig, tokenizer, docs, split: str, n: int) -> dict:
+    """Prompt sets of one split, built on rank 0 and cached in the work dir for the others."""
+
+    def build():
+        sets = heldout_scenarios(
+            tokenizer,
+            docs[split],
+            n_prompts=n,
+            prompt_len=p.prompt_len,
+            long_len=p.long_len,
+            seed=ctx.cfg.seed,
+            cache_path=ctx.work_dir / f"scenarios_{split}.json",
+        )
+        return {s: sets[s] for s in p.scenarios}
+
+    out = build() if ctx.dist.is_main else None
+    ctx.dist.barrier()
+    return out if out is not None else build()
+
+
+def _measure(ctx, p, target_name, target, drafts: dict, scenarios: dict) -> dict:
+    return acceptance_table(
+        {target_name: target},
+        drafts,
+        scenarios,
+        gamma=p.gamma,
+        temperature=p.temperature,
+        new_tokens=p.eval_new_tokens,
+        timing=False,
+        seed=ctx.cfg.seed,
+    )
+
+
+def run(ctx) -> dict:
+    p = parse(ctx.params, ReinforceConfig, "stage.reinforce")
+    data, allow_bin = data_cfg(ctx.cfg), ctx.cfg.model.allow_bin
+    torch.manual_seed(ctx.cfg.seed)
+    target_name, target_dir, target_quantized = pick_target(ctx)
+    draft_dir = ctx.draft_dir()
+    tokenizer = load_tokenizer(ctx.target_dir())
+    docs = split_documents(load_documents(data), data)
+    train_sets = _scenarios(ctx, p, tokenizer, docs, "train", p.train_prompts)
+    eval_sets = _scenarios(ctx, p, tokenizer, docs, "test", p.eval_prompts)
+
+    target = load_model(target_dir, allow_bin).requires_grad_(False)
+    draft = load_model(draft_dir, allow_bin)
+    draft_quantized = is_quantized_dir(draft_dir)
+    start_name = "draft_quantized" if draft_quantized else "draft_fp"
+    trainable = prepare_trainable(draft, p.quant_grad_scale)
+    log.info(
+        "reinforce: %s (%s) against %s (%s); %d trainable tensors",
+        start_name,
+        draft_dir,
+        target_name,
+        target_dir,
+        len(trainable),
+    )
+
+    before_file = ctx.work_dir / "before.json"  # survives a crash: the start draft is gone then
+    table: dict = {}
+    if ctx.dist.is_main:
+        if before_file.is_file():
+            table = json.loads(before_file.read_text())
+        else:
+            table = _measure(ctx, p, target_name, target, {start_name: draft.eval()}, eval_sets)
+            before_file.write_text(json.dumps(table))
+    ctx.dist.barrier()
+
+    module = DraftReinforce(
+        draft,
+        target,
+        gamma=p.gamma,
+        temperature=p.temperature,
+        draft_t0=p.draft_t0,
+        cost_ratio=p.cost_ratio,
+        weights=LossWeights(p.pg_weight, p.tvd_weight, p.kl_weight, p.w_acceptance, p.w_throughput),
+        lr=p.lr,
+        warmup=p.warmup_steps,
+        max_steps=p.max_steps,
+        baseline_momentum=p.baseline_momentum,
+        monitor_window=p.monitor_window,
+        seed=ctx.cfg.seed,
+    )
+    trainer, last = _trainer(ctx, p)
+    batches = ScenarioBatches(
+        {s: torch.tensor(v) for s, v in train_sets.items()},
+        p.batch_size,
+        ctx.cfg.seed,
+        ctx.dist.rank,
+        start=lambda: module.global_step,
+    )
+    loader = torch.utils.data.DataLoader(batches, batch_size=None, num_workers=0)
+    module.draft.train()
+    trainer.fit(module, loader, ckpt_path=str(last) if last.is_file() else None)
+    if not ctx.dist.is_main:
+        return {}
+
+    after_name = "draft_reinforced"
+    device = next(target.parameters()).device  # Lightning may have moved the module back
+    draft = module.draft.to(device).eval()
+    table.update(_measure(ctx, p, target_name, target, {after_name: draft}, eval_sets))
+    pairs = {"before": f"{start_name}@{target_name}", "after": f"{after_name}@{target_name}"}
+    if target_quantized:  # the goal: at least the FP draft's acceptance on the FP target
+        fp_target = load_causal_lm(ctx.target_dir(), allow_bin=allow_bin).to(device)
+        fp_draft = load_model(draft_dir, allow_bin).to(device)
+        table.update(_measure(ctx, p, "target_fp", fp_target, {start_name: fp_draft}, eval_sets))
+        pairs["reference"] = f"{start_name}@target_fp"
+    return _write(
+        ctx,
+        p,
+        module,
+        draft,
+        draft_dir,
+        draft_quantized,
+        tokenizer,
+        table,
+        pairs,
+        target_name,
+        target_dir,
+        eval_sets,
+    )
+
+
+def _trainer(ctx, p: ReinforceConfig):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    ckpt_dir = ctx.work_dir / "checkpoints"
+    checkpoint = ModelCheckpoint(
+        dirpath=ckpt_dir,
+        filename="step{step}",
+        save_top_k=1,
+        save_last=True,
+        every_n_train_steps=p.checkpoint_every,
+    )
+    trainer = build_trainer(
+        ctx.cfg.trainer,
+        max_steps=p.max_steps,
+        logger=ctx.log.lightning_logger() or False,
+        callbacks=[checkpoint],
+        default_root_dir=str(ctx.work_dir),
+        gradient_clip_val=p.grad_clip,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        use_distributed_sampler=False,  # each rank draws its own batches (ScenarioBatches)
+    )
+    return trainer, ckpt_dir / "last.ckpt"
+
+
+def _write(
+    ctx,
+    p,
+    module,
+    draft,
+    draft_dir,
+    draft_quantized,
+    tokenizer,
+    table,
+    pairs,
+    target_name,
+    target_dir,
+    eval_sets,
+) -> dict:
+    out = ctx.out_dir / "draft"
+    draft = draft.to("cpu")
+    if draft_quantized:
+        from pipeline.models.quantized import read_quant_meta, save_quantized_model
+
+        save_quantized_model(draft, out, draft_dir, read_quant_meta(draft_dir)["method"])
+    else:
+        save_hf(draft, tokenizer, out)
+    alpha = {k: column(table, pair, "alpha") for k, pair in pairs.items()}
+    summary = {
+        "alpha": alpha,
+        "alpha_tf": {k: column(table, pair, "alpha_tf") for k, pair in pairs.items()},
+        "gain": {s: alpha["after"][s] - alpha["before"][s] for s in alpha["after"]},
+    }
+    report = {
+        "target": target_name,
+        "target_dir": str(target_dir),
+        "draft_dir": str(draft_dir),
+        "draft_quantized": draft_quantized,
+        "steps": module.global_step,
+        "gamma": p.gamma,
+        "temperature": p.temperature,
+        "cost_ratio": module.cost_ratio,
+        "eval_prompts": {s: [len(v), len(v[0])] for s, v in eval_sets.items()},
+        "eval_new_tokens": p.eval_new_tokens,
+        "pairs": pairs,
+        "summary": summary,
+        "acceptance": table,
+    }
+    (ctx.out_dir / "reinforce.json").write_text(json.dumps(report, indent=1))
+    fig = plot_acceptance(
+        alpha,
+        ylabel="on-line acceptance alpha",
+        title=f"draft acceptance on {target_name}, before/after reinforce",
+    )
+    fig.savefig(ctx.out_dir / "acceptance.png", dpi=120)
+    ctx.log.log_figure(fig, "acceptance.png")
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    log.info(
+        "reinforce: alpha %s",
+        "  ".join(f"{s} {alpha['before'][s]:.3f}->{alpha['after'][s]:.3f}" for s in alpha["after"]),
+    )
+    metrics = {f"alpha_after_{s}": v for s, v in alpha["after"].items()}
+    metrics |= {f"alpha_before_{s}": v for s, v in alpha["before"].items()}
+    metrics |= {
+        "alpha_gain_mean": summary["gain"]["mean"],
+        "cost_ratio": module.cost_ratio,
+        "steps": float(module.global_step),
+    }
+    return metrics

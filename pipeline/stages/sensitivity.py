@@ -1,0 +1,135 @@
+"""sensitivity: how much each layer's quantization to each candidate format costs in loss.
+
+For every linear of the target (lm_head included) and the embedding table, ΔL_l(f) is
+predicted for each format in ``quant.candidates`` from ``quant.calib.samples`` calibration
+windows (see ``pipeline.analysis``): the diagonal empirical Fisher (default), Hutchinson's
+Hessian-trace estimate (HAWQ-v2) or the gradient-free GPTQ proxy H = 2XXᵀ. The input of every
+linear is also summarised (MAD outlier-channel share, kurtosis, max/median channel absmax).
+
+Memory: the whole model is loaded. Fisher and Hutchinson need backpropagation through the
+whole network (one sequence per backward), plus a float32 Fisher buffer the size of the scored
+weights; a target bigger than one host's memory needs a bigger host or the ``gptq_proxy``
+method, which is forward-only and could stream one decoder block at a time through
+``StreamingCheckpoint`` as the quantize stage does (not implemented yet: it also loads the model).
+
+Ranks: every rank loads the model and takes ``dist.shard`` of the calibration sequences; sums
+are all-reduced, so the result does not depend on the number of ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from pipeline import plots
+from pipeline.analysis.sensitivity import analyze
+from pipeline.config import data_cfg, model_cfg, parse, positive, quant_cfg
+from pipeline.data.text import Corpus
+from pipeline.models.hf import load_causal_lm, load_tokenizer
+from pipeline.quant.formats import parse_format
+
+NEEDS: tuple[str, ...] = ("bootstrap",)
+USES: tuple[str, ...] = ()
+# Only what changes ΔL: a new budget or fallback count re-runs allocate, not this stage.
+KEYS = ("model", "data", "quant.candidates", "quant.calib")
+DISTRIBUTED = True
+
+log = logging.getLogger("lowbit")
+
+
+@dataclass(frozen=True)
+class SensitivityConfig:
+    method: Literal["fisher", "hutchinson", "gptq_proxy"] = "fisher"
+    gptq_weighting: Literal["full", "diag"] = "full"
+    hutchinson_probes: int = 4
+    batch_size: int = 8
+    include_lm_head: bool = True
+    include_embeddings: bool = True
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+
+    def check(self, prefix: str) -> None:
+        positive(prefix, hutchinson_probes=self.hutchinson_probes, batch_size=self.batch_size)
+
+
+def skip_reason(cfg) -> str | None:
+    q = cfg.quant
+    if len(q.candidates) == 1 and not q.get("float_fallback", 0):
+        return f"quant.candidates has one format ({q.candidates[0]}): the plan is uniform"
+    return None
+
+
+def validate(cfg) -> None:
+    parse(cfg.stage.sensitivity, SensitivityConfig, "stage.sensitivity")
+    model_cfg(cfg)
+    data_cfg(cfg)
+    quant_cfg(cfg)
+
+
+def _device(p: SensitivityConfig, local_rank: int) -> torch.device:
+    if p.device == "cuda" or (p.device == "auto" and torch.cuda.is_available()):
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def run(ctx) -> dict:
+    p = parse(ctx.params, SensitivityConfig, "stage.sensitivity")
+    q = quant_cfg(ctx.cfg)
+    candidates = [parse_format(c).name for c in q.candidates]
+    target = ctx.target_dir()
+    tokenizer = load_tokenizer(target)
+    windows = Corpus(data_cfg(ctx.cfg), tokenizer).calibration(
+        q.calib.samples, q.calib.seq_len, ctx.cfg.seed
+    )  # (S, T), identical on every rank
+    model = load_causal_lm(target, allow_bin=ctx.cfg.model.allow_bin)
+    model.to(_device(p, ctx.dist.local_rank))
+    t0 = time.time()
+    report = analyze(
+        model, windows, candidates, p.method, ctx.dist,
+        weighting=p.gptq_weighting, probes=p.hutchinson_probes, seed=ctx.cfg.seed,
+        batch_size=p.batch_size, include_lm_head=p.include_lm_head,
+        include_embeddings=p.include_embeddings, progress=True,
+    )
+    seconds = time.time() - t0
+    log.info("sensitivity: %s on %d sequences x %d tokens, %d layers, %.1fs",
+             p.method, *windows.shape, len(report["layers"]), seconds)
+    if not ctx.dist.is_main:
+        return {}
+    (ctx.out_dir / "sensitivity.json").write_text(json.dumps(report, indent=1))
+    write_plots(report, ctx.out_dir)
+    layers = report["layers"]
+    metrics = {"layers": len(layers), "samples": int(windows.shape[0]), "seconds": seconds}
+    for f in candidates:
+        metrics[f"dloss_sum_{f}"] = sum(layer["dloss"][f] for layer in layers)
+    shares = [layer["outliers"]["share"] for layer in layers if layer["outliers"]["share"] is not None]
+    if shares:
+        metrics["outlier_share_max"] = max(shares)
+    return metrics
+
+
+def write_plots(report: dict, out_dir) -> None:
+    """Heat map of log10 ΔL (layer × format), ΔL bars at the cheapest format, outlier shares."""
+    layers, cands = report["layers"], report["candidates"]
+    names = [layer["name"] for layer in layers]
+    plots.heatmap(
+        [[layer["dloss"][f] for f in cands] for layer in layers], names, cands,
+        out_dir / "sensitivity_heatmap.png",
+        f"predicted loss increase ({report['method']})", "log10 ΔL",
+    )
+    # The most aggressive format of each layer is where layers differ most.
+    def cheapest(layer: dict) -> str:
+        return min(cands, key=lambda f: parse_format(f).bits_per_weight(layer["shape"][1]))
+
+    plots.bars(
+        [layer["dloss"][cheapest(layer)] for layer in layers], names,
+        out_dir / "sensitivity_bars.png",
+        "per-layer sensitivity: ΔL at each layer's cheapest candidate", "ΔL", log_y=True,
+    )
+    plots.bars(
+        [layer["outliers"]["share"] for layer in layers], names, out_dir / "outliers.png",
+        "share of outlier input channels (MAD rule)", "share",
+    )

@@ -1,0 +1,86 @@
+"""Curvature estimators on a tiny Llama: against direct autograd, and across 2 ranks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as tdist
+import torch.multiprocessing as mp
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from pipeline.analysis.estimators import (
+    _probe_sequence,
+    _rademacher,
+    fisher_diagonal,
+    hutchinson_trace,
+    sequence_loss,
+)
+from pipeline.analysis.sensitivity import analyze
+from pipeline.dist import Dist
+from tests.analysis.conftest import tiny_llama, windows
+
+FORMATS = ["int2", "int4"]  # per channel: rows of 8 and 16 weights
+
+
+def test_fisher_is_mean_squared_sequence_gradient():
+    model, x = tiny_llama(), windows()
+    params = {"lm_head": model.lm_head.weight, "down": model.model.layers[1].mlp.down_proj.weight}
+    fisher = fisher_diagonal(model, x, params, Dist())
+    tokens = x.shape[1] - 1
+    expect = {n: torch.zeros_like(p) for n, p in params.items()}
+    for s in range(len(x)):
+        grads = torch.autograd.grad(sequence_loss(model, x[s : s + 1]), list(params.values()))
+        for name, g in zip(params, grads):
+            expect[name] += g * g * tokens
+    for name in params:
+        torch.testing.assert_close(fisher[name], expect[name] / len(x), rtol=1e-5, atol=1e-10)
+
+
+def test_hutchinson_probe_is_exact_vHv():
+    """One probe's vᵀHv equals the explicit Hessian (built column by column) contracted with v."""
+    model, x = tiny_llama(), windows(n=1)
+    w = model.model.layers[0].self_attn.o_proj.weight  # (8, 8): 64 Hessian columns
+    with sdpa_kernel(SDPBackend.MATH):  # the fused CPU kernel has no double backward
+        (g,) = torch.autograd.grad(sequence_loss(model, x), [w], create_graph=True)
+    g = g.reshape(-1)
+    H = torch.stack([torch.autograd.grad(g[i], [w], retain_graph=True)[0].reshape(-1)
+                     for i in range(g.numel())])  # (64, 64)
+    got = _probe_sequence(model, x, [w], probes=1, seed=7)
+    v = _rademacher(w.shape, torch.Generator().manual_seed(7), w.device).reshape(-1)
+    assert float(got[0]) == pytest.approx(float(v @ H @ v), rel=1e-4)
+    tr = hutchinson_trace(model, x, {"o": w}, Dist(), probes=1, seed=0)
+    assert set(tr) == {"o"}
+
+
+def _worker(rank: int, world: int, init_file: str, out: str) -> None:
+    tdist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                             world_size=world)
+    torch.set_num_threads(1)
+    try:
+        dist = Dist(rank, world)
+        model, x = tiny_llama(), windows(n=5)  # 5 sequences: ranks get 3 and 2
+        results = {m: analyze(model, x, FORMATS, m, dist, probes=2, batch_size=2)
+                   for m in ("fisher", "hutchinson", "gptq_proxy")}
+        if rank == 0:
+            torch.save(results, out)
+    finally:
+        tdist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_two_ranks_give_the_single_process_result(tmp_path):
+    out = tmp_path / "ranks.pt"
+    mp.spawn(_worker, args=(2, str(tmp_path / "init"), str(out)), nprocs=2, join=True)
+    multi = torch.load(out, weights_only=False)
+    model, x = tiny_llama(), windows(n=5)
+    for method, report in multi.items():
+        single = analyze(model, x, FORMATS, method, Dist(), probes=2, batch_size=2)
+        assert [layer["name"] for layer in report["layers"]] == [
+            layer["name"] for layer in single["layers"]]
+        for a, b in zip(report["layers"], single["layers"]):
+            for f in FORMATS:
+                assert a["dloss"][f] == pytest.approx(b["dloss"][f], rel=1e-5, abs=1e-12), (
+                    method, a["name"], f)
+            for key, value in b["outliers"].items():
+                expect = None if value is None else pytest.approx(value, rel=1e-6)
+                assert a["outliers"][key] == expect, (method, a["name"], key)

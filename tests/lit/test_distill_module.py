@@ -1,0 +1,211 @@
+"""DistillModule on a tiny Llama whose linears are fake-quantized here: loss, STE gradients,
+gradient scaling, trainable sets, full-precision modules, the NaN guard and resume."""
+
+from __future__ import annotations
+
+import copy
+
+import lightning as L
+import pytest
+import torch
+
+from pipeline.lit.distill import (
+    DistillData,
+    DistillHParams,
+    DistillModule,
+    apply_grad_scale,
+    keep_full_precision,
+    set_trainable,
+)
+from pipeline.lit.guards import NanGuard, checkpoint_callback, checkpoint_step, last_checkpoint
+from pipeline.quant.fakequant import FakeQuantLinear, grad_scale_factor
+
+VOCAB, SEQ = 64, 8
+
+
+def tiny_pair(seed: int = 0, fmt: str = "int2g32", learn_weights: bool = False):
+    """(teacher, student): a random 2-layer Llama and its copy with fake-quant decoder linears."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=64,
+        attn_implementation="eager",
+    )
+    teacher = LlamaForCausalLM(cfg).eval()
+    student = copy.deepcopy(teacher)
+    for name, mod in list(student.named_modules()):
+        if isinstance(mod, torch.nn.Linear) and ".layers." in name:
+            fq = FakeQuantLinear.from_linear(mod, fmt, learn_weights=learn_weights)
+            student.set_submodule(name, fq)
+    return teacher, student
+
+
+def make_module(cls=DistillModule, train=("scales",), lr=1e-3, max_steps=10, seed=0, **hp):
+    teacher, student = tiny_pair(seed, learn_weights="weights" in train)
+    params = DistillHParams(max_steps=max_steps, lr=lr, weight_lr=lr, **hp)
+    return cls(student, teacher, params, torch.tensor([0.5, 0.5]), list(train))
+
+
+def batch(seed: int = 0, n: int = 4) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (n, SEQ), generator=torch.Generator().manual_seed(seed))
+
+
+def scales(module) -> list[torch.Tensor]:
+    return [
+        m.scale.detach().clone() for m in module.student.modules() if isinstance(m, FakeQuantLinear)
+    ]
+
+
+def test_one_training_step_reduces_the_loss():
+    module = make_module(beta=1.0, match="both")
+    opt = module.configure_optimizers()["optimizer"]
+    x = batch()
+    before = module.losses(x)
+    assert before["kl"] > 0 and before["attn"] > 0 and before["hidden"] > 0
+    before["total"].backward()
+    opt.step()
+    with torch.no_grad():
+        after = module.losses(x)["total"]
+    assert after < before["total"].detach()
+
+
+def test_gradients_reach_scales_and_scaling_multiplies_them():
+    plain, scaled = make_module(), make_module()  # same seed: identical students
+    factors = apply_grad_scale(scaled.student, "bits")
+    assert set(factors.values()) == {2.0**-2}  # int2: 2^-bits
+    x = batch()
+    for m in (plain, scaled):
+        m.losses(x)["total"].backward()
+    pairs = [
+        (a, b)
+        for a, b in zip(plain.student.modules(), scaled.student.modules())
+        if isinstance(a, FakeQuantLinear)
+    ]
+    assert len(pairs) == 14  # 7 linears per decoder layer
+    for a, b in pairs:
+        assert a.weight is None  # codes frozen: only scale and zero are parameters
+        assert a.scale.grad is not None and a.scale.grad.abs().sum() > 0
+        torch.testing.assert_close(b.scale.grad, a.scale.grad * 0.25)
+        torch.testing.assert_close(b.zero.grad, a.zero.grad * 0.25)
+
+
+def test_lsq_factor_follows_the_layer_size():
+    module = make_module()
+    factors = apply_grad_scale(module.student, "lsq")
+    q_proj = module.student.model.layers[0].self_attn.q_proj  # 32x32, int2 asymmetric: Q_P = 3
+    name = "model.layers.0.self_attn.q_proj"
+    assert factors[name] == pytest.approx(1 / (32 * 32 * 3) ** 0.5)
+    assert q_proj.grad_scale == factors[name] == grad_scale_factor("lsq", "int2g32", 32 * 32)
+
+
+@pytest.mark.parametrize(
+    "train", [["scales"], ["scales", "weights"], ["scales", "weights", "norms"]]
+)
+def test_trainable_sets(train):
+    module = make_module(train=tuple(train))
+    names = {n for n, p in module.student.named_parameters() if p.requires_grad}
+    assert names and all(n.endswith((".scale", ".zero", ".weight", ".bias")) for n in names)
+    assert any(n.endswith(".scale") for n in names)
+    assert any(n.endswith("proj.weight") for n in names) == ("weights" in train)
+    assert any("norm" in n for n in names) == ("norms" in train)
+    assert not any("embed" in n or "lm_head" in n for n in names)
+    assert not any(p.requires_grad for p in module.teacher.parameters())
+    with pytest.raises(ValueError, match="scales"):
+        set_trainable(module.student, ["weights"])
+
+
+def test_full_precision_modules_under_bf16_autocast():
+    _, student = tiny_pair()
+    x = batch(n=2)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert student(input_ids=x).logits.dtype == torch.bfloat16
+    matched = keep_full_precision(student, ["lm_head", "norm"])
+    assert "lm_head" in matched and "model.norm" in matched
+    assert "model.layers.0.input_layernorm" in matched
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert student(input_ids=x).logits.dtype == torch.float32
+
+
+# ------------------------------------------------------------------ Lightning runs
+class Recorder(L.Callback):
+    """Scales after every step and the global step of every batch start."""
+
+    def __init__(self):
+        self.after, self.starts, self.at_start = [], [], None
+
+    def on_train_start(self, trainer, module):
+        self.at_start = scales(module)
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        self.starts.append(trainer.global_step)
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        self.after.append(scales(module))
+
+
+class NanAtStep2(DistillModule):
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return loss * float("nan") if self.global_step == 2 else loss
+
+
+class CrashAtStep3(L.Callback):
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        if trainer.global_step == 3:
+            raise RuntimeError("killed")
+
+
+def fit(module, max_steps, callbacks, ckpt_path=None):
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=max_steps,
+        logger=False,
+        enable_checkpointing=any(hasattr(c, "dirpath") for c in callbacks),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        gradient_clip_val=1.0,
+        callbacks=callbacks,
+    )
+    stream = torch.randint(0, VOCAB, (400,), generator=torch.Generator().manual_seed(1))
+    data = DistillData(stream, SEQ, batch_size=2, samples=2 * max_steps, seed=0)
+    trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
+    return trainer
+
+
+def test_nan_guard_skips_restores_and_halves_lr():
+    module = make_module(NanAtStep2, max_steps=5)
+    guard, rec = NanGuard(), Recorder()
+    trainer = fit(module, 5, [guard, rec])
+    assert guard.skipped == 1 and guard.lr_scale == 0.5
+    # The NaN step left no trace: state after it == state after the step before.
+    for a, b in zip(rec.after[2], rec.after[1]):
+        assert torch.equal(a, b)
+    assert any(not torch.equal(a, b) for a, b in zip(rec.after[3], rec.after[2]))
+    assert all(torch.isfinite(s).all() for s in rec.after[-1])
+    sched = trainer.lr_scheduler_configs[0].scheduler
+    assert sched.base_lrs[0] == pytest.approx(0.5e-3)
+    assert trainer.callback_metrics["guard/lr_scale"] == 0.5
+
+
+def test_resume_continues_at_the_checkpointed_step(tmp_path):
+    first = Recorder()
+    with pytest.raises(RuntimeError, match="killed"):
+        fit(make_module(max_steps=5), 5, [checkpoint_callback(tmp_path, 2), CrashAtStep3(), first])
+    ckpt = last_checkpoint(tmp_path)
+    assert ckpt is not None and checkpoint_step(ckpt) == 2
+    second = Recorder()
+    trainer = fit(
+        make_module(max_steps=5), 5, [checkpoint_callback(tmp_path, 2), second], ckpt_path=str(ckpt)
+    )
+    assert second.starts[0] == 2 and trainer.global_step == 5
+    for a, b in zip(second.at_start, first.after[1]):  # the weights of step 2, not the init's
+        assert torch.equal(a, b)
+    assert checkpoint_step(last_checkpoint(tmp_path)) == 4

@@ -1,0 +1,168 @@
+"""The reinforce loss and LightningModule on tiny Llama pairs."""
+
+import copy
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from pipeline.lit.reinforce import (
+    DraftReinforce,
+    LossWeights,
+    ScenarioBatches,
+    prepare_trainable,
+    proposal_logits,
+    reinforce_loss,
+)
+from pipeline.spec.metrics import expected_acceptance
+from pipeline.spec.rewards import MovingAverageBaseline
+from pipeline.spec.rollout import draft_rollout
+from tests.spec.conftest import VOCAB, perturbed, tiny_llama
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny models: intra-op threads only add overhead
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_llama(0).requires_grad_(False)
+
+
+def _draft(target, seed):
+    """A trainable noisy copy of the target: partial acceptance, room to improve."""
+    return perturbed(target, 0.05, seed=seed).requires_grad_(True)
+
+
+def _contexts(n=8, t=12, seed=0):
+    return torch.randint(0, VOCAB, (n, t), generator=torch.Generator().manual_seed(seed))
+
+
+def _prompts():
+    gen = torch.Generator().manual_seed(5)
+    return {"long": torch.randint(0, VOCAB, (4, 24), generator=gen),
+            "mix": torch.randint(0, VOCAB, (4, 12), generator=gen)}
+
+
+def test_one_step_increases_expected_acceptance(target):
+    draft = _draft(target, 1).train()
+    reference = copy.deepcopy(draft).requires_grad_(False)
+    gen = torch.Generator().manual_seed(0)
+    ro = draft_rollout(target, draft, _contexts(), 4, generator=torch.Generator().manual_seed(0))
+
+    def alpha() -> float:  # expected acceptance at the proposal positions of a fixed rollout
+        with torch.no_grad():
+            p = proposal_logits(target, ro.sequences, 4)
+            return expected_acceptance(p, proposal_logits(draft, ro.sequences, 4))[0].item()
+
+    before = alpha()
+    opt = torch.optim.SGD(draft.parameters(), lr=0.5)
+    loss, stats = reinforce_loss(
+        target, draft, reference, _contexts(), gamma=4, temperature=1.0, draft_temp=1.05,
+        cost_ratio=0.3, weights=LossWeights(), advantages=MovingAverageBaseline().advantages,
+        generator=gen,
+    )
+    loss.backward()
+    opt.step()
+    assert 0.0 <= stats["acceptance"] <= 1.0 and 0.0 < stats["alpha"] < 1.0
+    assert alpha() > before + 1e-3
+
+
+def test_proposal_logits_match_the_rollout(target):
+    draft = _draft(target, 2)
+    ro = draft_rollout(target, draft, _contexts(3, 7), 3, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        q = proposal_logits(draft, ro.sequences, 3)
+        p = proposal_logits(target, ro.sequences, 3)
+    assert torch.allclose(q, ro.q_logits, atol=1e-5)
+    assert torch.allclose(p, ro.p_logits[:, :3], atol=1e-5)
+
+
+def test_batches_are_deterministic_equal_length_and_resume():
+    prompts = _prompts()
+    a = ScenarioBatches(prompts, batch_size=3, seed=1)
+    b = ScenarioBatches(prompts, batch_size=3, seed=1, start=lambda: 4)
+    first_b = next(iter(b))
+    assert torch.equal(first_b, a.batch(4))  # resumed streams continue where they left off
+    assert not torch.equal(a.batch(0), ScenarioBatches(prompts, 3, seed=1, rank=1).batch(0))
+    long, mix = a.batch(0), a.batch(1)  # scenarios take turns
+    assert long.shape == (3, 24)  # long contexts keep their full length
+    assert mix.shape[0] == 3 and 6 <= mix.shape[1] <= 12
+    assert any(torch.equal(mix[0], row[: mix.shape[1]]) for row in prompts["mix"])
+
+
+def test_quantized_draft_trains_only_its_grid(target):
+    from pipeline.quant.fakequant import FakeQuantLinear
+
+    draft = _draft(target, 3)
+    for layer in draft.model.layers:
+        attn = layer.self_attn
+        attn.q_proj = FakeQuantLinear.from_linear(attn.q_proj, "int4g16")
+    names = prepare_trainable(draft)
+    assert names and all(n.endswith((".scale", ".zero")) for n in names)
+    scale = draft.model.layers[0].self_attn.q_proj.scale
+    before = scale.detach().clone()
+    loss, _ = reinforce_loss(
+        target, draft, copy.deepcopy(draft), _contexts(4, 10), gamma=3, temperature=1.0,
+        draft_temp=1.0, cost_ratio=0.3, weights=LossWeights(),
+        advantages=MovingAverageBaseline().advantages, generator=torch.Generator().manual_seed(0),
+    )
+    torch.optim.SGD([p for p in draft.parameters() if p.requires_grad], lr=1.0).zero_grad()
+    loss.backward()
+    assert scale.grad is not None and scale.grad.abs().sum() > 0
+    assert draft.model.embed_tokens.weight.grad is None
+    assert torch.equal(scale.detach(), before)
+
+
+class _Record(L.Callback):
+    def __init__(self):
+        self.seen = []
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        self.seen.append((trainer.global_step, batch.clone()))
+
+
+def _fit(tmp_path, target, draft, max_steps, ckpt=None):
+    module = DraftReinforce(
+        draft, target, gamma=3, temperature=1.0, draft_t0=1.0, cost_ratio=None,
+        weights=LossWeights(), lr=1e-3, warmup=1, max_steps=5, seed=0,
+    )
+    data = ScenarioBatches(_prompts(), 2, seed=0, start=lambda: module.global_step)
+    record = _Record()
+    trainer = L.Trainer(
+        accelerator="cpu", max_steps=max_steps, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, gradient_clip_val=1.0, default_root_dir=tmp_path,
+        callbacks=[record, ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1,
+                                           save_top_k=1, save_last=True)],
+    )
+    trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=None), ckpt_path=ckpt)
+    return module, record, data
+
+
+def test_lightning_module_trains_checkpoints_and_resumes(tmp_path, target):
+    draft = _draft(target, 4)
+    start = copy.deepcopy(draft)
+    first, _, _ = _fit(tmp_path, target, draft, max_steps=3)
+    assert first.global_step == 3 and first.cost_ratio > 0
+    assert any(not torch.equal(a, b) for a, b in zip(draft.parameters(), start.parameters()))
+    saved = torch.load(tmp_path / "last.ckpt", weights_only=False)
+    assert saved["global_step"] == 3
+    assert saved["reinforce"]["baseline"]["value"] == first.baseline.value
+    assert all(not k.startswith(("target", "reference")) for k in saved["state_dict"])
+
+    resumed, record, data = _fit(tmp_path, target, _draft(target, 9), 5,
+                                 ckpt=str(tmp_path / "last.ckpt"))
+    assert resumed.global_step == 5
+    assert [s for s, _ in record.seen] == [3, 4]  # the two missing steps, not a fresh start
+    assert torch.equal(record.seen[0][1], data.batch(3))
+    assert resumed.cost_ratio == first.cost_ratio  # c is measured once per run
+    assert len(resumed.window) == 5
+    loaded = {k.removeprefix("draft."): v for k, v in saved["state_dict"].items()}
+    fresh = _draft(target, 9)
+    fresh.load_state_dict(loaded)
+    assert not torch.equal(fresh.lm_head.weight, resumed.draft.lm_head.weight)  # trained on

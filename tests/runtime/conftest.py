@@ -1,0 +1,8 @@
+import pytest
+
+from tests.export.models import QuantModels
+
+
+@pytest.fixture(scope="session")
+def qmodels(tmp_path_factory):
+    return QuantModels(tmp_path_factory.mktemp("qmodels"))

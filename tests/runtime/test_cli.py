@@ -1,0 +1,50 @@
+"""`lowbit-run`: prints the continuation; a corrupt artifact is an error naming the file."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipeline.export import ExportOptions, export_artifact
+from pipeline.runtime.cli import main, parse_args
+
+
+@pytest.fixture(scope="module")
+def artifact(qmodels, tmp_path_factory):
+    art = tmp_path_factory.mktemp("cli") / "artifact"
+    export_artifact(qmodels.get("int4g128"), art, ExportOptions(), draft=qmodels.fp)
+    return art
+
+
+def test_prints_prompt_and_continuation(artifact, capsys):
+    from pipeline.runtime import load
+
+    rc = main([str(artifact), "--prompt", "the quick", "--prompt", "a lazy dog",
+               "--max-new-tokens", "6", "--stats", "--backend", "torch"])
+    out, err = capsys.readouterr()
+    lines = out.splitlines()
+    assert rc == 0 and len(lines) == 2
+    expected = load(artifact, "torch").generate("the quick", 6, speculative=False).text
+    assert lines[0] == "the quick" + expected
+    assert "tok/s" in err and "drafted tokens accepted" in err  # the artifact's draft was used
+    assert main([str(artifact), "--prompt", "x", "--no-draft", "--max-new-tokens", "2",
+                 "--stats"]) == 0
+    assert "drafted" not in capsys.readouterr().err
+
+
+def test_corrupt_artifact_exits_with_message(artifact, tmp_path, capsys):
+    import shutil
+
+    bad = tmp_path / "a"
+    shutil.copytree(artifact, bad)
+    (bad / "config.json").write_text("{}")
+    assert main([str(bad), "--prompt", "x"]) == 2
+    assert "config.json" in capsys.readouterr().err
+
+
+def test_argument_errors():
+    with pytest.raises(SystemExit):
+        parse_args(["a"])  # --prompt is required
+    with pytest.raises(SystemExit):
+        parse_args(["a", "--prompt", "x", "--draft", "d", "--no-draft"])
+    with pytest.raises(SystemExit):
+        parse_args(["a", "--prompt", "x", "--temperature", "-1"])

@@ -1,0 +1,138 @@
+"""reinforce stage: end to end on the smoke bootstrap models, resume, quantized pairs, skips."""
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from pipeline import workflow
+from pipeline.errors import ConfigError
+from pipeline.models.hf import load_causal_lm
+from pipeline.stages import reinforce
+from tests.conftest import smoke_cfg
+from tests.stages.conftest import boot_cfg
+
+# The stage's config group, whatever conf/config.yaml's defaults list holds, and tiny sizes
+# (long_len is far below 576 here: the smoke models only need the code path).
+STAGE = ("stage=[bootstrap,reinforce,evaluate]", "stages=[bootstrap,reinforce]")
+TINY = (
+    "stage.reinforce.max_steps=4",
+    "stage.reinforce.batch_size=2",
+    "stage.reinforce.train_prompts=4",
+    "stage.reinforce.eval_prompts=2",
+    "stage.reinforce.prompt_len=24",
+    "stage.reinforce.long_len=80",
+    "stage.reinforce.eval_new_tokens=6",
+    "stage.reinforce.checkpoint_every=2",
+    "trainer.enable_progress_bar=false",
+)
+
+
+@pytest.fixture(autouse=True)
+def _threads():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny models: intra-op threads only add overhead
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_end_to_end_writes_a_better_draft_and_the_report(boot, tmp_path):
+    cfg = boot_cfg(boot, tmp_path, *STAGE, *TINY)
+    done = workflow.run(cfg)["reinforce"]
+    out = tmp_path / "run" / "reinforce"
+    assert (out / "draft" / "model.safetensors").is_file()
+    assert (out / "draft" / "tokenizer.json").is_file() and (out / "acceptance.png").is_file()
+    report = json.loads((out / "reinforce.json").read_text())
+    assert report["target"] == "target_fp" and report["steps"] == 4
+    assert report["pairs"] == {"before": "draft_fp@target_fp", "after": "draft_reinforced@target_fp"}
+    for side in ("before", "after"):
+        alpha = report["summary"]["alpha"][side]
+        assert set(alpha) == {"long", "repetition", "rare", "mix", "mean"}
+        assert all(0.0 < a < 1.0 for a in alpha.values())
+    assert report["eval_prompts"]["long"] == [2, 80]
+    assert done["metrics"]["alpha_gain_mean"] == pytest.approx(report["summary"]["gain"]["mean"])
+    new, old = load_causal_lm(out / "draft"), load_causal_lm(boot["draft"])
+    assert not torch.equal(new.lm_head.weight, old.lm_head.weight)
+    assert not (tmp_path / "run" / ".work").exists() or not any((tmp_path / "run" / ".work").iterdir())
+
+
+def test_rerun_after_a_crash_resumes_from_the_checkpoint(boot, tmp_path, monkeypatch):
+    cfg = boot_cfg(boot, tmp_path, *STAGE, *TINY)
+
+    def crash(*args, **kwargs):
+        raise RuntimeError("killed after training")
+
+    monkeypatch.setattr(reinforce, "_write", crash)
+    with pytest.raises(RuntimeError, match="killed"):
+        workflow.run(cfg)
+    work = next((tmp_path / "run" / ".work").glob("reinforce-*"))
+    assert (work / "checkpoints" / "last.ckpt").is_file() and (work / "before.json").is_file()
+    monkeypatch.undo()
+    steps = []
+    original = reinforce.DraftReinforce.training_step
+    monkeypatch.setattr(reinforce.DraftReinforce, "training_step",
+                        lambda self, *a: steps.append(1) or original(self, *a))
+    workflow.run(cfg)
+    assert steps == []  # all 4 steps came from the checkpoint
+    report = json.loads((tmp_path / "run" / "reinforce" / "reinforce.json").read_text())
+    assert report["steps"] == 4
+
+
+def test_quantized_target_and_draft(boot, tmp_path):
+    from pipeline.models.quantized import load_quantized, save_quantized_model
+    from pipeline.quant.fakequant import FakeQuantLinear
+    from pipeline.workflow import StageContext
+
+    def quantize(src, dst, fmt):
+        model = load_causal_lm(src)
+        for layer in model.model.layers:
+            for parent in (layer.self_attn, layer.mlp):
+                for name, child in list(parent.named_children()):
+                    if isinstance(child, torch.nn.Linear):
+                        setattr(parent, name, FakeQuantLinear.from_linear(child, fmt))
+        save_quantized_model(model, dst, src, "rtn")
+
+    quantize(boot["target"], tmp_path / "quantize" / "model", "int4g32")
+    quantize(boot["draft"], tmp_path / "qdraft", "int4g32")
+    cfg = smoke_cfg(tmp_path, "tracking=none", *STAGE, *TINY,
+                    f"model.draft.path={tmp_path / 'qdraft'}")
+    run_dir = tmp_path / "run"
+    out, work = tmp_path / "out", tmp_path / "work"
+    out.mkdir()
+    work.mkdir()
+    inputs = {"bootstrap": boot["run_dir"] / "bootstrap", "quantize": tmp_path / "quantize"}
+    metrics = reinforce.run(StageContext("reinforce", cfg, out, work, run_dir, inputs))
+    report = json.loads((out / "reinforce.json").read_text())
+    assert report["target"] == "target_quantized" and report["draft_quantized"]
+    assert report["pairs"]["reference"] == "draft_quantized@target_fp"
+    assert set(report["summary"]["alpha"]) == {"before", "after", "reference"}
+    assert "alpha_after_mean" in metrics
+    new, old = load_quantized(out / "draft"), load_quantized(tmp_path / "qdraft")
+    q_new = new.model.layers[0].self_attn.q_proj
+    q_old = old.model.layers[0].self_attn.q_proj
+    assert isinstance(q_new, FakeQuantLinear) and torch.equal(q_new.codes, q_old.codes)
+    assert not torch.equal(q_new.scale, q_old.scale)  # the step sizes trained
+    assert torch.equal(new.model.embed_tokens.weight, old.model.embed_tokens.weight)
+
+
+def test_no_draft_means_self_speculation_and_a_skip(boot, tmp_path):
+    target = tmp_path / "target"
+    shutil.copytree(boot["target"], target)
+    cfg = smoke_cfg(tmp_path, "tracking=none", *STAGE[:1], "stages=[reinforce]",
+                    f"model.target.path={target}")
+    assert "nothing to reinforce" in reinforce.skip_reason(cfg)
+    assert "reinforce" not in workflow.run(cfg)
+
+
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [("stage.reinforce.scenarios=[long,poetry]", "scenarios"),
+     ("stage.reinforce.baseline_momentum=1.0", "baseline_momentum"),
+     ("stage.reinforce.quant_grad_scale=fancy", "quant_grad_scale"),
+     ("stage.reinforce.tvd_weight=-1", "tvd_weight")],
+)
+def test_validate_names_the_bad_key(tmp_path, override, key):
+    cfg = smoke_cfg(tmp_path, "tracking=none", *STAGE, override)
+    with pytest.raises(ConfigError, match=f"stage.reinforce.{key}"):
+        reinforce.validate(cfg)
