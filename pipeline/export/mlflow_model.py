@@ -68,7 +68,7 @@ def signature():
         ]
     )
     return ModelSignature(
-        inputs=Schema([ColSpec("string", "prompt")]),
+        inputs=Schema([ColSpec("string")]),
         outputs=Schema([ColSpec("string")]),
         params=params,
     )

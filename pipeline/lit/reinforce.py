@@ -53,7 +53,7 @@ from pipeline.spec.rollout import draft_rollout
 
 @dataclass(frozen=True)
 class LossWeights:
-    pg: float = 1.0
+    pg: float = 0.1
     tvd: float = 1.0
     kl: float = 0.05
     w_acceptance: float = 0.7

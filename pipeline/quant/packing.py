@@ -11,9 +11,9 @@ lowbit layout (``pack_bits``), codes taken in row-major (flattened) order, resul
 The tail is zero-padded to whole bytes (whole 3-byte triples for 3-bit); ``unpack_bits``
 takes the original numel or shape to drop it.
 
-Speed: codes are moved between packed and byte positions with full-width integer ops on
-16/64-bit lanes (see ``_spread``), never byte-wise shuffles; see ``bench/packing.py``. These
-lane views assume a little-endian host (x86, Arm), as the int32 NPU layout does anyway.
+Speed: codes move between packed and byte positions through full-width integer ops on
+16/64-bit lanes (see ``_spread_``), chunk by chunk; see ``bench/packing.py``. The lane views
+assume a little-endian host (x86, Arm), as the int32 NPU layout does anyway.
 
 Ascend layouts (signed int4, two's-complement nibbles, low nibble first,
 ``byte = (q_odd << 4) | (q_even & 0xF)``):
@@ -53,32 +53,38 @@ def _check_bits(bits: int) -> None:
 # A "stage" moves a bit field up by k inside wider lanes with one mask and one fused
 # multiply-add: x + (x & mask) * (2**k - 1) == (x & ~mask) | (x & mask) << k when the moved
 # bits land on zeros. Unpacking spreads codes into whole bytes stage by stage (each stage
-# halves the field width); packing runs the inverse stages. This keeps every step a
-# full-width vectorised op on 16/64-bit words instead of byte-wise shuffles.
+# halves the field width); packing runs the inverse stages. Every step is a full-width
+# vectorised op on 16/64-bit lanes instead of a byte-wise shuffle, and the work runs chunk by
+# chunk so that temporaries stay in cache and the allocator never touches fresh pages.
 _SPREAD4 = ((0xF0, 4),)  # int16 lane: byte b -> (b & 15) | (b >> 4) << 8
 _SPREAD2 = ((0x0C, 6),)  # int16 lane: nibble -> two 2-bit codes in two bytes
 _SPREAD3 = ((0xFFF000, 20), (0x00000FC000000FC0, 10), (0x0038003800380038, 5))  # int64 lane
 _M24 = 0xFFFFFF
+CHUNK = 1 << 20  # packed bytes per chunk (a few MiB of temporaries, reused by the allocator)
 
 
-def _spread(x: Tensor, stages: tuple[tuple[int, int], ...]) -> Tensor:
-    m = torch.empty_like(x)
-    out = None
-    for mask, k in stages:  # the first stage allocates the result, the rest run in place
-        torch.bitwise_and(x, mask, out=m)
-        x = torch.add(x, m, alpha=(1 << k) - 1) if out is None else x.add_(m, alpha=(1 << k) - 1)
-        out = x
+def _spread_(x: Tensor, stages: tuple[tuple[int, int], ...]) -> Tensor:
+    """In place: move each stage's masked field up by k."""
+    for mask, k in stages:
+        x.add_(x & mask, alpha=(1 << k) - 1)
     return x
 
 
 def _gather(x: Tensor, stages: tuple[tuple[int, int], ...]) -> Tensor:
-    m = torch.empty_like(x)
-    out = None
-    for mask, k in reversed(stages):
-        torch.bitwise_and(x, mask << k, out=m).bitwise_right_shift_(k)
-        x = torch.sub(x, m, alpha=(1 << k) - 1) if out is None else x.sub_(m, alpha=(1 << k) - 1)
-        out = x
+    """Inverse of ``_spread_``; the first stage allocates, so ``x`` is left untouched."""
+    for i, (mask, k) in enumerate(reversed(stages)):
+        moved = (x & (mask << k)).bitwise_right_shift_(k)
+        alpha = (1 << k) - 1
+        x = torch.sub(x, moved, alpha=alpha) if i == 0 else x.sub_(moved, alpha=alpha)
     return x
+
+
+def _chunks(n_units: int, unit_in: int, unit_out: int):
+    """Yield (in_slice, out_slice) of about CHUNK packed bytes, in whole units."""
+    step = max(1, CHUNK // unit_in)
+    for u in range(0, n_units, step):
+        v = min(u + step, n_units)
+        yield slice(u * unit_in, v * unit_in), slice(u * unit_out, v * unit_out)
 
 
 def _padded(flat: Tensor, multiple: int) -> Tensor:
@@ -91,36 +97,41 @@ def pack_bits(codes: Tensor, bits: int) -> Tensor:
     _check_bits(bits)
     _require_little_endian()
     flat = codes.reshape(-1)
-    if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= 1 << bits):
-        raise ValueError(f"codes must lie in [0, {(1 << bits) - 1}] for {bits}-bit packing")
+    if flat.numel():
+        lo, hi = torch.aminmax(flat)
+        if int(lo) < 0 or int(hi) >= 1 << bits:
+            raise ValueError(f"codes must lie in [0, {(1 << bits) - 1}] for {bits}-bit packing")
     flat = flat.to(torch.uint8).contiguous()
     if bits == 8:
         return flat.clone()
-    if bits == 4:
-        return _pack4(_padded(flat, 2))
-    if bits == 2:
-        nibbles = _gather(_padded(flat, 4).view(torch.int16), _SPREAD2).to(torch.uint8)
-        return _pack4(nibbles)
-    return _pack3(flat)
+    per = {2: 4, 3: 64, 4: 2}[bits]  # codes per packing unit
+    n_bytes = math.ceil(flat.numel() / 8) * 3 if bits == 3 else math.ceil(flat.numel() * bits / 8)
+    flat = _padded(flat, per)
+    out = torch.empty(flat.numel() * bits // 8, dtype=torch.uint8, device=flat.device)
+    unit_out = per * bits // 8
+    kernel = {2: _pack2_into, 3: _pack3_into, 4: _pack4_into}[bits]
+    for src, dst in _chunks(flat.numel() // per, per, unit_out):
+        kernel(flat[src], out[dst])
+    return out if out.numel() == n_bytes else out[:n_bytes].clone()
 
 
-def _pack4(flat: Tensor) -> Tensor:
+def _pack4_into(c: Tensor, out: Tensor) -> None:
     """Even number of 4-bit values (uint8) -> bytes, low nibble first."""
-    return _gather(flat.view(torch.int16), _SPREAD4).to(torch.uint8)
+    out.copy_(_gather(c.view(torch.int16), _SPREAD4))  # copy_ narrows to uint8
 
 
-def _pack3(flat: Tensor) -> Tensor:
-    n_bytes = math.ceil(flat.numel() / 8) * 3
-    v = _gather(_padded(flat, 64).view(torch.int64), _SPREAD3).view(-1, 8)  # 24-bit values
-    words = torch.stack(
-        [  # 8 x 24 bits -> 3 x 64 bits, little-endian bit stream
-            v[:, 0] | (v[:, 1] << 24) | ((v[:, 2] & 0xFFFF) << 48),
-            (v[:, 2] >> 16) | (v[:, 3] << 8) | (v[:, 4] << 32) | ((v[:, 5] & 0xFF) << 56),
-            (v[:, 5] >> 8) | (v[:, 6] << 16) | (v[:, 7] << 40),
-        ],
-        dim=-1,
-    )
-    return words.view(torch.uint8).reshape(-1)[:n_bytes]
+def _pack2_into(c: Tensor, out: Tensor) -> None:
+    nibbles = _gather(c.view(torch.int16), _SPREAD2).to(torch.uint8)
+    _pack4_into(nibbles, out)
+
+
+def _pack3_into(c: Tensor, out: Tensor) -> None:
+    v = _gather(c.view(torch.int64), _SPREAD3).view(-1, 8)  # 24-bit values
+    w = out.view(torch.int64).view(-1, 3)  # 8 x 24 bits -> 3 x 64 bits, little-endian stream
+    torch.bitwise_or(v[:, 0] | (v[:, 1] << 24), (v[:, 2] & 0xFFFF) << 48, out=w[:, 0])
+    b = (v[:, 2] >> 16) | (v[:, 3] << 8) | (v[:, 4] << 32)
+    torch.bitwise_or(b, (v[:, 5] & 0xFF) << 56, out=w[:, 1])
+    torch.bitwise_or((v[:, 5] >> 8) | (v[:, 6] << 16), v[:, 7] << 40, out=w[:, 2])
 
 
 def unpack_bits(packed: Tensor, bits: int, numel_or_shape: int | tuple[int, ...]) -> Tensor:
@@ -128,9 +139,9 @@ def unpack_bits(packed: Tensor, bits: int, numel_or_shape: int | tuple[int, ...]
     _check_bits(bits)
     _require_little_endian()
     shape, numel = _shape(numel_or_shape)
-    packed = (
-        packed.reshape(-1).view(torch.uint8) if packed.dtype == torch.int8 else packed.reshape(-1)
-    )
+    packed = packed.reshape(-1)
+    if packed.dtype == torch.int8:
+        packed = packed.view(torch.uint8)
     need = math.ceil(numel / 8) * 3 if bits == 3 else math.ceil(numel * bits / 8)
     if packed.dtype != torch.uint8 or packed.numel() < need:
         raise ValueError(
@@ -139,38 +150,47 @@ def unpack_bits(packed: Tensor, bits: int, numel_or_shape: int | tuple[int, ...]
         )
     p = packed[:need].contiguous()
     if bits == 8:
-        out = p.clone()
-    elif bits == 4:
-        out = _unpack4(p)
-    elif bits == 2:
-        out = _spread(_unpack4(p).to(torch.int16), _SPREAD2).view(torch.uint8)
-    else:
-        out = _unpack3(p)
-    return out[:numel].view(shape)
+        return p.clone().view(shape)
+    unit_in = 24 if bits == 3 else 1  # packed bytes per unit
+    p = _padded(p, unit_in)
+    unit_out = unit_in * 8 // bits
+    out = torch.empty(p.numel() * 8 // bits, dtype=torch.uint8, device=p.device)
+    kernel = {2: _unpack2_into, 3: _unpack3_into, 4: _unpack4_into}[bits]
+    for src, dst in _chunks(p.numel() // unit_in, unit_in, unit_out):
+        kernel(p[src], out[dst])
+    out = out if out.numel() == numel else out[:numel].clone()
+    return out.view(shape)
 
 
-def _unpack4(p: Tensor) -> Tensor:
+def _unpack4_into(p: Tensor, out: Tensor) -> None:
     """Bytes -> two 4-bit values each (uint8), low nibble first."""
-    return _spread(p.to(torch.int16), _SPREAD4).view(torch.uint8)
+    lanes = out.view(torch.int16)
+    lanes.copy_(p)  # widen each byte into its own 16-bit lane
+    _spread_(lanes, _SPREAD4)
 
 
-def _unpack3(p: Tensor) -> Tensor:
-    w = _padded(p, 24).view(torch.int64).view(-1, 3)  # 3 words = 64 codes
+def _unpack2_into(p: Tensor, out: Tensor) -> None:
+    nibbles = torch.empty(2 * p.numel(), dtype=torch.uint8, device=p.device)
+    _unpack4_into(p, nibbles)
+    lanes = out.view(torch.int16)
+    lanes.copy_(nibbles)
+    _spread_(lanes, _SPREAD2)
+
+
+def _unpack3_into(p: Tensor, out: Tensor) -> None:
+    w = p.view(torch.int64).view(-1, 3)  # 3 words = 64 codes
     a, b, c = w[:, 0], w[:, 1], w[:, 2]
-    v = torch.stack(
-        [  # arithmetic shifts sign-extend, hence a mask on every field
-            a & _M24,
-            (a >> 24) & _M24,
-            ((a >> 48) & 0xFFFF) | ((b & 0xFF) << 16),
-            (b >> 8) & _M24,
-            (b >> 32) & _M24,
-            ((b >> 56) & 0xFF) | ((c & 0xFFFF) << 8),
-            (c >> 16) & _M24,
-            (c >> 40) & _M24,
-        ],
-        dim=-1,
-    )  # (units, 8) 24-bit values
-    return _spread(v.reshape(-1), _SPREAD3).view(torch.uint8)
+    v = out.view(torch.int64).view(-1, 8)  # 24-bit values, spread in place below
+    # arithmetic shifts sign-extend, hence a mask on every field
+    torch.bitwise_and(a, _M24, out=v[:, 0])
+    torch.bitwise_and(a >> 24, _M24, out=v[:, 1])
+    torch.bitwise_or((a >> 48) & 0xFFFF, (b & 0xFF) << 16, out=v[:, 2])
+    torch.bitwise_and(b >> 8, _M24, out=v[:, 3])
+    torch.bitwise_and(b >> 32, _M24, out=v[:, 4])
+    torch.bitwise_or((b >> 56) & 0xFF, (c & 0xFFFF) << 8, out=v[:, 5])
+    torch.bitwise_and(c >> 16, _M24, out=v[:, 6])
+    torch.bitwise_and(c >> 40, _M24, out=v[:, 7])
+    _spread_(v, _SPREAD3)
 
 
 def _nibble_pairs(lo: Tensor, hi: Tensor) -> Tensor:

@@ -1,24 +1,37 @@
-"""evaluate: perplexity of every model the run produced, and the draft's acceptance.
+"""evaluate: perplexity of every model the run produced, and acceptance of every draft/target pair.
 
-All numbers use the same held-out windows (`data.eval_windows` windows of `data.seq_len` tokens
-from the test split). Acceptance is the closed form α = mean over positions of Σ_x min(p, q),
-the probability that speculative sampling accepts the draft's token there.
+Models are discovered from the run: the FP target and draft, the quantized target (`quantize`),
+the distilled target (`distill`) and the reinforced draft (`reinforce`). All perplexities use the
+same held-out windows (`data.eval_windows` windows of `data.seq_len` tokens from the test split).
+Acceptance is measured per scenario (long contexts, repetition, rare words, mix) on held-out
+prompts: the on-line α of real speculative decoding (mean Σ_x min(p, q) over verified positions),
+the teacher-forced α on the prompts, acceptance rate, τ, and tokens/s against plain decoding.
+Pairs: FP draft vs FP target, FP and reinforced draft vs the final low-bit target, and
+self-speculation (the low-bit target drafting for its FP self).
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-import torch
+import matplotlib
 
-from pipeline.config import data_cfg, model_cfg, parse, positive
-from pipeline.data.text import Corpus
-from pipeline.models.hf import load_causal_lm, load_tokenizer, perplexity
+matplotlib.use("Agg")
+
+from pipeline.config import data_cfg, model_cfg, parse, positive  # noqa: E402
+from pipeline.data.text import Corpus  # noqa: E402
+from pipeline.models.hf import load_causal_lm, load_tokenizer, perplexity  # noqa: E402
+from pipeline.spec.evaluation import (  # noqa: E402
+    acceptance_table,
+    column,
+    heldout_scenarios,
+    plot_acceptance,
+)
 
 NEEDS: tuple[str, ...] = ("bootstrap",)
-USES: tuple[str, ...] = ()
+USES: tuple[str, ...] = ("quantize", "distill", "reinforce")
 KEYS = ("model", "data")
 DISTRIBUTED = False
 
@@ -29,13 +42,25 @@ log = logging.getLogger("lowbit")
 class EvaluateConfig:
     batch_size: int = 8
     temperature: float = 1.0
-    spec_prompts: int = 4
+    scenarios: list[str] = field(default_factory=lambda: ["long", "repetition", "rare", "mix"])
+    scenario_prompts: int = 8  # held-out prompts per scenario (teacher-forced α uses all)
+    prompt_len: int = 128
+    long_len: int = 576
+    spec_prompts: int = 4  # of those, prompts decoded speculatively per scenario
     spec_new_tokens: int = 32
     gamma: int = 4
+    timing: bool = True  # also decode plainly and report tokens/s and speed-up
 
     def check(self, prefix: str) -> None:
         positive(prefix, batch_size=self.batch_size, temperature=self.temperature,
-                 spec_new_tokens=self.spec_new_tokens, gamma=self.gamma)
+                 spec_new_tokens=self.spec_new_tokens, gamma=self.gamma,
+                 scenario_prompts=self.scenario_prompts, spec_prompts=self.spec_prompts)
+        from pipeline.data.scenarios import SCENARIOS
+        from pipeline.errors import ConfigError
+
+        for i, s in enumerate(self.scenarios):
+            if s not in SCENARIOS:
+                raise ConfigError(f"{prefix}.scenarios[{i}]", f"is {s!r}", ", ".join(SCENARIOS))
 
 
 def validate(cfg) -> None:
@@ -44,39 +69,66 @@ def validate(cfg) -> None:
     data_cfg(cfg)
 
 
-@torch.no_grad()
-def acceptance(target, draft, windows: torch.Tensor, batch_size: int, temperature: float) -> float:
-    """α = mean_t Σ_x min(p_t(x), q_t(x)) on teacher-forced windows. windows: (W, T)"""
-    total, count = 0.0, 0
-    for i in range(0, windows.shape[0], batch_size):
-        x = windows[i : i + batch_size]
-        p = torch.softmax(target(input_ids=x).logits.float() / temperature, -1)  # (B, T, V)
-        q = torch.softmax(draft(input_ids=x).logits.float() / temperature, -1)
-        beta = torch.minimum(p, q).sum(-1)  # (B, T)
-        total += beta.sum().item()
-        count += beta.numel()
-    return total / count
+def _models(ctx) -> tuple[dict, dict]:
+    """({name: target-like model}, {name: draft model}) present in this run."""
+    from pipeline.models.quantized import load_quantized
+
+    allow_bin = ctx.cfg.model.allow_bin
+    targets = {"target_fp": load_causal_lm(ctx.target_dir(), allow_bin=allow_bin)}
+    for stage, name in (("quantize", "target_quantized"), ("distill", "target_distilled")):
+        if stage in ctx.inputs:
+            targets[name] = load_quantized(ctx.inputs[stage] / "model")
+    drafts = {}
+    if ctx.draft_dir() is not None:
+        drafts["draft_fp"] = load_causal_lm(ctx.draft_dir(), allow_bin=allow_bin)
+    if "reinforce" in ctx.inputs and (ctx.inputs["reinforce"] / "draft").exists():
+        drafts["draft_reinforced"] = load_causal_lm(ctx.inputs["reinforce"] / "draft")
+    return targets, drafts
+
+
+def _pairs(targets: dict, drafts: dict) -> list[tuple[str, str]]:
+    final = next((t for t in ("target_distilled", "target_quantized") if t in targets), None)
+    pairs = [(d, "target_fp") for d in ("draft_fp",) if d in drafts]
+    if final:
+        pairs += [(d, final) for d in ("draft_fp", "draft_reinforced") if d in drafts]
+        pairs.append((final, "target_fp"))  # self-speculation: low-bit self drafts for FP self
+    return pairs
 
 
 def run(ctx) -> dict:
     p = parse(ctx.params, EvaluateConfig, "stage.evaluate")
-    target_dir, draft_dir = ctx.target_dir(), ctx.draft_dir()
-    tokenizer = load_tokenizer(target_dir)
+    tokenizer = load_tokenizer(ctx.target_dir())
     corpus = Corpus(data_cfg(ctx.cfg), tokenizer)
     win = corpus.eval_windows()
-    allow_bin = ctx.cfg.model.allow_bin
-    models = {"target_fp": load_causal_lm(target_dir, allow_bin=allow_bin)}
-    if draft_dir is not None:
-        models["draft_fp"] = load_causal_lm(draft_dir, allow_bin=allow_bin)
-    result: dict = {"ppl": {}, "acceptance": {}, "windows": list(win.shape)}
-    for name, model in models.items():
+    targets, drafts = _models(ctx)
+    result: dict = {"ppl": {}, "acceptance": {}, "speculative": {}, "windows": list(win.shape)}
+    for name, model in {**targets, **drafts}.items():
         result["ppl"][name] = perplexity(model, win, p.batch_size)
-        log.info("evaluate: %s perplexity %.3f", name, result["ppl"][name])
-    if "draft_fp" in models:
-        a = acceptance(models["target_fp"], models["draft_fp"], win, p.batch_size, p.temperature)
-        result["acceptance"]["draft_fp@target_fp"] = {"mix": a}
+        log.info("evaluate: %-18s perplexity %.3f", name, result["ppl"][name])
+
+    pairs = _pairs(targets, drafts)
+    if pairs:
+        sets = heldout_scenarios(
+            tokenizer, corpus.splits["test"], n_prompts=p.scenario_prompts,
+            prompt_len=p.prompt_len, long_len=p.long_len, seed=ctx.cfg.seed,
+        )
+        sets = {s: sets[s] for s in p.scenarios}
+        table = acceptance_table(
+            targets, {**drafts, **targets}, sets, pairs=pairs, gamma=p.gamma,
+            temperature=p.temperature, new_tokens=p.spec_new_tokens, max_prompts=p.spec_prompts,
+            batch_size=p.batch_size, timing=p.timing, seed=ctx.cfg.seed,
+        )
+        result["speculative"] = table
+        result["acceptance"] = {pair: column(table, pair, "alpha") for pair in table}
+        fig = plot_acceptance(result["acceptance"], ylabel="on-line acceptance α",
+                              title="acceptance per scenario")
+        fig.savefig(ctx.out_dir / "acceptance.png", dpi=120)
+        for pair, per in result["acceptance"].items():
+            log.info("evaluate: α %-36s %s", pair,
+                     "  ".join(f"{s} {v:.3f}" for s, v in per.items()))
     (ctx.out_dir / "eval.json").write_text(json.dumps(result, indent=1))
     metrics = {f"ppl_{k}": v for k, v in result["ppl"].items()}
     for pair, per in result["acceptance"].items():
-        metrics.update({f"alpha_{pair}_{s}": v for s, v in per.items()})
+        metrics.update({f"alpha_{pair.replace('@', '-vs-')}_{s}": v for s, v in per.items()})
     return metrics
+

@@ -56,7 +56,7 @@ class ReinforceConfig:
     w_acceptance: float = 0.7
     w_throughput: float = 0.3
     baseline_momentum: float = 0.9
-    pg_weight: float = 1.0
+    pg_weight: float = 0.1
     tvd_weight: float = 1.0
     kl_weight: float = 0.05
     grad_clip: float = 1.0

@@ -242,4 +242,5 @@ def test_stage_end_to_end_on_the_smoke_models(boot, tmp_path):
     win = Corpus(data_cfg(cfg), load_tokenizer(target)).eval_windows()
     ppl_fp = perplexity(load_causal_lm(target), win)
     ppl_q = perplexity(load_quantized(stage / "model"), win)
-    assert ppl_fp < ppl_q < 1.5 * ppl_fp
+    # 4-bit GPTQ keeps the small model's quality (it may even land slightly below FP).
+    assert ppl_q != ppl_fp and abs(ppl_q / ppl_fp - 1) < 0.25

@@ -13,9 +13,8 @@ from pipeline.stages import reinforce
 from tests.conftest import smoke_cfg
 from tests.stages.conftest import boot_cfg
 
-# The stage's config group, whatever conf/config.yaml's defaults list holds, and tiny sizes
-# (long_len is far below 576 here: the smoke models only need the code path).
-STAGE = ("stage=[bootstrap,reinforce,evaluate]", "stages=[bootstrap,reinforce]")
+# Tiny sizes (long_len is far below 576 here: the smoke models only need the code path).
+STAGES = "stages=[bootstrap,reinforce]"
 TINY = (
     "stage.reinforce.max_steps=4",
     "stage.reinforce.batch_size=2",
@@ -38,14 +37,17 @@ def _threads():
 
 
 def test_end_to_end_writes_a_better_draft_and_the_report(boot, tmp_path):
-    cfg = boot_cfg(boot, tmp_path, *STAGE, *TINY)
+    cfg = boot_cfg(boot, tmp_path, STAGES, *TINY)
     done = workflow.run(cfg)["reinforce"]
     out = tmp_path / "run" / "reinforce"
     assert (out / "draft" / "model.safetensors").is_file()
     assert (out / "draft" / "tokenizer.json").is_file() and (out / "acceptance.png").is_file()
     report = json.loads((out / "reinforce.json").read_text())
     assert report["target"] == "target_fp" and report["steps"] == 4
-    assert report["pairs"] == {"before": "draft_fp@target_fp", "after": "draft_reinforced@target_fp"}
+    assert report["pairs"] == {
+        "before": "draft_fp@target_fp",
+        "after": "draft_reinforced@target_fp",
+    }
     for side in ("before", "after"):
         alpha = report["summary"]["alpha"][side]
         assert set(alpha) == {"long", "repetition", "rare", "mix", "mean"}
@@ -54,11 +56,11 @@ def test_end_to_end_writes_a_better_draft_and_the_report(boot, tmp_path):
     assert done["metrics"]["alpha_gain_mean"] == pytest.approx(report["summary"]["gain"]["mean"])
     new, old = load_causal_lm(out / "draft"), load_causal_lm(boot["draft"])
     assert not torch.equal(new.lm_head.weight, old.lm_head.weight)
-    assert not (tmp_path / "run" / ".work").exists() or not any((tmp_path / "run" / ".work").iterdir())
+    assert not list((tmp_path / "run").glob(".work/reinforce-*"))  # checkpoints dropped when done
 
 
 def test_rerun_after_a_crash_resumes_from_the_checkpoint(boot, tmp_path, monkeypatch):
-    cfg = boot_cfg(boot, tmp_path, *STAGE, *TINY)
+    cfg = boot_cfg(boot, tmp_path, STAGES, *TINY)
 
     def crash(*args, **kwargs):
         raise RuntimeError("killed after training")
@@ -71,8 +73,11 @@ def test_rerun_after_a_crash_resumes_from_the_checkpoint(boot, tmp_path, monkeyp
     monkeypatch.undo()
     steps = []
     original = reinforce.DraftReinforce.training_step
-    monkeypatch.setattr(reinforce.DraftReinforce, "training_step",
-                        lambda self, *a: steps.append(1) or original(self, *a))
+    monkeypatch.setattr(
+        reinforce.DraftReinforce,
+        "training_step",
+        lambda self, *a: steps.append(1) or original(self, *a),
+    )
     workflow.run(cfg)
     assert steps == []  # all 4 steps came from the checkpoint
     report = json.loads((tmp_path / "run" / "reinforce" / "reinforce.json").read_text())
@@ -95,8 +100,9 @@ def test_quantized_target_and_draft(boot, tmp_path):
 
     quantize(boot["target"], tmp_path / "quantize" / "model", "int4g32")
     quantize(boot["draft"], tmp_path / "qdraft", "int4g32")
-    cfg = smoke_cfg(tmp_path, "tracking=none", *STAGE, *TINY,
-                    f"model.draft.path={tmp_path / 'qdraft'}")
+    cfg = smoke_cfg(
+        tmp_path, "tracking=none", STAGES, *TINY, f"model.draft.path={tmp_path / 'qdraft'}"
+    )
     run_dir = tmp_path / "run"
     out, work = tmp_path / "out", tmp_path / "work"
     out.mkdir()
@@ -119,20 +125,21 @@ def test_quantized_target_and_draft(boot, tmp_path):
 def test_no_draft_means_self_speculation_and_a_skip(boot, tmp_path):
     target = tmp_path / "target"
     shutil.copytree(boot["target"], target)
-    cfg = smoke_cfg(tmp_path, "tracking=none", *STAGE[:1], "stages=[reinforce]",
-                    f"model.target.path={target}")
+    cfg = smoke_cfg(tmp_path, "tracking=none", "stages=[reinforce]", f"model.target.path={target}")
     assert "nothing to reinforce" in reinforce.skip_reason(cfg)
     assert "reinforce" not in workflow.run(cfg)
 
 
 @pytest.mark.parametrize(
     ("override", "key"),
-    [("stage.reinforce.scenarios=[long,poetry]", "scenarios"),
-     ("stage.reinforce.baseline_momentum=1.0", "baseline_momentum"),
-     ("stage.reinforce.quant_grad_scale=fancy", "quant_grad_scale"),
-     ("stage.reinforce.tvd_weight=-1", "tvd_weight")],
+    [
+        ("stage.reinforce.scenarios=[long,poetry]", "scenarios"),
+        ("stage.reinforce.baseline_momentum=1.0", "baseline_momentum"),
+        ("stage.reinforce.quant_grad_scale=fancy", "quant_grad_scale"),
+        ("stage.reinforce.tvd_weight=-1", "tvd_weight"),
+    ],
 )
 def test_validate_names_the_bad_key(tmp_path, override, key):
-    cfg = smoke_cfg(tmp_path, "tracking=none", *STAGE, override)
+    cfg = smoke_cfg(tmp_path, "tracking=none", STAGES, override)
     with pytest.raises(ConfigError, match=f"stage.reinforce.{key}"):
         reinforce.validate(cfg)

@@ -1,0 +1,172 @@
+"""Acceptance and speed of every draft/target pair a run produced, per scenario.
+
+Pairs (whichever exist in the run):
+- FP draft on the FP target, on the quantized target (quantize/model) and on the distilled one
+  (distill/model): what quantizing the target costs the draft;
+- the reinforced draft (reinforce/draft) on the target it was trained against and on the FP
+  target: what reinforcement buys back;
+- self-speculation: RTN int3g128 / int2g64 copies of the target drafting for the FP target and
+  for its RTN int8 copy (weights quantize-dequantized: the same compute as FP here, so their
+  measured speed-up on a CPU shows the acceptance cost only; the memory win needs low-bit kernels).
+
+Per pair and scenario (held-out prompts of the test split): teacher-forced alpha, on-line alpha
+of speculative decoding, acceptance rate, tau, CPU tokens/s of speculative and plain decoding,
+the measured speed-up and beside it the theoretical one (1 - a^(g+1)) / ((1 - a)(g c + 1)), with
+c measured per pair. Timings share the machine with whatever else runs: compare within a run.
+
+Usage:
+  python bench/acceptance.py --run-dir outputs/smoke [--prompts 4] [--new-tokens 32]
+      [--gamma 4] [--prompt-len 128] [--long-len 576] [--threads N] [--out DIR] [--mlflow URI]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+from pathlib import Path
+
+import torch
+
+from pipeline.config import DataConfig
+from pipeline.data.text import load_documents, split_documents
+from pipeline.models.hf import load_causal_lm, load_tokenizer
+from pipeline.quant.rtn import quantize_rtn
+from pipeline.spec.evaluation import acceptance_table, column, heldout_scenarios, plot_acceptance
+from pipeline.stages.reinforce import load_model
+
+SELF_FORMATS = {"self_int3": "int3g128", "self_int2": "int2g64"}
+COLUMNS = (
+    ("alpha_tf", "α tf", "{:.3f}"),
+    ("alpha", "α", "{:.3f}"),
+    ("acceptance_rate", "acc rate", "{:.3f}"),
+    ("tau", "τ", "{:.2f}"),
+    ("tokens_per_s", "spec tok/s", "{:.0f}"),
+    ("plain_tokens_per_s", "plain tok/s", "{:.0f}"),
+    ("speedup", "speed-up", "{:.2f}"),
+    ("theoretical_speedup", "theory", "{:.2f}"),
+    ("cost_ratio", "c", "{:.2f}"),
+)
+
+
+@torch.no_grad()
+def rtn_copy(model: torch.nn.Module, fmt: str) -> torch.nn.Module:
+    """A copy whose decoder linears hold RTN quantize-dequantized weights (lm_head stays float)."""
+    out = copy.deepcopy(model)
+    for layer in out.model.layers:
+        for mod in layer.modules():
+            if isinstance(mod, torch.nn.Linear):
+                mod.weight.copy_(quantize_rtn(mod.weight, fmt).dequantize().to(mod.weight.dtype))
+    return out.eval()
+
+
+def collect_models(run_dir: Path) -> tuple[dict, dict, list[tuple[str, str]], Path]:
+    """(targets, drafts, pairs, FP target dir) from a run directory."""
+    boot = run_dir / "bootstrap"
+    target_dir, draft_dir = boot / "target", boot / "draft"
+    if not (target_dir / "config.json").is_file():
+        raise SystemExit(f"{run_dir} has no bootstrap/target; run `lowbit run_dir={run_dir}` first")
+    targets = {"target_fp": load_causal_lm(target_dir)}
+    for stage, name in (("quantize", "target_quantized"), ("distill", "target_distilled")):
+        if (run_dir / stage / "model").is_dir():
+            targets[name] = load_model(run_dir / stage / "model", allow_bin=False)
+    targets["target_int8"] = rtn_copy(targets["target_fp"], "int8")
+    drafts = {name: rtn_copy(targets["target_fp"], fmt) for name, fmt in SELF_FORMATS.items()}
+    pairs = [(s, t) for s in SELF_FORMATS for t in ("target_fp", "target_int8")]
+    if (draft_dir / "config.json").is_file():
+        drafts["draft_fp"] = load_causal_lm(draft_dir)
+        pairs = [("draft_fp", t) for t in targets if t != "target_int8"] + pairs
+    report = run_dir / "reinforce" / "reinforce.json"
+    if report.is_file():
+        drafts["draft_reinforced"] = load_model(run_dir / "reinforce" / "draft", allow_bin=False)
+        trained_on = json.loads(report.read_text())["target"]
+        pairs = [("draft_reinforced", t) for t in dict.fromkeys([trained_on, "target_fp"])] + pairs
+    return targets, drafts, pairs, target_dir
+
+
+def markdown(table: dict) -> str:
+    rows = [
+        "| pair | scenario | " + " | ".join(h for _, h, _ in COLUMNS) + " |",
+        "|---|---|" + "---:|" * len(COLUMNS),
+    ]
+    for pair, per in table.items():
+        for scen, m in per.items():
+            cells = [f.format(m[k]) if k in m else "-" for k, _, f in COLUMNS]
+            rows.append(f"| {pair} | {scen} | " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--run-dir", type=Path, required=True)
+    ap.add_argument("--data-path", default=None, help="the run's data.path (null = built-in)")
+    ap.add_argument("--prompts", type=int, default=4, help="held-out prompts per scenario")
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--gamma", type=int, default=4)
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--long-len", type=int, default=576)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, default=Path("bench_acceptance"))
+    ap.add_argument("--mlflow", default=None, help="tracking URI to log the numbers to")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    targets, drafts, pairs, target_dir = collect_models(args.run_dir)
+    data = DataConfig(path=args.data_path)
+    docs = split_documents(load_documents(data), data)
+    scenarios = heldout_scenarios(
+        load_tokenizer(target_dir),
+        docs["test"],
+        n_prompts=args.prompts,
+        prompt_len=args.prompt_len,
+        long_len=args.long_len,
+        seed=args.seed,
+    )
+    table = acceptance_table(
+        targets,
+        drafts,
+        scenarios,
+        pairs=pairs,
+        gamma=args.gamma,
+        temperature=args.temperature,
+        new_tokens=args.new_tokens,
+        timing=True,
+        seed=args.seed,
+    )
+    for per in table.values():
+        keys = next(iter(per.values()))
+        per["mean"] = {k: sum(m[k] for m in per.values()) / len(per) for k in keys}
+    text = markdown(table)
+    print(
+        f"gamma={args.gamma} temperature={args.temperature} prompts={args.prompts} "
+        f"new_tokens={args.new_tokens} prompt_len={args.prompt_len} long_len={args.long_len} "
+        f"threads={torch.get_num_threads()}\n"
+    )
+    print(text)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "acceptance.json").write_text(
+        json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "table": table}, indent=1)
+    )
+    (args.out / "acceptance.md").write_text(text + "\n")
+    series = {pair: {s: v for s, v in column(table, pair).items() if s != "mean"} for pair in table}
+    fig = plot_acceptance(series, ylabel="on-line acceptance alpha", title="per scenario")
+    fig.savefig(args.out / "acceptance.png", dpi=120)
+    if args.mlflow:
+        import mlflow
+
+        mlflow.set_tracking_uri(args.mlflow)
+        mlflow.set_experiment("lowbit-bench")
+        with mlflow.start_run(run_name="acceptance"):
+            for pair, per in table.items():
+                for scen, m in per.items():
+                    mlflow.log_metrics(
+                        {f"{pair}.{scen}.{k}".replace("@", "_at_"): v for k, v in m.items()}
+                    )
+            mlflow.log_artifacts(str(args.out))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,146 @@
+"""Peak memory of streaming (segment-wise) quantization against quantizing a loaded model.
+
+Writes a random-weight Llama checkpoint of about ``--gb`` GiB (fp16, many layers, shard by
+shard), then quantizes it twice with the quantize stage's core function, each time in a fresh
+child process whose peak resident set size is read from the OS (``ru_maxrss``):
+
+* ``stream``: one segment of ``--segment-size`` blocks at a time (the stage's mode);
+* ``full``: the whole model loaded first (``stream=False``), then the same loop.
+
+The table shows the checkpoint size, the largest segment in the compute dtype, the
+activation cache, the child's RSS after its imports (the interpreter, torch, transformers) and
+its peak, and the two ratios the design aims for: ``peak / checkpoint`` (<= 0.15 at 4 GiB)
+and ``(peak - baseline) / (2 * segment + cache)`` (<= 1).
+
+    python bench/streaming_memory.py --gb 4 --method rtn
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+GIB = 2**30
+
+
+def _rss_now_kb() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+
+
+def child(args: argparse.Namespace) -> None:
+    """Quantize in this process and print one JSON line with the memory figures."""
+    import torch
+
+    from pipeline.models import StreamingCheckpoint, linear_names
+    from pipeline.stages.quantize import quantize_checkpoint
+
+    torch.manual_seed(0)
+    dtype = getattr(torch, args.dtype)
+    baseline_kb = _rss_now_kb()
+    ck = StreamingCheckpoint(args.src, dtype=dtype)
+    plan = {n: args.format for n in linear_names(ck.config, include_lm_head=False)}
+    calib = torch.randint(0, ck.config.vocab_size, (args.samples, args.seq_len))
+    s = args.segment_size
+    seg_bytes = max(
+        sum(ck.block_nbytes(j) for j in range(i, min(i + s, ck.num_layers)))
+        for i in range(0, ck.num_layers, s)
+    )
+    work = Path(args.work)
+    t0 = time.time()
+    quantize_checkpoint(
+        args.src, work / "out", plan, calib, method=args.method, segment_size=s,
+        work_dir=work / "w", batch_size=args.samples, dtype=dtype, stream=args.mode == "stream",
+        progress=False,
+    )  # fmt: skip
+    print(json.dumps({
+        "mode": args.mode,
+        "seconds": time.time() - t0,
+        "baseline_gb": baseline_kb / 2**20,
+        "peak_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,  # KiB on Linux
+        "segment_gb": seg_bytes / GIB,
+        "cache_gb": args.samples * args.seq_len * ck.config.hidden_size * dtype.itemsize / GIB,
+    }))  # fmt: skip
+
+
+def write_checkpoint(path: Path, gb: float, hidden: int, inter: int, vocab: int) -> int:
+    """A fp16 Llama of about ``gb`` GiB; returns its number of layers."""
+    from pipeline.models import write_synthetic_checkpoint
+
+    per_block = 4 * hidden * hidden + 3 * hidden * inter + 2 * hidden  # q,k,v,o + mlp + norms
+    layers = max(1, round((gb * GIB / 2 - 2 * vocab * hidden) / per_block))
+    write_synthetic_checkpoint(
+        path, hidden=hidden, layers=layers, intermediate=inter, heads=hidden // 64,
+        kv_heads=hidden // 64, vocab=vocab, shard_bytes=GIB // 2,
+    )  # fmt: skip
+    return layers
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--gb", type=float, default=4.0, help="checkpoint size (GiB, fp16)")
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--intermediate", type=int, default=5632)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--method", choices=["rtn", "gptq"], default="rtn")
+    p.add_argument("--format", default="int4g128")
+    p.add_argument("--samples", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--segment-size", type=int, default=1)
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--modes", default="stream,full", help="comma list of stream, full")
+    p.add_argument("--dir", default=None, help="scratch directory (default: a temp dir)")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--mode", default="stream", help=argparse.SUPPRESS)
+    p.add_argument("--src", help=argparse.SUPPRESS)
+    p.add_argument("--work", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        return child(args)
+
+    root = Path(args.dir or tempfile.mkdtemp(prefix="lowbit-bench-"))
+    src = root / "ckpt"
+    t0 = time.time()
+    layers = write_checkpoint(src, args.gb, args.hidden, args.intermediate, args.vocab)
+    ckpt_gb = sum(f.stat().st_size for f in src.glob("*.safetensors")) / GIB
+    print(f"checkpoint: {ckpt_gb:.2f} GiB fp16, {layers} layers, hidden {args.hidden}, "
+          f"written in {time.time() - t0:.0f}s to {src}")  # fmt: skip
+    rows = []
+    try:
+        for mode in args.modes.split(","):
+            work = root / f"work-{mode}"
+            cmd = [sys.executable, __file__, "--child", "--mode", mode, "--src", str(src),
+                   "--work", str(work)]  # fmt: skip
+            for key in ("method", "format", "samples", "seq_len", "segment_size", "dtype"):
+                cmd += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            if proc.returncode != 0:
+                sys.exit(f"{mode} run failed:\n{proc.stderr[-3000:]}")
+            rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+            shutil.rmtree(work, ignore_errors=True)
+    finally:
+        if args.dir is None:
+            shutil.rmtree(root, ignore_errors=True)
+    print(f"\nmethod={args.method} format={args.format} calib={args.samples}x{args.seq_len} "
+          f"segment_size={args.segment_size} compute={args.dtype}")  # fmt: skip
+    head = ("mode", "ckpt GiB", "segment GiB", "cache GiB", "base GiB", "peak GiB",
+            "peak/ckpt", "(peak-base)/(2seg+cache)", "seconds")  # fmt: skip
+    print(" | ".join(head))
+    for r in rows:
+        budget = 2 * r["segment_gb"] + r["cache_gb"]
+        print(" | ".join([
+            r["mode"], f"{ckpt_gb:.2f}", f"{r['segment_gb']:.3f}", f"{r['cache_gb']:.3f}",
+            f"{r['baseline_gb']:.3f}", f"{r['peak_gb']:.3f}", f"{r['peak_gb'] / ckpt_gb:.3f}",
+            f"{(r['peak_gb'] - r['baseline_gb']) / budget:.2f}", f"{r['seconds']:.0f}",
+        ]))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,55 @@
+"""sensitivity (+ allocate) through the workflow on the smoke bootstrap models."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pipeline import workflow
+from pipeline.errors import ConfigError
+from pipeline.quant.allocate import layer_bits
+from pipeline.stages import sensitivity
+from tests.conftest import make_cfg
+from tests.stages.conftest import boot_cfg
+
+
+def test_workflow_writes_sensitivity_and_bitplan(boot, tmp_path):
+    cfg = boot_cfg(boot, tmp_path, "stages=[bootstrap,sensitivity,allocate]")
+    done = workflow.run(cfg)
+    run = tmp_path / "run"
+    report = json.loads((run / "sensitivity" / "sensitivity.json").read_text())
+    cands = list(cfg.quant.candidates)
+    assert report["candidates"] == cands
+    names = [layer["name"] for layer in report["layers"]]
+    assert names[0] == "model.embed_tokens" and names[-1] == "lm_head"
+    assert len(names) == 2 + 7 * cfg.model.target.layers
+    for layer in report["layers"]:
+        assert layer["params"] == layer["shape"][0] * layer["shape"][1]
+        dl = [layer["dloss"][f] for f in cands]  # candidates go from 2 to 8 bits
+        assert all(v >= 0 for v in dl) and dl == sorted(dl, reverse=True), layer["name"]
+        assert set(layer["outliers"]) == {"share", "kurtosis", "max_over_median"}
+        if layer["name"] != "model.embed_tokens":
+            assert 0 <= layer["outliers"]["share"] < 0.5 and layer["outliers"]["kurtosis"] > 1
+    for png in ("sensitivity_heatmap.png", "sensitivity_bars.png", "outliers.png"):
+        assert (run / "sensitivity" / png).stat().st_size > 1000
+
+    plan = json.loads((run / "allocate" / "bitplan.json").read_text())
+    assert set(plan["layers"]) == set(names)
+    shapes = {layer["name"]: layer["shape"] for layer in report["layers"]}
+    quantized = {n: f for n, f in plan["layers"].items() if f != "float"}
+    bits = sum(layer_bits(f, shapes[n]) for n, f in quantized.items())
+    assert bits <= cfg.quant.budget_bits * plan["quantized_params"]
+    assert plan["avg_bits"] == pytest.approx(bits / plan["quantized_params"])
+    for group in plan["fused_groups"]:
+        assert len({plan["layers"][n] for n in group}) == 1
+    assert plan["predicted_dloss"] == pytest.approx(
+        sum(next(x for x in report["layers"] if x["name"] == n)["dloss"][f]
+            for n, f in quantized.items()))
+    assert (run / "allocate" / "bits_per_layer.png").exists()
+    assert done["allocate"]["metrics"]["avg_bits"] <= cfg.quant.budget_bits
+
+
+def test_invalid_method_is_rejected_before_compute():
+    with pytest.raises(ConfigError, match="stage.sensitivity.method"):
+        sensitivity.validate(make_cfg("stage.sensitivity.method=obd"))
