@@ -4,14 +4,16 @@ Tables (markdown):
 1. Pack / unpack throughput per bit width on a 4096x4096 code matrix, next to torch.clone of
    the same packed bytes and of the unpacked uint8 codes, in the same run. GB/s count the
    packed bytes (the weights as stored); Gw/s counts weights. Each time is the best of
-   ``--repeats`` runs, which filters out noise from other processes.
+   ``--repeats`` runs (wall clock, or process CPU time with ``--cpu-time``, which on a shared
+   machine with ``--threads 1`` ignores time spent waiting for a core).
 2. Time to quantize one 4096x4096 layer: GPTQ (H from 2048 correlated inputs) and RTN, wall
    clock and process CPU time (the latter is robust to other load on a shared machine).
 3. exp4g128 vs int4g128 reconstruction error and grid use on synthetic weights (Laplace and
    Gaussian; no trained checkpoint is available offline): MSE relative to the weight
    variance, fraction of the grid's distinct values a group actually uses, code entropy.
 
-Usage: python bench/packing.py [--size 4096] [--repeats 10] [--threads N] [--mlflow URI]
+Usage: python bench/packing.py [--size 4096] [--repeats 10] [--threads N] [--cpu-time]
+                               [--mlflow URI]
 """
 
 from __future__ import annotations
@@ -25,17 +27,17 @@ from pipeline.quant import HessianAccumulator, gptq_quantize, pack_bits, quantiz
 from pipeline.quant.codec import to_groups
 
 
-def best_time(fn, repeats: int) -> float:
+def best_time(fn, repeats: int, clock=time.perf_counter) -> float:
     fn()  # warm-up (allocator, caches)
     best = float("inf")
     for _ in range(repeats):
-        t = time.perf_counter()
+        t = clock()
         fn()
-        best = min(best, time.perf_counter() - t)
+        best = min(best, clock() - t)
     return best
 
 
-def packing_table(n: int, repeats: int) -> tuple[list[str], dict[str, float]]:
+def packing_table(n: int, repeats: int, clock) -> tuple[list[str], dict[str, float]]:
     rows = [
         "| bits | packed MB | pack GB/s | unpack GB/s | unpack Gw/s | clone GB/s (packed) "
         "| unpack / clone | clone GB/s (uint8 codes) | unpack / clone (codes) |",
@@ -47,10 +49,12 @@ def packing_table(n: int, repeats: int) -> tuple[list[str], dict[str, float]]:
         packed = pack_bits(codes, bits)
         assert torch.equal(unpack_bits(packed, bits, codes.shape), codes)
         nb = packed.numel()
-        t_pack = best_time(lambda c=codes, b=bits: pack_bits(c, b), repeats)
-        t_unpack = best_time(lambda p=packed, b=bits, s=codes.shape: unpack_bits(p, b, s), repeats)
-        t_clone = best_time(packed.clone, repeats)
-        t_clone_codes = best_time(codes.clone, repeats)
+        t_pack = best_time(lambda c=codes, b=bits: pack_bits(c, b), repeats, clock)
+        t_unpack = best_time(
+            lambda p=packed, b=bits, s=codes.shape: unpack_bits(p, b, s), repeats, clock
+        )
+        t_clone = best_time(packed.clone, repeats, clock)
+        t_clone_codes = best_time(codes.clone, repeats, clock)
         rows.append(
             f"| {bits} | {nb / 1e6:.1f} | {nb / t_pack / 1e9:.2f} | {nb / t_unpack / 1e9:.2f} "
             f"| {codes.numel() / t_unpack / 1e9:.2f} | {nb / t_clone / 1e9:.2f} "
@@ -124,14 +128,21 @@ def main() -> None:
     ap.add_argument("--size", type=int, default=4096)
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument(
+        "--cpu-time",
+        action="store_true",
+        help="time packing with process CPU time (with --threads 1: immune to other load)",
+    )
     ap.add_argument("--mlflow", default=None, help="tracking URI to log the numbers to")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    clock = time.process_time if args.cpu_time else time.perf_counter
     metrics: dict[str, float] = {}
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, size {args.size}\n")
+    timer = "process CPU time" if args.cpu_time else "wall clock"
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.size}, {timer}\n")
     for title, (rows, m) in (
-        ("Packing", packing_table(args.size, args.repeats)),
+        ("Packing", packing_table(args.size, args.repeats, clock)),
         ("Quantization time", quantize_table(args.size)),
         ("exp4 vs int4 (synthetic weights)", fidelity_table(1024, args.size)),
     ):

@@ -37,7 +37,9 @@ def _rss_now_kb() -> int:
 
 def child(args: argparse.Namespace) -> None:
     """Quantize in this process and print one JSON line with the memory figures."""
+    import safetensors.torch  # noqa: F401  (imports count in the baseline, not the run)
     import torch
+    import transformers.models.llama.modeling_llama  # noqa: F401
 
     from pipeline.models import StreamingCheckpoint, linear_names
     from pipeline.stages.quantize import quantize_checkpoint
@@ -86,8 +88,8 @@ def write_checkpoint(path: Path, gb: float, hidden: int, inter: int, vocab: int)
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--gb", type=float, default=4.0, help="checkpoint size (GiB, fp16)")
-    p.add_argument("--hidden", type=int, default=2048)
-    p.add_argument("--intermediate", type=int, default=5632)
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--intermediate", type=int, default=2816)
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--method", choices=["rtn", "gptq"], default="rtn")
     p.add_argument("--format", default="int4g128")

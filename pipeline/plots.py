@@ -30,8 +30,15 @@ def short_name(name: str) -> str:
     return parts[-1]
 
 
-def heatmap(values: Sequence[Sequence[float | None]], rows: Sequence[str], cols: Sequence[str],
-            path: Path, title: str, label: str, log10: bool = True) -> Path:
+def heatmap(
+    values: Sequence[Sequence[float | None]],
+    rows: Sequence[str],
+    cols: Sequence[str],
+    path: Path,
+    title: str,
+    label: str,
+    log10: bool = True,
+) -> Path:
     """Rows × columns heat map; ``log10`` shows log10 of the values (≤ 0 and None are blank).
 
     Args:
@@ -60,9 +67,17 @@ def heatmap(values: Sequence[Sequence[float | None]], rows: Sequence[str], cols:
     return Path(path)
 
 
-def bars(values: Sequence[float | None], labels: Sequence[str], path: Path, title: str,
-         ylabel: str, log_y: bool = False, hline: float | None = None,
-         hline_label: str | None = None, colors: Sequence[str] | None = None) -> Path:
+def bars(
+    values: Sequence[float | None],
+    labels: Sequence[str],
+    path: Path,
+    title: str,
+    ylabel: str,
+    log_y: bool = False,
+    hline: float | None = None,
+    hline_label: str | None = None,
+    colors: Sequence[str] | None = None,
+) -> Path:
     """Vertical bars, one per label; optional horizontal reference line (e.g. the budget) and
     per-bar colours (matplotlib colour names)."""
     vals = [math.nan if v is None else float(v) for v in values]

@@ -84,8 +84,12 @@ class Capture:
             the owner's statistics and accumulator instead of computing them again.
     """
 
-    def __init__(self, modules: dict[str, nn.Module], hessians: bool = False,
-                 shared: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        modules: dict[str, nn.Module],
+        hessians: bool = False,
+        shared: dict[str, str] | None = None,
+    ) -> None:
         self.stats: dict[str, InputStats] = {}
         self.hessians: dict[str, HessianAccumulator] = {}
         shared = {n: o for n, o in (shared or {}).items() if o in modules}

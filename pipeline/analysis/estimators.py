@@ -42,8 +42,13 @@ def _bar(dist: Dist, items, desc: str, progress: bool):
     return tqdm(items, desc=desc, disable=not (progress and dist.is_main), leave=False)
 
 
-def fisher_diagonal(model: nn.Module, windows: Tensor, params: dict[str, nn.Parameter],
-                    dist: Dist, progress: bool = False) -> dict[str, Tensor]:
+def fisher_diagonal(
+    model: nn.Module,
+    windows: Tensor,
+    params: dict[str, nn.Parameter],
+    dist: Dist,
+    progress: bool = False,
+) -> dict[str, Tensor]:
     """Diagonal empirical Fisher of ``params`` from the calibration windows (S, T).
 
     Returns:
@@ -68,9 +73,15 @@ def _rademacher(shape: torch.Size, gen: torch.Generator, device: torch.device) -
     return (torch.randint(0, 2, shape, generator=gen) * 2 - 1).float().to(device)
 
 
-def hutchinson_trace(model: nn.Module, windows: Tensor, params: dict[str, nn.Parameter],
-                     dist: Dist, probes: int = 4, seed: int = 0,
-                     progress: bool = False) -> dict[str, float]:
+def hutchinson_trace(
+    model: nn.Module,
+    windows: Tensor,
+    params: dict[str, nn.Parameter],
+    dist: Dist,
+    probes: int = 4,
+    seed: int = 0,
+    progress: bool = False,
+) -> dict[str, float]:
     """Hutchinson estimate of Tr(H) of the mean loss w.r.t. each parameter tensor.
 
     The probes of sequence s are drawn from a generator seeded by (seed, s), so the estimate
@@ -88,8 +99,9 @@ def hutchinson_trace(model: nn.Module, windows: Tensor, params: dict[str, nn.Par
     return dict(zip(names, trace.tolist()))
 
 
-def _probe_sequence(model: nn.Module, x: Tensor, tensors: list[nn.Parameter], probes: int,
-                    seed: int) -> Tensor:
+def _probe_sequence(
+    model: nn.Module, x: Tensor, tensors: list[nn.Parameter], probes: int, seed: int
+) -> Tensor:
     """Σ over probes of vᵀ H v per tensor for one sequence x (1, T). # (n_tensors,)"""
     trace = torch.zeros(len(tensors), dtype=torch.float64, device=tensors[0].device)
     x = x.to(tensors[0].device)
@@ -106,8 +118,14 @@ def _probe_sequence(model: nn.Module, x: Tensor, tensors: list[nn.Parameter], pr
 
 
 @torch.no_grad()
-def forward_pass(model: nn.Module, windows: Tensor, dist: Dist, batch_size: int,
-                 vocab_size: int, progress: bool = False) -> Tensor:
+def forward_pass(
+    model: nn.Module,
+    windows: Tensor,
+    dist: Dist,
+    batch_size: int,
+    vocab_size: int,
+    progress: bool = False,
+) -> Tensor:
     """Run this rank's share of the windows forward (hooks collect what they need).
 
     Returns:

@@ -34,8 +34,9 @@ METHODS = ("fisher", "hutchinson", "gptq_proxy")
 NO_STATS = {"share": None, "kurtosis": None, "max_over_median": None}
 
 
-def scored_modules(model: nn.Module, include_lm_head: bool = True,
-                   include_embeddings: bool = True) -> dict[str, nn.Module]:
+def scored_modules(
+    model: nn.Module, include_lm_head: bool = True, include_embeddings: bool = True
+) -> dict[str, nn.Module]:
     """{name: module} of what is scored, in model order: embeddings, block linears, lm_head."""
     adapter = get_adapter(model)
     out: dict[str, nn.Module] = {}
@@ -47,10 +48,21 @@ def scored_modules(model: nn.Module, include_lm_head: bool = True,
     return out
 
 
-def analyze(model: nn.Module, windows: Tensor, candidates: Sequence[str], method: str,
-            dist: Dist | None = None, *, weighting: str = "full", probes: int = 4,
-            seed: int = 0, batch_size: int = 8, include_lm_head: bool = True,
-            include_embeddings: bool = True, progress: bool = False) -> dict:
+def analyze(
+    model: nn.Module,
+    windows: Tensor,
+    candidates: Sequence[str],
+    method: str,
+    dist: Dist | None = None,
+    *,
+    weighting: str = "full",
+    probes: int = 4,
+    seed: int = 0,
+    batch_size: int = 8,
+    include_lm_head: bool = True,
+    include_embeddings: bool = True,
+    progress: bool = False,
+) -> dict:
     """Sensitivity report (the sensitivity.json contract) of ``model`` on ``windows`` (S, T).
 
     Args:
@@ -93,7 +105,8 @@ def analyze(model: nn.Module, windows: Tensor, candidates: Sequence[str], method
     capture.reduce_(dist)
     if method == "gptq_proxy":
         weigh = {
-            n: hessian_weigh(capture.hessian(n), weighting) if n in linears
+            n: hessian_weigh(capture.hessian(n), weighting)
+            if n in linears
             else embedding_weigh(counts)
             for n in modules
         }
@@ -108,13 +121,15 @@ def analyze(model: nn.Module, windows: Tensor, candidates: Sequence[str], method
     layers = []
     for i, name in enumerate(names):
         w = params[name]
-        layers.append({
-            "name": name,
-            "shape": list(w.shape),
-            "params": w.numel(),
-            "dloss": dict(zip(candidates, table[i].tolist())),
-            "outliers": capture.stats[name].summary() if name in linears else dict(NO_STATS),
-        })
+        layers.append(
+            {
+                "name": name,
+                "shape": list(w.shape),
+                "params": w.numel(),
+                "dloss": dict(zip(candidates, table[i].tolist())),
+                "outliers": capture.stats[name].summary() if name in linears else dict(NO_STATS),
+            }
+        )
     return {
         "method": method,
         "weighting": weighting if method == "gptq_proxy" else None,

@@ -1,23 +1,27 @@
 """Fake-quantized linear layer for quantization-aware training (distillation).
 
-The layer keeps float weights and the per-group grid parameters of a QTensor and computes,
-on every forward, ``W_hat = dequant(quant(W))``: the network sees exactly the weights that
-will be exported, while gradients flow through the rounding with the straight-through
-estimator (STE).
+The layer keeps the weights (float, or the integer codes) and the per-group grid parameters
+of a QTensor and computes, on every forward, ``W_hat = dequant(quant(W))``: the network sees
+exactly the weights that will be exported, while gradients flow through the rounding with the
+straight-through estimator (STE).
 
-Gradient to the scale follows LSQ (Esser et al., ICLR 2020): with ``v = w / s``,
+Two modes. With trainable weights (LSQ), the float weights are re-rounded every forward and
+the gradient to the scale follows LSQ (Esser et al., ICLR 2020): with ``v = w / s``,
 ``d W_hat / d s = round(v) - v`` inside the clipping range and ``-Q_N`` / ``Q_P`` (the code
 distance of the clip point from the zero) outside; the weight gradient is passed through
 inside the range and zeroed outside. The zero point (asymmetric formats) is learned in code
 units and rounded with an STE (LSQ+ style): its gradient is non-zero only for clipped weights.
 Scales are rounded to fp16 in the forward (identity gradient), so what trains is what is
 stored. LSQ also scales the step-size gradient (``1/sqrt(N * Q_P)``); ``set_grad_scale``
-applies any such factor, ``grad_scale_factor`` computes the usual ones.
+applies any such factor, ``grad_scale_factor`` computes the usual ones. With frozen weights
+the integer codes are kept and only the grid trains (EfficientQAT's step-size phase):
+``W_hat = (codes - z) * s`` and ``d W_hat / d s = codes - z``. Re-rounding frozen weights
+instead would be useless: they sit exactly on the grid, where LSQ's ``round(v) - v`` is 0.
 
 Exponential formats: the learnable scale is the base ``s`` (every level ``s * r**k`` moves
-with it, ``d W_hat / d s = W_hat / s``); the ratio ``r`` stays fixed, a deliberate
-simplification: the rounding decision already depends on it discontinuously, and the
-base alone recovers most of the range adaptation.
+with it, ``d W_hat / d s = W_hat / s``); the ratio ``r`` stays as fitted. That is a
+simplification (its gradient ``k * s * r**(k-1)`` would be easy to add) which keeps one
+trainable parameter per group, as for symmetric int formats.
 """
 
 from __future__ import annotations

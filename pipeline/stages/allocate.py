@@ -20,8 +20,8 @@ import json
 import logging
 import math
 from dataclasses import dataclass
-from fractions import Fraction
 from fnmatch import fnmatch
+from fractions import Fraction
 from pathlib import Path
 
 from pipeline import plots
@@ -33,8 +33,14 @@ from pipeline.quant.formats import parse_format
 
 NEEDS: tuple[str, ...] = ("sensitivity",)
 USES: tuple[str, ...] = ("bootstrap",)
-KEYS = ("model", "quant.candidates", "quant.budget_bits", "quant.float_fallback",
-        "quant.keep_float", "stage.sensitivity")
+KEYS = (
+    "model",
+    "quant.candidates",
+    "quant.budget_bits",
+    "quant.float_fallback",
+    "quant.keep_float",
+    "stage.sensitivity",
+)
 DISTRIBUTED = False
 
 log = logging.getLogger("lowbit")
@@ -73,7 +79,9 @@ def items_of(names: list[str], fused: list[list[str]], floats: set[str]) -> list
         seen.add(g)
         if floats & set(g):
             if not set(g) <= floats:
-                log.warning("allocate: %s kept float because %s is", list(g), sorted(floats & set(g)))
+                log.warning(
+                    "allocate: %s kept float because %s is", list(g), sorted(floats & set(g))
+                )
             floats.update(g)
             continue
         items.append(list(g))
@@ -91,19 +99,22 @@ def infeasible(budget: float, minimum: Fraction, exact: bool) -> ConfigError:
     )
 
 
-def check_budget(q: QuantConfig, shapes: dict[str, tuple[int, int]], items: list[list[str]],
-                 exact: bool) -> None:
+def check_budget(
+    q: QuantConfig, shapes: dict[str, tuple[int, int]], items: list[list[str]], exact: bool
+) -> None:
     """Fail when no assignment meets the budget; ``exact=False`` checks a lower bound only."""
     if q.budget_bits is None or not items:
         return
-    cheapest = [min(sum(layer_bits(f, shapes[n]) for n in it) for f in q.candidates)
-                for it in items]
+    cheapest = [
+        min(sum(layer_bits(f, shapes[n]) for n in it) for f in q.candidates) for it in items
+    ]
     n_q = sum(math.prod(shapes[n]) for it in items for n in it)
     if exact:
         minimum = Fraction(sum(cheapest), n_q)
     else:  # any average is at least the smallest per-item average
-        minimum = min(Fraction(c, sum(math.prod(shapes[n]) for n in it))
-                      for c, it in zip(cheapest, items))
+        minimum = min(
+            Fraction(c, sum(math.prod(shapes[n]) for n in it)) for c, it in zip(cheapest, items)
+        )
     if Fraction(q.budget_bits) < minimum:
         raise infeasible(q.budget_bits, minimum, exact)
 
@@ -157,9 +168,13 @@ def run(ctx) -> dict:
     (ctx.out_dir / "bitplan.json").write_text(json.dumps(plan, indent=1))
     names = list(plan["layers"])
     plots.bars(
-        [parse_format(plan["layers"][n]).bits_per_weight(shapes[n][1]) for n in names], names,
-        ctx.out_dir / "bits_per_layer.png", "bits per weight (scales and zeros included)",
-        "bits", hline=q.budget_bits, hline_label="budget",
+        [parse_format(plan["layers"][n]).bits_per_weight(shapes[n][1]) for n in names],
+        names,
+        ctx.out_dir / "bits_per_layer.png",
+        "bits per weight (scales and zeros included)",
+        "bits",
+        hline=q.budget_bits,
+        hline_label="budget",
         colors=["tab:gray" if plan["layers"][n] == "float" else "tab:blue" for n in names],
     )
     metrics = {k: plan[k] for k in ("avg_bits", "total_bytes") if plan[k] is not None}
@@ -168,13 +183,22 @@ def run(ctx) -> dict:
     metrics["float_layers"] = sum(f == "float" for f in plan["layers"].values())
     for f in q.candidates:
         metrics[f"layers_{f}"] = sum(v == f for v in plan["layers"].values())
-    log.info("allocate: avg %.4f bits (budget %s), predicted ΔL %s", plan["avg_bits"],
-             q.budget_bits, plan["predicted_dloss"])
+    log.info(
+        "allocate: avg %.4f bits (budget %s), predicted ΔL %s",
+        plan["avg_bits"],
+        q.budget_bits,
+        plan["predicted_dloss"],
+    )
     return metrics
 
 
-def make_plan(shapes: dict[str, tuple[int, int]], layers: dict[str, dict],
-              fused: list[list[str]], q: QuantConfig, max_units: int = 1_000_000) -> dict:
+def make_plan(
+    shapes: dict[str, tuple[int, int]],
+    layers: dict[str, dict],
+    fused: list[list[str]],
+    q: QuantConfig,
+    max_units: int = 1_000_000,
+) -> dict:
     """The bitplan (contract in the module docstring) for layers {name: (out, in)}.
 
     Args:
@@ -213,8 +237,12 @@ def make_plan(shapes: dict[str, tuple[int, int]], layers: dict[str, dict],
         choice, exact = [0] * len(items), True
     else:
         capacity = math.floor(Fraction(q.budget_bits) * n_q)  # exact: floats are dyadic
-        sol = solve_mckp([[cost(it, f) for f in cands] for it in items],
-                         [[dloss(it, f) for f in cands] for it in items], capacity, max_units)
+        sol = solve_mckp(
+            [[cost(it, f) for f in cands] for it in items],
+            [[dloss(it, f) for f in cands] for it in items],
+            capacity,
+            max_units,
+        )
         choice, exact = sol.choice, sol.exact
     plan = dict.fromkeys(names, "float")
     for it, j in zip(items, choice):
@@ -226,7 +254,8 @@ def make_plan(shapes: dict[str, tuple[int, int]], layers: dict[str, dict],
         "avg_bits": q_bits / n_q,
         "total_bytes": math.ceil(all_bits / 8),
         "predicted_dloss": sum(dloss(it, cands[j]) for it, j in zip(items, choice))
-        if layers else None,
+        if layers
+        else None,
         "layers": plan,
         "fused_groups": [g for g in fused if all(n in plan for n in g)],
         "candidates": cands,

@@ -146,14 +146,9 @@ class _Source:
 
     def get(self, what: str, i: int = 0) -> nn.Module:
         if self.full is None:
-            load = {
-                "embed": self.ckpt.load_embeddings,
-                "norm": self.ckpt.load_norm,
-                "lm_head": self.ckpt.load_lm_head,
-            }
+            load = {"norm": self.ckpt.load_norm, "lm_head": self.ckpt.load_lm_head}
             return self.ckpt.load_block(i) if what == "block" else load[what]()
         name = {
-            "embed": self.a.embed,
             "norm": self.a.final_norm,
             "lm_head": self.a.lm_head,
             "block": self.a.block_prefix(i)[:-1],
@@ -247,8 +242,11 @@ def quantize_checkpoint(
     ids = calib[local]  # (n, T) this rank's windows
     hidden = ckpt.config.hidden_size
     shape = (len(local), calib.shape[1], hidden)
-    state = {"world_size": dist.world_size, "samples": list(calib.shape),
-             "segments": [list(s) for s in segments]}  # as JSON reads it back
+    state = {
+        "world_size": dist.world_size,
+        "samples": list(calib.shape),
+        "segments": [list(s) for s in segments],
+    }  # as JSON reads it back
     start = dist.broadcast(_finished_segments(work, state, n_seg) if dist.is_main else None)
     # Resume only if every rank still has its activations of the last finished segment.
     ok = start <= 0 or _acts_file(work, start - 1, dist.rank).is_file()
@@ -269,14 +267,15 @@ def quantize_checkpoint(
     slices = [slice(i, i + batch_size) for i in range(0, shape[0], batch_size)]
 
     if start == 0:
-        emb = src.get("embed")
+        # nn.Embedding is a row lookup: index the stored table (fp16 is half the fp32 copy).
+        table = raw.tensor(a.embed + ".weight")  # (vocab, C)
         spill = work / "acts" / f"embed-rank{dist.rank}.npy"
         cache = ActivationCache.create(shape, dtype, budget, spill)
         for s in slices:
-            cache[s] = emb(ids[s].to(ckpt.device))
-        del emb
+            cache[s] = table[ids[s]].to(dtype)
         if writer and not writer.has_part(0):
-            writer.write_part(0, {a.embed + ".weight": raw.tensor(a.embed + ".weight")})
+            writer.write_part(0, {a.embed + ".weight": table})
+        del table
     else:
         cache = ActivationCache.load(_acts_file(work, start - 1, dist.rank), dtype, budget)
         log.info("quantize: resuming after %d finished segment(s) from %s", start, work)

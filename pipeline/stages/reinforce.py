@@ -259,20 +259,28 @@ def run(ctx) -> dict:
         fp_draft = load_model(draft_dir, allow_bin).to(device)
         table.update(_measure(ctx, p, "target_fp", fp_target, {start_name: fp_draft}, eval_sets))
         pairs["reference"] = f"{start_name}@target_fp"
-    return _write(
-        ctx,
-        p,
-        module,
-        draft,
-        draft_dir,
-        draft_quantized,
-        tokenizer,
-        table,
-        pairs,
-        target_name,
-        target_dir,
-        eval_sets,
-    )
+
+    out = ctx.out_dir / "draft"
+    if draft_quantized:
+        from pipeline.models.quantized import read_quant_meta, save_quantized_model
+
+        save_quantized_model(draft.cpu(), out, draft_dir, read_quant_meta(draft_dir)["method"])
+    else:
+        save_hf(draft.cpu(), tokenizer, out)
+    report = {
+        "target": target_name,
+        "target_dir": str(target_dir),
+        "draft_dir": str(draft_dir),
+        "draft_quantized": draft_quantized,
+        "steps": module.global_step,
+        "gamma": p.gamma,
+        "temperature": p.temperature,
+        "cost_ratio": module.cost_ratio,
+        "eval_prompts": {s: [len(v), len(v[0])] for s, v in eval_sets.items()},
+        "eval_new_tokens": p.eval_new_tokens,
+        "pairs": pairs,
+    }
+    return _report(ctx, report, table)
 
 
 def _trainer(ctx, p: ReinforceConfig):
@@ -300,69 +308,40 @@ def _trainer(ctx, p: ReinforceConfig):
     return trainer, ckpt_dir / "last.ckpt"
 
 
-def _write(
-    ctx,
-    p,
-    module,
-    draft,
-    draft_dir,
-    draft_quantized,
-    tokenizer,
-    table,
-    pairs,
-    target_name,
-    target_dir,
-    eval_sets,
-) -> dict:
-    out = ctx.out_dir / "draft"
-    draft = draft.to("cpu")
-    if draft_quantized:
-        from pipeline.models.quantized import read_quant_meta, save_quantized_model
-
-        save_quantized_model(draft, out, draft_dir, read_quant_meta(draft_dir)["method"])
-    else:
-        save_hf(draft, tokenizer, out)
+def _report(ctx, report: dict, table: dict) -> dict:
+    """Write reinforce.json and the before/after plot; returns the stage metrics."""
+    pairs = report["pairs"]
     alpha = {k: column(table, pair, "alpha") for k, pair in pairs.items()}
-    summary = {
+    report["summary"] = {
         "alpha": alpha,
         "alpha_tf": {k: column(table, pair, "alpha_tf") for k, pair in pairs.items()},
+        "acceptance_rate": {k: column(table, pair, "acceptance_rate") for k, pair in pairs.items()},
         "gain": {s: alpha["after"][s] - alpha["before"][s] for s in alpha["after"]},
     }
-    report = {
-        "target": target_name,
-        "target_dir": str(target_dir),
-        "draft_dir": str(draft_dir),
-        "draft_quantized": draft_quantized,
-        "steps": module.global_step,
-        "gamma": p.gamma,
-        "temperature": p.temperature,
-        "cost_ratio": module.cost_ratio,
-        "eval_prompts": {s: [len(v), len(v[0])] for s, v in eval_sets.items()},
-        "eval_new_tokens": p.eval_new_tokens,
-        "pairs": pairs,
-        "summary": summary,
-        "acceptance": table,
-    }
+    report["acceptance"] = table
     (ctx.out_dir / "reinforce.json").write_text(json.dumps(report, indent=1))
+
+    import matplotlib.pyplot as plt
+
     fig = plot_acceptance(
         alpha,
         ylabel="on-line acceptance alpha",
-        title=f"draft acceptance on {target_name}, before/after reinforce",
+        title=f"draft acceptance on {report['target']}, before/after reinforce",
     )
     fig.savefig(ctx.out_dir / "acceptance.png", dpi=120)
     ctx.log.log_figure(fig, "acceptance.png")
-    import matplotlib.pyplot as plt
-
     plt.close(fig)
-    log.info(
-        "reinforce: alpha %s",
-        "  ".join(f"{s} {alpha['before'][s]:.3f}->{alpha['after'][s]:.3f}" for s in alpha["after"]),
+    shown = "  ".join(
+        f"{s} {alpha['before'][s]:.3f}->{alpha['after'][s]:.3f}" for s in alpha["after"]
     )
+    log.info("reinforce: alpha %s", shown)
     metrics = {f"alpha_after_{s}": v for s, v in alpha["after"].items()}
     metrics |= {f"alpha_before_{s}": v for s, v in alpha["before"].items()}
+    if "reference" in alpha:
+        metrics["alpha_reference_mean"] = alpha["reference"]["mean"]
     metrics |= {
-        "alpha_gain_mean": summary["gain"]["mean"],
-        "cost_ratio": module.cost_ratio,
-        "steps": float(module.global_step),
+        "alpha_gain_mean": report["summary"]["gain"]["mean"],
+        "cost_ratio": report["cost_ratio"],
+        "steps": float(report["steps"]),
     }
     return metrics

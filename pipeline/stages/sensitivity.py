@@ -89,14 +89,27 @@ def run(ctx) -> dict:
     model.to(_device(p, ctx.dist.local_rank))
     t0 = time.time()
     report = analyze(
-        model, windows, candidates, p.method, ctx.dist,
-        weighting=p.gptq_weighting, probes=p.hutchinson_probes, seed=ctx.cfg.seed,
-        batch_size=p.batch_size, include_lm_head=p.include_lm_head,
-        include_embeddings=p.include_embeddings, progress=True,
+        model,
+        windows,
+        candidates,
+        p.method,
+        ctx.dist,
+        weighting=p.gptq_weighting,
+        probes=p.hutchinson_probes,
+        seed=ctx.cfg.seed,
+        batch_size=p.batch_size,
+        include_lm_head=p.include_lm_head,
+        include_embeddings=p.include_embeddings,
+        progress=True,
     )
     seconds = time.time() - t0
-    log.info("sensitivity: %s on %d sequences x %d tokens, %d layers, %.1fs",
-             p.method, *windows.shape, len(report["layers"]), seconds)
+    log.info(
+        "sensitivity: %s on %d sequences x %d tokens, %d layers, %.1fs",
+        p.method,
+        *windows.shape,
+        len(report["layers"]),
+        seconds,
+    )
     if not ctx.dist.is_main:
         return {}
     (ctx.out_dir / "sensitivity.json").write_text(json.dumps(report, indent=1))
@@ -105,7 +118,9 @@ def run(ctx) -> dict:
     metrics = {"layers": len(layers), "samples": int(windows.shape[0]), "seconds": seconds}
     for f in candidates:
         metrics[f"dloss_sum_{f}"] = sum(layer["dloss"][f] for layer in layers)
-    shares = [layer["outliers"]["share"] for layer in layers if layer["outliers"]["share"] is not None]
+    shares = [
+        layer["outliers"]["share"] for layer in layers if layer["outliers"]["share"] is not None
+    ]
     if shares:
         metrics["outlier_share_max"] = max(shares)
     return metrics
@@ -116,20 +131,30 @@ def write_plots(report: dict, out_dir) -> None:
     layers, cands = report["layers"], report["candidates"]
     names = [layer["name"] for layer in layers]
     plots.heatmap(
-        [[layer["dloss"][f] for f in cands] for layer in layers], names, cands,
+        [[layer["dloss"][f] for f in cands] for layer in layers],
+        names,
+        cands,
         out_dir / "sensitivity_heatmap.png",
-        f"predicted loss increase ({report['method']})", "log10 ΔL",
+        f"predicted loss increase ({report['method']})",
+        "log10 ΔL",
     )
+
     # The most aggressive format of each layer is where layers differ most.
     def cheapest(layer: dict) -> str:
         return min(cands, key=lambda f: parse_format(f).bits_per_weight(layer["shape"][1]))
 
     plots.bars(
-        [layer["dloss"][cheapest(layer)] for layer in layers], names,
+        [layer["dloss"][cheapest(layer)] for layer in layers],
+        names,
         out_dir / "sensitivity_bars.png",
-        "per-layer sensitivity: ΔL at each layer's cheapest candidate", "ΔL", log_y=True,
+        "per-layer sensitivity: ΔL at each layer's cheapest candidate",
+        "ΔL",
+        log_y=True,
     )
     plots.bars(
-        [layer["outliers"]["share"] for layer in layers], names, out_dir / "outliers.png",
-        "share of outlier input channels (MAD rule)", "share",
+        [layer["outliers"]["share"] for layer in layers],
+        names,
+        out_dir / "outliers.png",
+        "share of outlier input channels (MAD rule)",
+        "share",
     )

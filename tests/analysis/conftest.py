@@ -12,14 +12,19 @@ def tiny_llama(seed: int = 0, tied: bool = False):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=8, intermediate_size=16, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
+        vocab_size=VOCAB,
+        hidden_size=8,
+        intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
         tie_word_embeddings=tied,
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for p in model.parameters():
             if p.ndim == 2:
                 p.copy_(torch.randn_like(p) * p.shape[-1] ** -0.5)
     return model.eval()

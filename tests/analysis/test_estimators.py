@@ -43,8 +43,9 @@ def test_hutchinson_probe_is_exact_vHv():
     with sdpa_kernel(SDPBackend.MATH):  # the fused CPU kernel has no double backward
         (g,) = torch.autograd.grad(sequence_loss(model, x), [w], create_graph=True)
     g = g.reshape(-1)
-    H = torch.stack([torch.autograd.grad(g[i], [w], retain_graph=True)[0].reshape(-1)
-                     for i in range(g.numel())])  # (64, 64)
+    H = torch.stack(
+        [torch.autograd.grad(g[i], [w], retain_graph=True)[0].reshape(-1) for i in range(g.numel())]
+    )  # (64, 64)
     got = _probe_sequence(model, x, [w], probes=1, seed=7)
     v = _rademacher(w.shape, torch.Generator().manual_seed(7), w.device).reshape(-1)
     assert float(got[0]) == pytest.approx(float(v @ H @ v), rel=1e-4)
@@ -53,14 +54,15 @@ def test_hutchinson_probe_is_exact_vHv():
 
 
 def _worker(rank: int, world: int, init_file: str, out: str) -> None:
-    tdist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                             world_size=world)
+    tdist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     torch.set_num_threads(1)
     try:
         dist = Dist(rank, world)
         model, x = tiny_llama(), windows(n=5)  # 5 sequences: ranks get 3 and 2
-        results = {m: analyze(model, x, FORMATS, m, dist, probes=2, batch_size=2)
-                   for m in ("fisher", "hutchinson", "gptq_proxy")}
+        results = {
+            m: analyze(model, x, FORMATS, m, dist, probes=2, batch_size=2)
+            for m in ("fisher", "hutchinson", "gptq_proxy")
+        }
         if rank == 0:
             torch.save(results, out)
     finally:
@@ -76,11 +78,15 @@ def test_two_ranks_give_the_single_process_result(tmp_path):
     for method, report in multi.items():
         single = analyze(model, x, FORMATS, method, Dist(), probes=2, batch_size=2)
         assert [layer["name"] for layer in report["layers"]] == [
-            layer["name"] for layer in single["layers"]]
+            layer["name"] for layer in single["layers"]
+        ]
         for a, b in zip(report["layers"], single["layers"]):
             for f in FORMATS:
                 assert a["dloss"][f] == pytest.approx(b["dloss"][f], rel=1e-5, abs=1e-12), (
-                    method, a["name"], f)
+                    method,
+                    a["name"],
+                    f,
+                )
             for key, value in b["outliers"].items():
                 expect = None if value is None else pytest.approx(value, rel=1e-6)
                 assert a["outliers"][key] == expect, (method, a["name"], key)

@@ -25,10 +25,16 @@ class QuantModels:
         self.root = root
         tok = train_tokenizer(DOCS, 300)
         cfg = LlamaConfig(
-            vocab_size=len(tok), hidden_size=HIDDEN, intermediate_size=INTER,
-            num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=4,
-            max_position_embeddings=256, bos_token_id=tok.bos_token_id,
-            eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+            vocab_size=len(tok),
+            hidden_size=HIDDEN,
+            intermediate_size=INTER,
+            num_hidden_layers=LAYERS,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            max_position_embeddings=256,
+            bos_token_id=tok.bos_token_id,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
             tie_word_embeddings=False,
         )
         torch.manual_seed(0)
@@ -51,8 +57,11 @@ class QuantModels:
         formats = (formats,) if isinstance(formats, str) else tuple(formats)
         if formats not in self._cache:
             model = self.fp_model()
-            names = [n for n, m in model.named_modules()
-                     if isinstance(m, torch.nn.Linear) and n != "lm_head"]
+            names = [
+                n
+                for n, m in model.named_modules()
+                if isinstance(m, torch.nn.Linear) and n != "lm_head"
+            ]
             for i, name in enumerate(names):
                 lin = model.get_submodule(name)
                 qt = quantize_rtn(lin.weight, formats[i % len(formats)])

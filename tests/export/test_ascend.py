@@ -16,7 +16,6 @@ from pipeline.export.source import Linear, Source
 from pipeline.quant.formats import parse_format
 
 
-
 def test_int4_per_group_known_answer():
     # msModelSlim's own test vector: pairs along the output dim, low nibble first.
     q = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]], dtype=torch.int8)
@@ -147,8 +146,9 @@ def test_widen_is_exact(qmodels, tmp_path, fmt):
 
 def test_w8a8_dynamic_tagging(qmodels, tmp_path):
     art = tmp_path / "a"
-    m = export_artifact(qmodels.get(("int8-sym", "int8")), art,
-                        ExportOptions(format="ascend", w8a8_dynamic=True))
+    m = export_artifact(
+        qmodels.get(("int8-sym", "int8")), art, ExportOptions(format="ascend", w8a8_dynamic=True)
+    )
     types = {n: d["type"] for n, d in m["layers"].items()}
     assert types["model.layers.0.self_attn.q_proj"] == "W8A8_DYNAMIC"  # symmetric per channel
     assert types["model.layers.0.self_attn.k_proj"] == "W8A16"  # asymmetric stays weight-only

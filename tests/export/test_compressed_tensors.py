@@ -70,5 +70,8 @@ def test_transformers_loads_symmetric_checkpoint(qmodels, tmp_path):
 
 def test_refuses_formats_vllm_cannot_run(qmodels, tmp_path):
     with pytest.raises(ExportError, match="int4 and int8 weights only"):
-        export_artifact(qmodels.get(("int4g128", "int3g128")), tmp_path / "ct",
-                        ExportOptions(format="compressed-tensors"))
+        export_artifact(
+            qmodels.get(("int4g128", "int3g128")),
+            tmp_path / "ct",
+            ExportOptions(format="compressed-tensors"),
+        )

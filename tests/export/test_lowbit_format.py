@@ -39,8 +39,18 @@ def test_twos_complement_fields(bits):
     assert torch.equal(from_field(f, bits), q)
 
 
-FORMATS = ["int2g64", "int3g128", "int3g64-sym", "int4g128", "int4g128-sym", "int4",
-           "int8", "int8g64", "exp4g128", "exp4g64"]
+FORMATS = [
+    "int2g64",
+    "int3g128",
+    "int3g64-sym",
+    "int4g128",
+    "int4g128-sym",
+    "int4",
+    "int8",
+    "int8g64",
+    "exp4g128",
+    "exp4g64",
+]
 TYPES = {"int2": "W2A16", "int3": "W3A16", "int4": "W4A16", "int8": "W8A16", "exp4": "W4A16_EXP"}
 
 

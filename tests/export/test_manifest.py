@@ -15,8 +15,9 @@ from pipeline.runtime import load
 @pytest.fixture(scope="module")
 def artifact(qmodels, tmp_path_factory):
     art = tmp_path_factory.mktemp("man") / "artifact"
-    export_artifact(qmodels.get("int4g128"), art, ExportOptions(shard_bytes=300_000),
-                    draft=qmodels.fp)
+    export_artifact(
+        qmodels.get("int4g128"), art, ExportOptions(shard_bytes=300_000), draft=qmodels.fp
+    )
     return art
 
 

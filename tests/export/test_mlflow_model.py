@@ -38,6 +38,7 @@ def test_log_register_load_predict(qmodels, tmp_path, tracking):
     got = model.predict(["the quick", "a dog"], params={"max_new_tokens": 5})
     expected = load(art, "torch").generate("the quick", 5).text
     assert len(got) == 2 and got[0] == expected
-    same = mlflow.pyfunc.load_model(model_uri).predict(pd.DataFrame({"prompt": ["the quick"]}),
-                                                       params={"max_new_tokens": 5})
+    same = mlflow.pyfunc.load_model(model_uri).predict(
+        pd.DataFrame({"prompt": ["the quick"]}), params={"max_new_tokens": 5}
+    )
     assert same == [expected]

@@ -27,9 +27,16 @@ def _codes(fmt, shape=(64, 256), target="lowbit", **kw):
     return qt, unpack_linear(pack_linear(qt, info), info)
 
 
-def _npu_weight_quant_batchmatmul(x, weight, antiquant_scale, antiquant_offset=None,
-                                  quant_scale=None, quant_offset=None, bias=None,
-                                  antiquant_group_size=0):
+def _npu_weight_quant_batchmatmul(
+    x,
+    weight,
+    antiquant_scale,
+    antiquant_offset=None,
+    quant_scale=None,
+    quant_offset=None,
+    bias=None,
+    antiquant_group_size=0,
+):
     """What the kernel computes per ASCEND.md: x @ ((w + offset) * scale) + bias, w (K, N)."""
     if weight.dtype == torch.int32:  # int4: element 8j+i at bits 4i..4i+3 of int32 j
         shifts = torch.arange(0, 32, 4, dtype=torch.int32)
@@ -53,8 +60,10 @@ def fake_torch_npu(monkeypatch):
     return mod
 
 
-@pytest.mark.parametrize("fmt", ["int4g128", "int4g64-sym", "int4", "int8", "int8g128",
-                                 "int2g64", "int3g128", "exp4g128"])
+@pytest.mark.parametrize(
+    "fmt",
+    ["int4g128", "int4g64-sym", "int4", "int8", "int8g128", "int2g64", "int3g128", "exp4g128"],
+)
 def test_npu_layout_matches_reference(fake_torch_npu, fmt):
     qt, codes = _codes(fmt)
     bias = torch.randn(64)
@@ -106,13 +115,17 @@ def test_whole_model_on_the_npu_path(fake_torch_npu, qmodels, tmp_path):
     from tests.export.models import tokens
 
     art = tmp_path / "a"
-    export_artifact(qmodels.get(("int4g128", "int8", "int2g64", "exp4g128")), art,
-                    ExportOptions(float_dtype="keep"))
+    export_artifact(
+        qmodels.get(("int4g128", "int8", "int2g64", "exp4g128")),
+        art,
+        ExportOptions(float_dtype="keep"),
+    )
     npu = load(art, "npu", device="cpu", dtype=torch.float32)
     ref = load(art, "torch", device="cpu")
     assert npu.backend == "npu"
     assert any(isinstance(m, NpuQuantLinear) for m in npu.model.modules())
     x = tokens()
     with torch.no_grad():
-        torch.testing.assert_close(npu.model(input_ids=x).logits, ref.model(input_ids=x).logits,
-                                   atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(
+            npu.model(input_ids=x).logits, ref.model(input_ids=x).logits, atol=1e-4, rtol=1e-4
+        )

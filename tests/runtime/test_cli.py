@@ -18,16 +18,30 @@ def artifact(qmodels, tmp_path_factory):
 def test_prints_prompt_and_continuation(artifact, capsys):
     from pipeline.runtime import load
 
-    rc = main([str(artifact), "--prompt", "the quick", "--prompt", "a lazy dog",
-               "--max-new-tokens", "6", "--stats", "--backend", "torch"])
+    rc = main(
+        [
+            str(artifact),
+            "--prompt",
+            "the quick",
+            "--prompt",
+            "a lazy dog",
+            "--max-new-tokens",
+            "6",
+            "--stats",
+            "--backend",
+            "torch",
+        ]
+    )
     out, err = capsys.readouterr()
     lines = out.splitlines()
     assert rc == 0 and len(lines) == 2
     expected = load(artifact, "torch").generate("the quick", 6, speculative=False).text
     assert lines[0] == "the quick" + expected
     assert "tok/s" in err and "drafted tokens accepted" in err  # the artifact's draft was used
-    assert main([str(artifact), "--prompt", "x", "--no-draft", "--max-new-tokens", "2",
-                 "--stats"]) == 0
+    assert (
+        main([str(artifact), "--prompt", "x", "--no-draft", "--max-new-tokens", "2", "--stats"])
+        == 0
+    )
     assert "drafted" not in capsys.readouterr().err
 
 

@@ -29,8 +29,9 @@ def test_logits_equal_fake_quant(qmodels, tmp_path, fmt):
     quantized = [m for m in rt.model.modules() if isinstance(m, TorchQuantLinear)]
     assert len(quantized) == 7 and rt.backend == "torch"
     x = tokens()
-    torch.testing.assert_close(_logits(rt.model, x), _logits(load_quantized(src), x),
-                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        _logits(rt.model, x), _logits(load_quantized(src), x), atol=1e-5, rtol=1e-5
+    )
 
 
 def test_mixed_model_ascend_widened_and_fp16(qmodels, tmp_path):
@@ -61,9 +62,10 @@ def test_speculative_from_artifacts_equals_greedy_target(qmodels, tmp_path):
     assert spec.tokens == plain.tokens and len(spec.tokens) > 0
     # ... and equal greedy decoding of the fake-quant model the artifact came from
     ids = rt.tokenizer(prompt, return_tensors="pt").input_ids
-    seq, _ = plain_generate(load_quantized(src), ids, 24, temperature=0.0,
-                            eos_token_id=rt.tokenizer.eos_token_id)
-    assert seq[0, ids.shape[1]:].tolist() == plain.tokens
+    seq, _ = plain_generate(
+        load_quantized(src), ids, 24, temperature=0.0, eos_token_id=rt.tokenizer.eos_token_id
+    )
+    assert seq[0, ids.shape[1] :].tolist() == plain.tokens
     # a separately given draft artifact works too, and sampling runs
     other = tmp_path / "d"
     export_artifact(qmodels.fp, other, ExportOptions())

@@ -34,8 +34,9 @@ def instance(seed: int):
     layers = {}
     for n in names:
         scale = rng.uniform(0.01, 1.0)
-        layers[n] = {"dloss": {f: scale * 4.0 ** -i * rng.uniform(0.5, 1.5)
-                               for i, f in enumerate(CANDS)}}
+        layers[n] = {
+            "dloss": {f: scale * 4.0**-i * rng.uniform(0.5, 1.5) for i, f in enumerate(CANDS)}
+        }
     return shapes, layers, fused
 
 
@@ -69,15 +70,20 @@ def test_plan_is_optimal_with_fused_groups(seed):
 def test_keep_float_widens_to_the_group_and_fallback_takes_the_most_sensitive():
     shapes, layers, fused = instance(0)
     layers["model.layers.1.self_attn.o_proj"]["dloss"] = {f: 100.0 for f in CANDS}
-    q = QuantConfig(candidates=CANDS, budget_bits=8.5, float_fallback=1,
-                    keep_float=["lm_head", "layers.0.self_attn.k_proj"])
+    q = QuantConfig(
+        candidates=CANDS,
+        budget_bits=8.5,
+        float_fallback=1,
+        keep_float=["lm_head", "layers.0.self_attn.k_proj"],
+    )
     plan = make_plan(shapes, layers, fused, q)
     assert all(plan["layers"][n] == "float" for n in fused[0])  # k kept float -> q, v too
     assert plan["fallback"] == ["model.layers.1.self_attn.o_proj"]
     assert plan["layers"]["model.layers.1.self_attn.o_proj"] == "float"
     # excluded from the average: what is left fits int8 (8.5 bits with its scales)
     assert plan["quantized_params"] == sum(math.prod(shapes[n]) for n in fused[1]) + math.prod(
-        shapes["model.layers.0.self_attn.o_proj"])
+        shapes["model.layers.0.self_attn.o_proj"]
+    )
 
 
 def test_single_candidate_gives_a_uniform_plan_without_sensitivity():
@@ -105,11 +111,21 @@ def test_validate_checks_the_budget_from_config_alone(budget, fails):
 
 
 def test_validate_reads_shapes_of_a_user_checkpoint(tmp_path):
-    config = {"model_type": "llama", "hidden_size": 96, "intermediate_size": 160,
-              "num_attention_heads": 4, "num_hidden_layers": 1, "vocab_size": 50}
+    config = {
+        "model_type": "llama",
+        "hidden_size": 96,
+        "intermediate_size": 160,
+        "num_attention_heads": 4,
+        "num_hidden_layers": 1,
+        "vocab_size": 50,
+    }
     (tmp_path / "config.json").write_text(json.dumps(config))
-    cfg = make_cfg("model=hf", f"model.target.path={tmp_path}", "quant.candidates=[int4g64]",
-                   "quant.budget_bits=4.2")
+    cfg = make_cfg(
+        "model=hf",
+        f"model.target.path={tmp_path}",
+        "quant.candidates=[int4g64]",
+        "quant.budget_bits=4.2",
+    )
     # in=96: two groups of 64 -> (4*96 + 20*2)/96 bits on q,k,v,o,gate,up (67584 weights);
     # in=160: (4*160 + 20*3)/160 on down (15360); lm_head and embeddings stay float
     minimum = (67584 * (4 * 96 + 40) / 96 + 15360 * (4 * 160 + 60) / 160) / (67584 + 15360)

@@ -14,15 +14,31 @@ from tests.conftest import smoke_cfg
 from tests.stages.conftest import boot_cfg
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Smoke-sized matmuls gain nothing from threads and lose a lot on a busy machine."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def test_export_stage_end_to_end(boot, tmp_path):
     from mlflow.tracking import MlflowClient
 
     from pipeline.models.quantized import load_quantized
     from pipeline.runtime import load
 
-    cfg = boot_cfg(boot, tmp_path, "stages=[bootstrap,quantize,export]", "quant=w4g128",
-                   "quant.method=rtn", "tracking.enabled=true", "stage.export.float_dtype=keep",
-                   "stage.export.shard_bytes=20000")
+    cfg = boot_cfg(
+        boot,
+        tmp_path,
+        "stages=[bootstrap,quantize,export]",
+        "quant=w4g128",
+        "quant.method=rtn",
+        "tracking.enabled=true",
+        "stage.export.float_dtype=keep",
+        "stage.export.shard_bytes=20000",
+    )
     done = workflow.run(cfg)["export"]
     run_dir = tmp_path / "run"
     art = run_dir / "export" / "artifact"
@@ -59,8 +75,7 @@ def test_export_stage_end_to_end(boot, tmp_path):
     ("overrides", "fix"),
     [
         (["stage.export.format=ascend", "quant=w2g64"], "stage.export.widen=true"),
-        (["stage.export.format=ascend", "stage.export.widen=true", "quant=e4g128"],
-         "quant=w4g128"),
+        (["stage.export.format=ascend", "stage.export.widen=true", "quant=e4g128"], "quant=w4g128"),
         (["stage.export.format=compressed-tensors", "quant=w3g128"], "int4 and int8"),
         (["stage.export.format=ascend", "quant.candidates=[int4g32]"], "group sizes"),
         (["stage.export.format=onnx"], "compressed-tensors"),
@@ -76,11 +91,14 @@ def test_validate_refuses_what_the_format_cannot_hold(tmp_path, overrides, fix):
     assert fix in str(err.value)
 
 
-@pytest.mark.parametrize("overrides", [
-    ["stage.export.format=ascend", "quant=w4g128"],
-    ["stage.export.format=ascend", "stage.export.widen=true", "quant=w3g128"],
-    ["stage.export.format=compressed-tensors", "quant=w8"],
-    ["quant=e4g128"],  # the default lowbit format holds everything
-])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["stage.export.format=ascend", "quant=w4g128"],
+        ["stage.export.format=ascend", "stage.export.widen=true", "quant=w3g128"],
+        ["stage.export.format=compressed-tensors", "quant=w8"],
+        ["quant=e4g128"],  # the default lowbit format holds everything
+    ],
+)
 def test_validate_accepts(tmp_path, overrides):
     export.validate(smoke_cfg(tmp_path, "tracking=none", *overrides))

@@ -62,10 +62,14 @@ def test_end_to_end_writes_a_better_draft_and_the_report(boot, tmp_path):
 def test_rerun_after_a_crash_resumes_from_the_checkpoint(boot, tmp_path, monkeypatch):
     cfg = boot_cfg(boot, tmp_path, STAGES, *TINY)
 
-    def crash(*args, **kwargs):
-        raise RuntimeError("killed after training")
+    measure = reinforce._measure
 
-    monkeypatch.setattr(reinforce, "_write", crash)
+    def crash(ctx, p, target_name, target, drafts, scenarios):
+        if "draft_reinforced" in drafts:
+            raise RuntimeError("killed after training")
+        return measure(ctx, p, target_name, target, drafts, scenarios)
+
+    monkeypatch.setattr(reinforce, "_measure", crash)
     with pytest.raises(RuntimeError, match="killed"):
         workflow.run(cfg)
     work = next((tmp_path / "run" / ".work").glob("reinforce-*"))

@@ -44,8 +44,11 @@ def test_workflow_writes_sensitivity_and_bitplan(boot, tmp_path):
     for group in plan["fused_groups"]:
         assert len({plan["layers"][n] for n in group}) == 1
     assert plan["predicted_dloss"] == pytest.approx(
-        sum(next(x for x in report["layers"] if x["name"] == n)["dloss"][f]
-            for n, f in quantized.items()))
+        sum(
+            next(x for x in report["layers"] if x["name"] == n)["dloss"][f]
+            for n, f in quantized.items()
+        )
+    )
     assert (run / "allocate" / "bits_per_layer.png").exists()
     assert done["allocate"]["metrics"]["avg_bits"] <= cfg.quant.budget_bits
 

@@ -1,0 +1,206 @@
+"""How well does predicted sensitivity match reality, and does allocation pay off?
+
+On the bootstrap target (a path, or trained here into a temporary run dir):
+
+1. Measured ΔL: quantize one layer at a time with RTN (int3g128, int2g64) and measure the
+   increase of the mean token loss on the held-out evaluation windows.
+2. Predicted ΔL: the sensitivity analysis (fisher, hutchinson, gptq_proxy) on the calibration
+   windows; Spearman ρ between predicted and measured ΔL across layers.
+3. Perplexity of the allocated plan (each method, the quant=mixed candidates) at budget 3.0 vs
+   uniform int3g128 and at 2.5 vs uniform int2g64, quantized with RTN and with GPTQ (Hessians
+   of the FP model's calibration inputs, each layer independently).
+
+    python bench/sensitivity_check.py --smoke                 # trains the smoke bootstrap
+    python bench/sensitivity_check.py outputs/default/bootstrap/target
+
+Prints markdown tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from hydra import compose, initialize_config_dir
+from scipy.stats import spearmanr
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pipeline import conf_dir, workflow  # noqa: E402
+from pipeline.analysis import Capture, sequence_loss  # noqa: E402
+from pipeline.analysis.sensitivity import METHODS, analyze, scored_modules  # noqa: E402
+from pipeline.config import QuantConfig, data_cfg, quant_cfg  # noqa: E402
+from pipeline.data.text import Corpus  # noqa: E402
+from pipeline.models.hf import load_causal_lm, load_tokenizer, perplexity  # noqa: E402
+from pipeline.quant.gptq import gptq_quantize  # noqa: E402
+from pipeline.quant.rtn import quantize_rtn  # noqa: E402
+from pipeline.stages.allocate import make_plan  # noqa: E402
+
+CANDIDATES = ["int2g64", "int3g128", "int4g128", "int8"]
+MEASURED = ["int3g128", "int2g64"]
+KEEP_FLOAT = ["lm_head", "embed_tokens"]
+
+
+def config(smoke: bool, run_dir: Path):
+    overrides = [f"run_dir={run_dir}", "tracking=none", "stages=[bootstrap]"]
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+        return compose("config", overrides=(["experiment=smoke"] if smoke else []) + overrides)
+
+
+@torch.no_grad()
+def mean_loss(model, windows: torch.Tensor, batch_size: int = 8) -> float:
+    total = 0.0
+    for i in range(0, len(windows), batch_size):
+        x = windows[i : i + batch_size]
+        total += float(sequence_loss(model, x)) * len(x)
+    return total / len(windows)
+
+
+@torch.no_grad()
+def measure(model, windows: torch.Tensor, names: list[str]) -> dict[str, dict[str, float]]:
+    """True ΔL of quantizing each layer alone (RTN), on the evaluation windows."""
+    base = mean_loss(model, windows)
+    out: dict[str, dict[str, float]] = {}
+    for name in names:
+        w = model.get_submodule(name).weight
+        orig = w.detach().clone()
+        out[name] = {}
+        for fmt in MEASURED:
+            w.copy_(quantize_rtn(orig, fmt).dequantize())
+            out[name][fmt] = mean_loss(model, windows) - base
+        w.copy_(orig)
+    return out
+
+
+@torch.no_grad()
+def input_hessians(model, calib: torch.Tensor) -> dict[str, torch.Tensor]:
+    linears = {n: m for n, m in scored_modules(model, True, False).items()}
+    cap = Capture(linears, hessians=True)
+    for i in range(0, len(calib), 8):
+        model(input_ids=calib[i : i + 8])
+    cap.remove()
+    return {n: cap.hessian(n) for n in linears}
+
+
+@torch.no_grad()
+def ppl_of_plan(model, plan: dict[str, str], windows, hessians=None, block_size=128) -> float:
+    """Perplexity with every planned layer quantized (RTN, or GPTQ when Hessians are given)."""
+    saved = {}
+    for name, fmt in plan.items():
+        if fmt == "float":
+            continue
+        w = model.get_submodule(name).weight
+        saved[name] = w.detach().clone()
+        if hessians is None:
+            q = quantize_rtn(saved[name], fmt)
+        else:
+            q, _ = gptq_quantize(
+                saved[name], hessians[name], fmt, block_size=block_size, act_order=True
+            )
+        w.copy_(q.dequantize())
+    try:
+        return perplexity(model, windows)
+    finally:
+        for name, orig in saved.items():
+            model.get_submodule(name).weight.copy_(orig)
+
+
+def avg_bits(plan: dict, shapes: dict) -> float:
+    from pipeline.quant.allocate import layer_bits
+
+    q = {n: f for n, f in plan.items() if f != "float"}
+    bits = sum(layer_bits(f, shapes[n]) for n, f in q.items())
+    return bits / sum(shapes[n][0] * shapes[n][1] for n in q)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("target", nargs="?", help="FP target HF dir (default: train the bootstrap)")
+    ap.add_argument("--smoke", action="store_true", help="smoke bootstrap sizes")
+    ap.add_argument("--run-dir", help="where the bootstrap runs (default: a temp dir)")
+    ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--no-gptq", action="store_true")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix="lowbit-sens-"))
+    cfg = config(args.smoke, run_dir)
+    target = Path(args.target) if args.target else None
+    if target is None:
+        t0 = time.time()
+        workflow.run(cfg)
+        target = run_dir / "bootstrap" / "target"
+        print(f"bootstrap trained in {time.time() - t0:.0f}s: {target}")
+    q = quant_cfg(cfg)
+    model, tokenizer = load_causal_lm(target), load_tokenizer(target)
+    corpus = Corpus(data_cfg(cfg), tokenizer)
+    calib = corpus.calibration(cfg.quant.calib.samples, cfg.quant.calib.seq_len, cfg.seed)
+    evalw = corpus.eval_windows()
+    print(f"target {target}: calib {tuple(calib.shape)}, eval {tuple(evalw.shape)}")
+
+    t0 = time.time()
+    names = list(scored_modules(model))
+    measured = measure(model, evalw, names)
+    print(
+        f"measured ΔL of {len(names)} layers x {len(MEASURED)} formats in {time.time() - t0:.0f}s"
+    )
+    reports, seconds = {}, {}
+    for m in args.methods.split(","):
+        t0 = time.time()
+        reports[m] = analyze(model, calib, CANDIDATES, m, probes=4)
+        seconds[m] = time.time() - t0
+
+    print("\n### Spearman ρ, predicted vs measured ΔL across layers\n")
+    print("| method | " + " | ".join(MEASURED) + " | pooled | seconds |")
+    print("|---|" + "---|" * (len(MEASURED) + 2))
+    for m, rep in reports.items():
+        pred = {layer["name"]: layer["dloss"] for layer in rep["layers"]}
+        rhos = [
+            spearmanr([pred[n][f] for n in names], [measured[n][f] for n in names])[0]
+            for f in MEASURED
+        ]
+        pooled = spearmanr(
+            [pred[n][f] for n in names for f in MEASURED],
+            [measured[n][f] for n in names for f in MEASURED],
+        )[0]
+        print(
+            f"| {m} | "
+            + " | ".join(f"{r:.3f}" for r in rhos)
+            + f" | {pooled:.3f} | {seconds[m]:.0f} |"
+        )
+
+    shapes = {layer["name"]: layer["shape"] for layer in next(iter(reports.values()))["layers"]}
+    fused = next(iter(reports.values()))["fused_groups"]
+    hessians = None if args.no_gptq else input_hessians(model, calib)
+    quantizers = {"rtn": None} if hessians is None else {"rtn": None, "gptq": hessians}
+    base = perplexity(model, evalw)
+    print(f"\n### Perplexity (FP target: {base:.3f}); lm_head and embeddings float\n")
+    print("| plan | avg bits | " + " | ".join(quantizers) + " |")
+    print("|---|---|" + "---|" * len(quantizers))
+
+    def row(label: str, plan: dict) -> None:
+        ppls = [ppl_of_plan(model, plan, evalw, h, q.block_size) for h in quantizers.values()]
+        print(
+            f"| {label} | {avg_bits(plan, shapes):.3f} | "
+            + " | ".join(f"{p:.3f}" for p in ppls)
+            + " |"
+        )
+
+    for uniform, budgets in (("int3g128", [3.0, None]), ("int2g64", [2.5])):
+        plan_u = make_plan(
+            shapes, {}, fused, QuantConfig(candidates=[uniform], keep_float=KEEP_FLOAT)
+        )["layers"]
+        row(f"uniform {uniform}", plan_u)
+        for budget in budgets:  # None: the uniform plan's own average (a matched budget)
+            b = budget or avg_bits(plan_u, shapes)
+            for m, rep in reports.items():
+                layers = {layer["name"]: layer for layer in rep["layers"]}
+                qc = QuantConfig(candidates=CANDIDATES, budget_bits=b, keep_float=KEEP_FLOAT)
+                row(f"{m} @ {b:.3f}", make_plan(shapes, layers, fused, qc)["layers"])
+
+
+if __name__ == "__main__":
+    main()
