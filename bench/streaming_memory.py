@@ -72,8 +72,8 @@ def child(args: argparse.Namespace) -> None:
     }))  # fmt: skip
 
 
-def write_checkpoint(path: Path, gb: float, hidden: int, inter: int, vocab: int) -> int:
-    """A fp16 Llama of about ``gb`` GiB; returns its number of layers."""
+def write_checkpoint(path: Path, gb: float, hidden: int, inter: int, vocab: int) -> None:
+    """A fp16 Llama of about ``gb`` GiB (config.json is written last: it marks completion)."""
     from pipeline.models import write_synthetic_checkpoint
 
     per_block = 4 * hidden * hidden + 3 * hidden * inter + 2 * hidden  # q,k,v,o + mlp + norms
@@ -82,7 +82,6 @@ def write_checkpoint(path: Path, gb: float, hidden: int, inter: int, vocab: int)
         path, hidden=hidden, layers=layers, intermediate=inter, heads=hidden // 64,
         kv_heads=hidden // 64, vocab=vocab, shard_bytes=GIB // 2,
     )  # fmt: skip
-    return layers
 
 
 def main() -> None:
@@ -98,7 +97,12 @@ def main() -> None:
     p.add_argument("--segment-size", type=int, default=1)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--modes", default="stream,full", help="comma list of stream, full")
-    p.add_argument("--dir", default=None, help="scratch directory (default: a temp dir)")
+    p.add_argument(
+        "--dir",
+        default=None,
+        help="scratch directory, kept (a checkpoint already in DIR/ckpt is reused); "
+        "default: a temporary directory, removed",
+    )
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--mode", default="stream", help=argparse.SUPPRESS)
     p.add_argument("--src", help=argparse.SUPPRESS)
@@ -110,10 +114,12 @@ def main() -> None:
     root = Path(args.dir or tempfile.mkdtemp(prefix="lowbit-bench-"))
     src = root / "ckpt"
     t0 = time.time()
-    layers = write_checkpoint(src, args.gb, args.hidden, args.intermediate, args.vocab)
+    if not (src / "config.json").is_file():
+        write_checkpoint(src, args.gb, args.hidden, args.intermediate, args.vocab)
+    config = json.loads((src / "config.json").read_text())
     ckpt_gb = sum(f.stat().st_size for f in src.glob("*.safetensors")) / GIB
-    print(f"checkpoint: {ckpt_gb:.2f} GiB fp16, {layers} layers, hidden {args.hidden}, "
-          f"written in {time.time() - t0:.0f}s to {src}")  # fmt: skip
+    print(f"checkpoint: {ckpt_gb:.2f} GiB fp16, {config['num_hidden_layers']} layers, hidden "
+          f"{config['hidden_size']}, ready in {time.time() - t0:.0f}s in {src}")  # fmt: skip
     rows = []
     try:
         for mode in args.modes.split(","):

@@ -163,7 +163,7 @@ def export_artifact(
         src: A quantized model directory (lowbit_quant.json) or an FP HF checkpoint.
         out: The artifact directory to create (must not exist or be empty).
         opts: Format and packing options.
-        draft: Optional draft model directory, exported (FP, FLOAT tensors) into ``out/draft``
+        draft: Optional draft model directory (FP or quantized), exported into ``out/draft``
             so that ``lowbit-run`` can decode speculatively.
 
     Returns:
@@ -178,13 +178,20 @@ def export_artifact(
         raise FileExistsError(f"{out} is not empty; export into a new directory")
     out.mkdir(parents=True, exist_ok=True)
     source = Source.open(src)
+    draft_info = None
+    if draft is not None:  # first: it is small, and a refusal then costs little
+        # Exported as it is (FP: FLOAT tensors). It serves lowbit-run only, so the ascend
+        # target writes it in the lowbit layout, which also holds a 2/3-bit or exp4 draft.
+        d_opts = replace(opts, format="lowbit" if opts.format == "ascend" else opts.format)
+        try:
+            d_manifest = export_artifact(draft, out / "draft", d_opts)
+        except ascend.ExportError as e:
+            raise ascend.ExportError(
+                f"the draft {draft}: {e} (or leave the draft out: stage.export.include_draft=false)"
+            ) from None
+        draft_info = {"path": "draft", "source": d_manifest["source"]}
     writer = write_compressed_tensors if opts.format == "compressed-tensors" else write_ascendv1
     info = writer(source, out, opts)
     info["source"] = {"path": str(Path(src).resolve()), "method": source.method}
-    info["draft"] = None
-    if draft is not None:
-        # The draft is small and speculative decoding pays per draft token: keep it float.
-        d_opts = replace(opts, format="lowbit" if opts.format == "ascend" else opts.format)
-        d_info = export_artifact(draft, out / "draft", d_opts)
-        info["draft"] = {"path": "draft", "source": d_info["source"]}
+    info["draft"] = draft_info
     return write_manifest(out, info)

@@ -144,8 +144,9 @@ def write_compressed_tensors(source: Source, out: Path, opts: ExportOptions) -> 
                 ignore.append(name.removesuffix(".weight"))
             writer.add(name, cast_float(t, opts.float_dtype))
     weight_map = writer.close()
-    config["quantization_config"] = quantization_config(infos, ignore)
-    (out / "config.json").write_text(json.dumps(config, indent=2))
+    if infos:  # an FP model (e.g. the draft) stays a plain HF checkpoint
+        config["quantization_config"] = quantization_config(infos, ignore)
+        (out / "config.json").write_text(json.dumps(config, indent=2))
     return {
         "format": opts.format,
         "model_type": config.get("model_type"),

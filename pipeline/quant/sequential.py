@@ -66,13 +66,14 @@ class _OutputError:
 
     def __init__(self, weights: dict[str, Tensor], deltas: dict[str, Tensor]) -> None:
         self.weights, self.deltas = weights, deltas
-        self.sums = torch.zeros(2 * len(weights) + 1, dtype=torch.float64)
+        device = next(iter(weights.values())).device  # all-reduced there (NCCL needs the GPU)
+        self.sums = torch.zeros(2 * len(weights) + 1, dtype=torch.float64, device=device)
 
     def add_batch(self, x: Tensor) -> None:
         x = x.reshape(-1, x.shape[-1]).float()  # (tokens, in)
         for i, name in enumerate(self.weights):
-            self.sums[2 * i] += (x @ self.weights[name].t()).square().sum().item()
-            self.sums[2 * i + 1] += (x @ self.deltas[name].t()).square().sum().item()
+            self.sums[2 * i] += (x @ self.weights[name].float().t()).square().sum()
+            self.sums[2 * i + 1] += (x @ self.deltas[name].t()).square().sum()
         self.sums[-1] += x.shape[0]
 
 
@@ -178,7 +179,7 @@ def quantize_block(
 
 def _reduce_hessian(acc: HessianAccumulator, all_reduce: Callable[[Tensor], Tensor]) -> Tensor:
     """The Hessian of all ranks' inputs: counts-weighted mean of the per-rank means."""
-    n = torch.tensor([float(acc.n_samples)], dtype=torch.float64)
+    n = torch.tensor([float(acc.n_samples)], dtype=torch.float64, device=acc.H.device)
     H = acc.H.mul_(acc.n_samples)
     all_reduce(H)
     total = all_reduce(n).item()

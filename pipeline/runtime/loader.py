@@ -99,10 +99,10 @@ class Runtime:
         return Generation(self.tokenizer.decode(new, skip_special_tokens=True), new, stats)
 
 
-def _float_dtype(backend: str, device: torch.device, dtype: torch.dtype | None) -> torch.dtype:
+def _float_dtype(device: torch.device, dtype: torch.dtype | None) -> torch.dtype:
     if dtype is not None:
         return dtype
-    return torch.float32 if device.type == "cpu" else torch.float16
+    return torch.float32 if device.type == "cpu" else torch.float16  # fp16 kernels on NPU/GPU
 
 
 def _rebuild_meta_buffers(model: nn.Module) -> None:
@@ -167,7 +167,7 @@ def load(
         )
     name, dev = resolve(backend)
     dev = torch.device(device if device is not None else dev)
-    dtype = _float_dtype(name, dev, dtype)
+    dtype = _float_dtype(dev, dtype)
     config = AutoConfig.from_pretrained(root, local_files_only=True)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)

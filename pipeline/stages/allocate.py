@@ -143,6 +143,8 @@ def _scored(shapes: dict, cfg) -> dict:
 def validate(cfg) -> None:
     parse(cfg.stage.allocate, AllocateConfig, "stage.allocate")
     q = quant_cfg(cfg)
+    if q.float_fallback < 0:
+        raise ConfigError("quant.float_fallback", f"is {q.float_fallback}", "an integer >= 0")
     ls = _config_shapes(cfg)
     if ls is None:
         return
@@ -199,7 +201,8 @@ def make_plan(
     q: QuantConfig,
     max_units: int = 1_000_000,
 ) -> dict:
-    """The bitplan (contract in the module docstring) for layers {name: (out, in)}.
+    """The bitplan.json content (budget_bits, avg_bits, total_bytes, predicted_dloss, layers,
+    fused_groups, and details) for the layers {name: (out, in)}.
 
     Args:
         shapes: Every planned layer's weight shape, in model order.
@@ -221,16 +224,23 @@ def make_plan(
     def cost(it: list[str], f: str) -> int:
         return sum(layer_bits(f, shapes[n]) for n in it)
 
+    if not items:
+        raise ConfigError("quant.keep_float", "keeps every layer float: nothing to quantize")
     fallback: list[str] = []
     if q.float_fallback:
         if not layers:
             raise ConfigError("quant.float_fallback", "needs the sensitivity stage's output")
+        if q.float_fallback >= len(items):
+            raise ConfigError(
+                "quant.float_fallback",
+                f"is {q.float_fallback}, which leaves nothing to quantize",
+                f"0 <= float_fallback < {len(items)} (the quantizable items)",
+            )
+        # The most sensitive item: the largest ΔL at its cheapest candidate.
         ranked = sorted(items, key=lambda it: -dloss(it, min(cands, key=lambda f: cost(it, f))))
         for it in ranked[: q.float_fallback]:
             fallback += it
         items = [it for it in items if it[0] not in fallback]
-    if not items:
-        raise ConfigError("quant.keep_float", "keeps every layer float: nothing to quantize")
     check_budget(q, shapes, items, exact=True)
     n_q = sum(math.prod(shapes[n]) for it in items for n in it)
     if len(cands) == 1:

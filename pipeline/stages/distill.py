@@ -219,6 +219,10 @@ def run(ctx) -> dict:
         limit_val_batches=0,
         num_sanity_val_steps=0,
     )
+    if _is_deepspeed(trainer):
+        # The teacher and the frozen codes are reloaded from disk on resume: keep them out of
+        # every ZeRO checkpoint (the module loads non-strictly, see DistillModule).
+        trainer.strategy.exclude_frozen_parameters = True
     found = last_checkpoint(ctx.work_dir) if ctx.dist.is_main else None
     resume = ctx.dist.broadcast(str(found) if found else None)
     if resume:

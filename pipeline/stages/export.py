@@ -61,17 +61,27 @@ def check_candidates(p: ExportConfig, candidates: list[str]) -> None:
     if p.format == "lowbit":
         return
     shape = (4096, 4096)  # a typical layer: only the format decides here
+    groups = {}
     for i, name in enumerate(candidates):
         fmt = parse_format(name)
         if fmt.kind == "float":
             continue
         try:
             if p.format == "ascend":
-                plan_layer(f"quant.candidates[{i}]", fmt, shape, "ascend", p.widen)
+                info = plan_layer(f"quant.candidates[{i}]", fmt, shape, "ascend", p.widen)
+                if info.type == "W4A16" and info.group_size:
+                    groups[info.group_size] = name
             else:
                 compressed_tensors.plan_layer(f"quant.candidates[{i}]", name, shape)
         except ExportError as e:
             raise ConfigError("stage.export.format", f"is {p.format!r}, but {e}") from None
+    if len(groups) > 1:
+        raise ConfigError(
+            "stage.export.format",
+            f"is 'ascend', but quant.candidates {sorted(groups.values())} use different int4 "
+            "group sizes and the ascendv1 description holds one group_size per model",
+            "candidates with one int4 group size, or stage.export.format=lowbit",
+        )
 
 
 def validate(cfg) -> None:

@@ -250,7 +250,7 @@ def quantize_checkpoint(
     start = dist.broadcast(_finished_segments(work, state, n_seg) if dist.is_main else None)
     # Resume only if every rank still has its activations of the last finished segment.
     ok = start <= 0 or _acts_file(work, start - 1, dist.rank).is_file()
-    if dist.all_reduce_(torch.tensor([int(ok)])).item() < dist.world_size:
+    if dist.all_reduce_(torch.tensor([int(ok)], device=device)).item() < dist.world_size:
         start = -1
     dist.barrier()
     if dist.is_main:

@@ -90,3 +90,11 @@ def test_two_ranks_give_the_single_process_result(tmp_path):
             for key, value in b["outliers"].items():
                 expect = None if value is None else pytest.approx(value, rel=1e-6)
                 assert a["outliers"][key] == expect, (method, a["name"], key)
+
+
+def test_tied_embeddings_are_scored_once_as_lm_head():
+    report = analyze(tiny_llama(tied=True), windows(n=2), ["int4"], "gptq_proxy")
+    names = [layer["name"] for layer in report["layers"]]
+    assert "model.embed_tokens" not in names and names[-1] == "lm_head"
+    assert report["tied_embeddings"] and len(names) == 1 + 7 * 2
+    assert all(layer["dloss"]["int4"] > 0 for layer in report["layers"])

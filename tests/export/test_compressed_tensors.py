@@ -34,8 +34,12 @@ def test_decompressing_gives_the_same_weights(qmodels, tmp_path):
 
     src = qmodels.get(("int4g128", "int4g128-sym", "int8", "int4"))
     art = tmp_path / "ct"
-    m = export_artifact(src, art, ExportOptions(format="compressed-tensors", float_dtype="keep"))
+    m = export_artifact(
+        src, art, ExportOptions(format="compressed-tensors", float_dtype="keep"), draft=qmodels.fp
+    )
     assert m["format"] == "compressed-tensors"
+    draft_config = json.loads((art / "draft" / "config.json").read_text())
+    assert "quantization_config" not in draft_config  # the FP draft stays a plain checkpoint
     qcfg = json.loads((art / "config.json").read_text())["quantization_config"]
     QuantizationConfig.model_validate(qcfg)  # the library accepts the config as written
     assert qcfg["format"] == "pack-quantized" and "lm_head" in qcfg["ignore"]

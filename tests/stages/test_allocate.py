@@ -86,6 +86,13 @@ def test_keep_float_widens_to_the_group_and_fallback_takes_the_most_sensitive():
     )
 
 
+def test_fallback_that_leaves_nothing_is_rejected():
+    shapes, layers, fused = instance(0)
+    q = QuantConfig(candidates=CANDS, budget_bits=4.0, float_fallback=4, keep_float=["lm_head"])
+    with pytest.raises(ConfigError, match=r"quant\.float_fallback.*< 4"):
+        make_plan(shapes, layers, fused, q)
+
+
 def test_single_candidate_gives_a_uniform_plan_without_sensitivity():
     shapes, _, fused = instance(1)
     plan = make_plan(shapes, {}, fused, QuantConfig(candidates=["int4g32"], keep_float=[]))

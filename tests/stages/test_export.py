@@ -23,6 +23,7 @@ def one_thread():
     torch.set_num_threads(n)
 
 
+@pytest.mark.slow  # the workflow with MLflow tracking, quantize and export: ~20-30 s on 2 cores
 def test_export_stage_end_to_end(boot, tmp_path):
     from mlflow.tracking import MlflowClient
 
@@ -78,6 +79,14 @@ def test_export_stage_end_to_end(boot, tmp_path):
         (["stage.export.format=ascend", "stage.export.widen=true", "quant=e4g128"], "quant=w4g128"),
         (["stage.export.format=compressed-tensors", "quant=w3g128"], "int4 and int8"),
         (["stage.export.format=ascend", "quant.candidates=[int4g32]"], "group sizes"),
+        (
+            [
+                "stage.export.format=ascend",
+                "quant.candidates=[int4g64,int4g128,int8]",
+                "quant.budget_bits=4.5",
+            ],
+            "one int4 group size",
+        ),
         (["stage.export.format=onnx"], "compressed-tensors"),
         (["stage.export.shard_bytes=0"], "> 0"),
     ],
@@ -95,6 +104,7 @@ def test_validate_refuses_what_the_format_cannot_hold(tmp_path, overrides, fix):
     "overrides",
     [
         ["stage.export.format=ascend", "quant=w4g128"],
+        ["stage.export.format=ascend", "quant.candidates=[int4g128,int8]", "quant.budget_bits=5"],
         ["stage.export.format=ascend", "stage.export.widen=true", "quant=w3g128"],
         ["stage.export.format=compressed-tensors", "quant=w8"],
         ["quant=e4g128"],  # the default lowbit format holds everything

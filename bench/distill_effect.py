@@ -1,0 +1,109 @@
+"""How much of the quantization gap distillation recovers, and what each ingredient adds.
+
+Runs the real workflow on the bootstrap target: bootstrap once, then for each quantization
+recipe (uniform w2g64, and a mixed plan at budget_bits=2.5 via sensitivity + allocate) the
+quantize stage once, then the distill stage once per variant (gradient scaling bits / lsq /
+none, and β=0, i.e. logits KL only). Every model is scored on the same held-out windows the
+evaluate stage uses (test split), and the table shows
+
+    gap recovered = (ppl_quantized - ppl_distilled) / (ppl_quantized - ppl_fp)
+
+    python bench/distill_effect.py --root /tmp/distill-bench experiment=smoke
+    python bench/distill_effect.py --root /tmp/distill-bench --steps 300   # default sizes
+
+Stage folders are reused across invocations (the workflow skips what is up to date), so a
+second call with other distill settings only reruns distill.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import time
+from pathlib import Path
+
+RECIPES = {
+    "w2g64": ["quant=w2g64"],
+    "mixed@2.5": ["quant=mixed", "quant.budget_bits=2.5"],
+}
+VARIANTS = {
+    "bits": [],
+    "lsq": ["stage.distill.grad_scale=lsq"],
+    "none": ["stage.distill.grad_scale=none"],
+    "bits, beta=0": ["stage.distill.beta=0"],
+}
+
+
+def _cfg(run_dir: Path, overrides: list[str]):
+    from hydra import compose, initialize_config_dir
+
+    from pipeline import conf_dir
+
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+        return compose(config_name="config", overrides=[f"run_dir={run_dir}", *overrides])
+
+
+def _seed_run(src: Path, dst: Path, stages: list[str]) -> None:
+    """Start `dst` with copies of finished stage folders of `src` (skipped when up to date)."""
+    for stage in stages:
+        if (src / stage).exists() and not (dst / stage).exists():
+            shutil.copytree(src / stage, dst / stage)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("overrides", nargs="*", help="config overrides, e.g. experiment=smoke")
+    p.add_argument("--root", type=Path, default=Path("outputs/distill_effect"))
+    p.add_argument("--steps", type=int, default=None, help="stage.distill.max_steps")
+    p.add_argument("--lr", type=float, default=None, help="stage.distill.lr")
+    p.add_argument("--recipes", default=",".join(RECIPES))
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    args = p.parse_args()
+
+    from pipeline import workflow
+    from pipeline.config import data_cfg
+    from pipeline.data.text import Corpus
+    from pipeline.models.hf import load_causal_lm, load_tokenizer, perplexity
+    from pipeline.models.quantized import load_quantized
+
+    base = ["tracking=none", *args.overrides]
+    distill = [f"stage.distill.max_steps={args.steps}"] if args.steps else []
+    distill += [f"stage.distill.lr={args.lr}"] if args.lr else []
+    boot = args.root / "bootstrap"
+    workflow.run(_cfg(boot, [*base, "stages=[bootstrap]"]))
+    cfg = _cfg(boot, base)
+    target = boot / "bootstrap" / "target"
+    win = Corpus(data_cfg(cfg), load_tokenizer(target)).eval_windows()
+    ppl_fp = perplexity(load_causal_lm(target), win)
+
+    rows = []
+    for recipe in args.recipes.split(","):
+        qrun = args.root / recipe / "quantized"
+        _seed_run(boot, qrun, ["bootstrap"])
+        q_stages = ["sensitivity", "allocate", "quantize"] if recipe.startswith("mixed") else []
+        q_stages = q_stages or ["quantize"]
+        workflow.run(_cfg(qrun, [*base, *RECIPES[recipe], f"stages=[{','.join(q_stages)}]"]))
+        ppl_q = perplexity(load_quantized(qrun / "quantize" / "model"), win)
+        for variant in args.variants.split(","):
+            drun = args.root / recipe / variant.replace(", ", "_").replace("=", "")
+            _seed_run(qrun, drun, ["bootstrap", *q_stages])
+            t0 = time.time()
+            overrides = [*base, *RECIPES[recipe], *distill, *VARIANTS[variant], "stages=[distill]"]
+            workflow.run(_cfg(drun, overrides))
+            seconds = time.time() - t0
+            ppl_d = perplexity(load_quantized(drun / "distill" / "model"), win)
+            gap = (ppl_q - ppl_d) / (ppl_q - ppl_fp) if ppl_q > ppl_fp else float("nan")
+            rows.append((recipe, variant, ppl_q, ppl_d, gap, seconds))
+
+    print(f"\neval windows {tuple(win.shape)} (test split); FP perplexity {ppl_fp:.3f}")
+    head = f"{'recipe':<10} {'variant':<13} {'ppl FP':>8} {'quantized':>10} {'distilled':>10}"
+    print(head + f" {'gap recovered':>14} {'seconds':>8}")
+    for recipe, variant, ppl_q, ppl_d, gap, seconds in rows:
+        print(
+            f"{recipe:<10} {variant:<13} {ppl_fp:8.3f} {ppl_q:10.3f} {ppl_d:10.3f} "
+            f"{gap:14.1%} {seconds:8.1f}"
+        )
+
+
+if __name__ == "__main__":
+    main()
