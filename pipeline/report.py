@@ -43,7 +43,7 @@ def _eval_tables(ev: dict) -> list[str]:
     out += [f"| {k} | {v:.3f} |" for k, v in ev.get("ppl", {}).items()]
     acc = ev.get("acceptance", {})
     if acc:
-        scenarios = sorted({s for per in acc.values() for s in per})
+        scenarios = list(dict.fromkeys(s for per in acc.values() for s in per))
         out += ["", "## Acceptance α (draft@target, per scenario)", ""]
         out += ["| pair | " + " | ".join(scenarios) + " |", "|---" * (len(scenarios) + 1) + "|"]
         for pair, per in acc.items():

@@ -44,8 +44,8 @@ from pipeline.quant.actcache import ActivationCache
 from pipeline.quant.formats import parse_format
 from pipeline.quant.sequential import QuantOptions, block_groups, quantize_block
 
-NEEDS: tuple[str, ...] = ()
-USES: tuple[str, ...] = ("bootstrap", "allocate")
+NEEDS: tuple[str, ...] = ("bootstrap",)  # the FP target (skipped when model.target.path is set)
+USES: tuple[str, ...] = ("allocate",)  # bitplan.json when allocate ran, else the uniform recipe
 KEYS = ("model", "data", "quant")
 DISTRIBUTED = True  # calibration windows split over ranks, Hessians all-reduced
 
@@ -112,7 +112,9 @@ def run(ctx) -> dict:
     from transformers import AutoConfig
 
     plan = load_plan(ctx.inputs, AutoConfig.from_pretrained(target), q.candidates, q.keep_float)
-    device = p.device if p.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    device = p.device
+    if device == "auto":
+        device = f"cuda:{ctx.dist.local_rank}" if torch.cuda.is_available() else "cpu"
     report = quantize_checkpoint(
         target, ctx.out_dir / "model", plan, calib, method=q.method,
         segment_size=q.segment_size, work_dir=ctx.work_dir, dist=ctx.dist,
