@@ -1,8 +1,8 @@
 """The `lowbit` command: compose the Hydra config and hand it to the workflow.
 
-    lowbit                                   # the whole default workflow on the embedded default
-    lowbit experiment=smoke run_dir=/tmp/r   # tiny, ~2 minutes
-    lowbit --force stages=[quantize]         # rerun chosen stages
+lowbit                                   # the whole default workflow on the embedded default
+lowbit experiment=smoke run_dir=/tmp/r   # tiny, ~2 minutes
+lowbit --force stages=[quantize]         # rerun chosen stages
 """
 
 from __future__ import annotations

@@ -101,7 +101,7 @@ def parse(node: Any, schema: type[T], prefix: str) -> T:
         if name not in data or data[name] == "???":
             no_default = f.default is dataclasses.MISSING
             if no_default and f.default_factory is dataclasses.MISSING:
-                raise ConfigError(key, "is required (set it on the command line: " f"{key}=...)")
+                raise ConfigError(key, f"is required (set it on the command line: {key}=...)")
             continue
         kwargs[name] = _coerce(data[name], hints[name], key)
     obj = schema(**kwargs)

@@ -94,5 +94,7 @@ def init_from_env(backend: str | None = None) -> Dist:
 def current() -> Dist:
     """The Dist of an already joined group (single rank when none)."""
     if tdist.is_available() and tdist.is_initialized():
-        return Dist(tdist.get_rank(), tdist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")))
+        return Dist(
+            tdist.get_rank(), tdist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0"))
+        )
     return Dist()

@@ -56,9 +56,15 @@ def _artifact_size(run_dir: Path) -> list[str]:
     manifest = _load(run_dir / "export" / "artifact" / "manifest.json")
     if manifest is None:
         return []
-    total = sum(p.stat().st_size for p in (run_dir / "export" / "artifact").rglob("*") if p.is_file())
-    return ["", "## Artifact", "", f"`export/artifact/`: {total / 2**20:.2f} MiB "
-            f"(format {manifest.get('format', '?')})"]
+    total = sum(
+        p.stat().st_size for p in (run_dir / "export" / "artifact").rglob("*") if p.is_file()
+    )
+    return [
+        "",
+        "## Artifact",
+        "",
+        f"`export/artifact/`: {total / 2**20:.2f} MiB (format {manifest.get('format', '?')})",
+    ]
 
 
 def write_report(run_dir: Path) -> Path:

@@ -22,7 +22,9 @@ from pipeline.config import TrackingConfig
 from pipeline.errors import LowbitError
 
 _METRIC_CHARS = re.compile(r"[^\w\-. :/]")  # what MLflow accepts in a metric name
-_MAX_PARAM = 500  # MLflow rejects long param values on some backends; the full config is an artifact
+_MAX_PARAM = (
+    500  # MLflow rejects long param values on some backends; the full config is an artifact
+)
 
 
 def flatten(d: Any, prefix: str = "") -> dict[str, str]:

@@ -93,7 +93,9 @@ def fingerprint(cfg: DictConfig, name: str, mod: ModuleType, inputs: dict[str, d
     payload = {
         "version": __version__,
         "config": sections,
-        "inputs": {k: [v["fingerprint"], v.get("outputs_digest")] for k, v in sorted(inputs.items())},
+        "inputs": {
+            k: [v["fingerprint"], v.get("outputs_digest")] for k, v in sorted(inputs.items())
+        },
     }
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
 
@@ -205,7 +207,9 @@ def run(cfg: DictConfig) -> dict[str, dict]:
         tracker.parent.log_artifact(report)
         for plot in sorted(run_dir.glob("*/*.png")):
             tracker.parent.log_artifact(plot, "plots")
-        log.info("workflow %s finished in %.1fs; report %s", cfg.name, time.time() - t_start, report)
+        log.info(
+            "workflow %s finished in %.1fs; report %s", cfg.name, time.time() - t_start, report
+        )
         if tracker.active:
             log.info("MLflow: %s", tracker.ui_command())
     return results

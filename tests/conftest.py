@@ -53,10 +53,23 @@ def mlflow_server(tmp_path_factory):
     port = free_port()
     mlflow_bin = Path(sys.executable).with_name("mlflow")
     proc = subprocess.Popen(
-        [str(mlflow_bin), "server", "--host", "127.0.0.1", "--port", str(port),
-         "--backend-store-uri", f"sqlite:///{root / 'db.sqlite'}",
-         "--artifacts-destination", str(root / "artifacts"), "--workers", "1"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+        [
+            str(mlflow_bin),
+            "server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--backend-store-uri",
+            f"sqlite:///{root / 'db.sqlite'}",
+            "--artifacts-destination",
+            str(root / "artifacts"),
+            "--workers",
+            "1",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
     )
     uri = f"http://127.0.0.1:{port}"
     deadline = time.time() + 90
@@ -88,5 +101,11 @@ def smoke_run(tmp_path_factory):
     proc = subprocess.run(lowbit_cmd(*args), cwd=tmp, capture_output=True, text=True)
     seconds = time.time() - t0
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return {"dir": tmp, "run_dir": tmp / "run", "args": args, "seconds": seconds,
-            "uri": f"sqlite:///{tmp / 'mlflow.db'}", "log": proc.stdout + proc.stderr}
+    return {
+        "dir": tmp,
+        "run_dir": tmp / "run",
+        "args": args,
+        "seconds": seconds,
+        "uri": f"sqlite:///{tmp / 'mlflow.db'}",
+        "log": proc.stdout + proc.stderr,
+    }

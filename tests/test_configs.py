@@ -74,7 +74,9 @@ def test_cli_rejects_bad_value_in_seconds_with_one_line(tmp_path):
     t0 = time.time()
     proc = subprocess.run(
         lowbit_cmd("quant.candidates=[int5g128]", f"run_dir={tmp_path / 'r'}"),
-        capture_output=True, text=True, cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
     )
     assert proc.returncode == 2
     assert time.time() - t0 < 60

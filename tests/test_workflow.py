@@ -71,7 +71,9 @@ def test_config_change_reruns_the_stage_and_downstream(toy_stages, tmp_path):
 def test_force_reruns_chosen_stages(toy_stages, tmp_path):
     workflow.run(cfg(tmp_path))
     CALLS.clear()
-    workflow.run(make_cfg("stages=[evaluate]", f"run_dir={tmp_path}", "tracking=none", "force=true"))
+    workflow.run(
+        make_cfg("stages=[evaluate]", f"run_dir={tmp_path}", "tracking=none", "force=true")
+    )
     assert CALLS == ["evaluate"]
 
 

@@ -15,8 +15,21 @@ import sys
 import warnings
 
 # Packages whose import has side effects (GUI, test suites, self-tests) or is slow.
-_SKIP = ("test", "idlelib", "tkinter", "turtle", "turtledemo", "antigravity", "this", "lib2to3",
-         "ensurepip", "venv", "__main__", "pydoc_data", "xxsubtype")
+_SKIP = (
+    "test",
+    "idlelib",
+    "tkinter",
+    "turtle",
+    "turtledemo",
+    "antigravity",
+    "this",
+    "lib2to3",
+    "ensurepip",
+    "venv",
+    "__main__",
+    "pydoc_data",
+    "xxsubtype",
+)
 
 
 def _module_names() -> list[str]:
@@ -31,8 +44,9 @@ def _module_names() -> list[str]:
             for m in pkgutil.walk_packages(spec.submodule_search_locations, pkg + "."):
                 names.add(m.name)
     return sorted(
-        n for n in names if not any(p.startswith("_") for p in n.split(".")) and n.split(".")[0]
-        not in _SKIP
+        n
+        for n in names
+        if not any(p.startswith("_") for p in n.split(".")) and n.split(".")[0] not in _SKIP
     )
 
 

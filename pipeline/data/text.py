@@ -17,7 +17,13 @@ from pipeline.config import DataConfig
 from pipeline.data.corpus import builtin_documents
 from pipeline.errors import LowbitError
 
-_BUILDERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
+_BUILDERS = {
+    ".txt": "text",
+    ".json": "json",
+    ".jsonl": "json",
+    ".parquet": "parquet",
+    ".csv": "csv",
+}
 
 
 def load_documents(data: DataConfig) -> list[str]:
@@ -28,7 +34,9 @@ def load_documents(data: DataConfig) -> list[str]:
     import datasets
 
     path = Path(data.path)
-    if path.is_dir() and any((path / f).exists() for f in ("dataset_info.json", "dataset_dict.json")):
+    if path.is_dir() and any(
+        (path / f).exists() for f in ("dataset_info.json", "dataset_dict.json")
+    ):
         ds = datasets.load_from_disk(str(path))
         if isinstance(ds, datasets.DatasetDict):
             ds = datasets.concatenate_datasets([ds[k] for k in sorted(ds)])

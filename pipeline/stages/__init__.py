@@ -1,12 +1,12 @@
 """The stages, one module each. A stage module exposes:
 
-    NEEDS: tuple[str, ...]     earlier stages whose outputs it requires
-    USES: tuple[str, ...]      earlier stages whose outputs it uses when they exist
-    KEYS: tuple[str, ...]      config sections (besides `stage.<name>` and `seed`) its result depends on
-    DISTRIBUTED: bool          run on every rank (True) or on rank 0 while the others wait
-    validate(cfg) -> None      raise ConfigError before any compute
-    run(ctx) -> dict           do the work into ctx.out_dir, return metrics
-    skip_reason(cfg) -> str | None   (optional) why the stage is not needed with this config
+NEEDS: tuple[str, ...]     earlier stages whose outputs it requires
+USES: tuple[str, ...]      earlier stages whose outputs it uses when they exist
+KEYS: tuple[str, ...]      config sections (besides `stage.<name>` and `seed`) its result depends on
+DISTRIBUTED: bool          run on every rank (True) or on rank 0 while the others wait
+validate(cfg) -> None      raise ConfigError before any compute
+run(ctx) -> dict           do the work into ctx.out_dir, return metrics
+skip_reason(cfg) -> str | None   (optional) why the stage is not needed with this config
 """
 
 import importlib

@@ -34,8 +34,13 @@ class BootstrapConfig:
     warmup_steps: int = 50
 
     def check(self, prefix: str) -> None:
-        positive(prefix, max_steps=self.max_steps, draft_max_steps=self.draft_max_steps,
-                 batch_size=self.batch_size, lr=self.lr)
+        positive(
+            prefix,
+            max_steps=self.max_steps,
+            draft_max_steps=self.draft_max_steps,
+            batch_size=self.batch_size,
+            lr=self.lr,
+        )
 
 
 def skip_reason(cfg) -> str | None:
@@ -100,6 +105,9 @@ def run(ctx) -> dict:
         metrics[f"{tag}_params"] = sum(t.numel() for t in model.parameters())
         if ctx.dist.is_main:
             save_hf(model, tokenizer, ctx.out_dir / tag)
-    log.info("bootstrap: target val ppl %.2f, draft val ppl %.2f",
-             metrics["target_val_ppl"], metrics["draft_val_ppl"])
+    log.info(
+        "bootstrap: target val ppl %.2f, draft val ppl %.2f",
+        metrics["target_val_ppl"],
+        metrics["draft_val_ppl"],
+    )
     return metrics

@@ -52,9 +52,15 @@ class EvaluateConfig:
     timing: bool = True  # also decode plainly and report tokens/s and speed-up
 
     def check(self, prefix: str) -> None:
-        positive(prefix, batch_size=self.batch_size, temperature=self.temperature,
-                 spec_new_tokens=self.spec_new_tokens, gamma=self.gamma,
-                 scenario_prompts=self.scenario_prompts, spec_prompts=self.spec_prompts)
+        positive(
+            prefix,
+            batch_size=self.batch_size,
+            temperature=self.temperature,
+            spec_new_tokens=self.spec_new_tokens,
+            gamma=self.gamma,
+            scenario_prompts=self.scenario_prompts,
+            spec_prompts=self.spec_prompts,
+        )
         from pipeline.data.scenarios import SCENARIOS
         from pipeline.errors import ConfigError
 
@@ -109,26 +115,39 @@ def run(ctx) -> dict:
     pairs = _pairs(targets, drafts)
     if pairs:
         sets = heldout_scenarios(
-            tokenizer, corpus.splits["test"], n_prompts=p.scenario_prompts,
-            prompt_len=p.prompt_len, long_len=p.long_len, seed=ctx.cfg.seed,
+            tokenizer,
+            corpus.splits["test"],
+            n_prompts=p.scenario_prompts,
+            prompt_len=p.prompt_len,
+            long_len=p.long_len,
+            seed=ctx.cfg.seed,
         )
         sets = {s: sets[s] for s in p.scenarios}
         table = acceptance_table(
-            targets, {**drafts, **targets}, sets, pairs=pairs, gamma=p.gamma,
-            temperature=p.temperature, new_tokens=p.spec_new_tokens, max_prompts=p.spec_prompts,
-            batch_size=p.batch_size, timing=p.timing, seed=ctx.cfg.seed,
+            targets,
+            {**drafts, **targets},
+            sets,
+            pairs=pairs,
+            gamma=p.gamma,
+            temperature=p.temperature,
+            new_tokens=p.spec_new_tokens,
+            max_prompts=p.spec_prompts,
+            batch_size=p.batch_size,
+            timing=p.timing,
+            seed=ctx.cfg.seed,
         )
         result["speculative"] = table
         result["acceptance"] = {pair: column(table, pair, "alpha") for pair in table}
-        fig = plot_acceptance(result["acceptance"], ylabel="on-line acceptance α",
-                              title="acceptance per scenario")
+        fig = plot_acceptance(
+            result["acceptance"], ylabel="on-line acceptance α", title="acceptance per scenario"
+        )
         fig.savefig(ctx.out_dir / "acceptance.png", dpi=120)
         for pair, per in result["acceptance"].items():
-            log.info("evaluate: α %-36s %s", pair,
-                     "  ".join(f"{s} {v:.3f}" for s, v in per.items()))
+            log.info(
+                "evaluate: α %-36s %s", pair, "  ".join(f"{s} {v:.3f}" for s, v in per.items())
+            )
     (ctx.out_dir / "eval.json").write_text(json.dumps(result, indent=1))
     metrics = {f"ppl_{k}": v for k, v in result["ppl"].items()}
     for pair, per in result["acceptance"].items():
         metrics.update({f"alpha_{pair.replace('@', '-vs-')}_{s}": v for s, v in per.items()})
     return metrics
-

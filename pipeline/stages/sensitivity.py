@@ -30,6 +30,7 @@ from pipeline import plots
 from pipeline.analysis.sensitivity import analyze
 from pipeline.config import data_cfg, model_cfg, parse, positive, quant_cfg
 from pipeline.data.text import Corpus
+from pipeline.errors import LowbitError
 from pipeline.models.hf import load_causal_lm, load_tokenizer
 from pipeline.quant.formats import parse_format
 
@@ -71,6 +72,10 @@ def validate(cfg) -> None:
 
 
 def _device(p: SensitivityConfig, local_rank: int) -> torch.device:
+    if p.device == "cuda" and not torch.cuda.is_available():
+        raise LowbitError(
+            "stage.sensitivity.device=cuda but no CUDA device is visible; use auto or cpu"
+        )
     if p.device == "cuda" or (p.device == "auto" and torch.cuda.is_available()):
         return torch.device("cuda", local_rank)
     return torch.device("cpu")

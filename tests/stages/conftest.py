@@ -16,8 +16,12 @@ def boot(tmp_path_factory):
     cfg = smoke_cfg(tmp, "stages=[bootstrap]", "tracking=none")
     workflow.run(cfg)
     run_dir = tmp / "run"
-    return {"tmp": tmp, "run_dir": run_dir, "target": run_dir / "bootstrap" / "target",
-            "draft": run_dir / "bootstrap" / "draft"}
+    return {
+        "tmp": tmp,
+        "run_dir": run_dir,
+        "target": run_dir / "bootstrap" / "target",
+        "draft": run_dir / "bootstrap" / "draft",
+    }
 
 
 def boot_cfg(boot, tmp_path, *overrides: str):

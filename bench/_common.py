@@ -1,0 +1,168 @@
+"""Helpers shared by bench/quality.py and bench/scaling.py: config, memory, tables, MLflow.
+
+Peak memory is measured two ways, and each table says which:
+* ``PeakRSS``: a thread samples this process's resident set (``/proc/self/status``) every
+  few milliseconds while a block runs; a row's peak therefore includes what the process
+  already held (imports, the FP model kept for comparison).
+* ``run_child``: a fresh child process, its peak read from the OS (``wait4``'s ``ru_maxrss``);
+  exact, but every row pays the interpreter and import start-up.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def compose(overrides: Sequence[str]):
+    """The config ``lowbit <overrides>`` would run with."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    from pipeline import conf_dir
+
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+        return hydra_compose(config_name="config", overrides=list(overrides))
+
+
+def rss_mib() -> float:
+    """This process's current resident set size in MiB."""
+    with open("/proc/self/status") as f:
+        kb = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+    return kb / 1024
+
+
+class PeakRSS:
+    """Context manager: the highest resident set size seen while the block ran (MiB)."""
+
+    def __init__(self, interval_s: float = 0.005) -> None:
+        self.interval_s, self.peak_mib = interval_s, 0.0
+        self._stop = threading.Event()
+
+    def _poll(self) -> None:
+        while not self._stop.is_set():
+            self.peak_mib = max(self.peak_mib, rss_mib())
+            self._stop.wait(self.interval_s)
+
+    def __enter__(self) -> PeakRSS:
+        self.peak_mib = rss_mib()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak_mib = max(self.peak_mib, rss_mib())
+
+
+def run_child(cmd: Sequence[str], timeout_s: float | None = None) -> tuple[str, float, float]:
+    """Run ``cmd``; returns (stdout, wall seconds, peak RSS MiB of that child alone).
+
+    Raises:
+        RuntimeError: If the child fails (its stderr tail is in the message).
+    """
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(
+        list(cmd), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO
+    )
+    timer = threading.Timer(timeout_s, proc.kill) if timeout_s else None
+    if timer:
+        timer.start()
+    out_chunks: list[str] = []
+    err_chunks: list[str] = []
+    readers = [
+        threading.Thread(target=lambda: out_chunks.append(proc.stdout.read())),
+        threading.Thread(target=lambda: err_chunks.append(proc.stderr.read())),
+    ]
+    for r in readers:
+        r.start()
+    _, status, usage = os.wait4(proc.pid, 0)  # this child's own ru_maxrss, not all children's
+    for r in readers:
+        r.join()
+    if timer:
+        timer.cancel()
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        tail = "".join(err_chunks)[-2000:]
+        raise RuntimeError(f"{cmd[:3]} failed (exit {proc.returncode}):\n{tail}")
+    return "".join(out_chunks), wall, usage.ru_maxrss / 1024
+
+
+def last_json_line(text: str) -> Any:
+    """The last line of ``text`` that parses as JSON (children print their result last)."""
+    for line in reversed(text.strip().splitlines()):
+        try:
+            return json.loads(line)
+        except ValueError:
+            continue
+    raise ValueError(f"no JSON result in the child's output:\n{text[-1000:]}")
+
+
+def _cell(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}" if abs(v) < 1e5 else f"{v:.3e}"
+    return "" if v is None else str(v)
+
+
+def markdown_table(rows: list[dict[str, Any]], columns: Sequence[str]) -> str:
+    """Rows (dicts) as a markdown table with the given columns, in that order."""
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(_cell(r.get(c)) for c in columns) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def write_csv(path: Path, rows: list[dict[str, Any]], columns: Sequence[str]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(columns), extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rows)
+    return path
+
+
+def log_mlflow(
+    uri: str | None, experiment: str, run_name: str, rows: list[dict[str, Any]], key: str,
+    params: dict[str, Any], artifacts: Sequence[Path],
+) -> None:  # fmt: skip
+    """One MLflow run: numeric columns of each row as ``<row[key]>/<column>`` metrics."""
+    if not uri:
+        return
+    import mlflow
+
+    mlflow.set_tracking_uri(uri)
+    mlflow.set_experiment(experiment)
+    with mlflow.start_run(run_name=run_name):
+        mlflow.log_params({k: str(v)[:500] for k, v in params.items()})
+        for r in rows:
+            label = "".join(ch if ch.isalnum() or ch in "-_./" else "_" for ch in str(r[key]))
+            mlflow.log_metrics(
+                {f"{label}/{k}": float(v) for k, v in r.items() if isinstance(v, int | float)}
+            )
+        for a in artifacts:
+            mlflow.log_artifact(str(a))
+    print(f"logged to MLflow {uri} (experiment {experiment!r})", file=sys.stderr)
+
+
+def machine() -> str:
+    """CPU model, cores and memory, for the docs' machine line."""
+    cpu = "unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if "model name" in line)
+        with open("/proc/meminfo") as f:
+            mem = int(f.readline().split()[1]) / 2**20
+    except (OSError, StopIteration):
+        mem = float("nan")
+    return f"{cpu}, {os.cpu_count()} cores, {mem:.0f} GiB RAM, load avg {os.getloadavg()[0]:.1f}"

@@ -1,0 +1,274 @@
+"""Quantization quality: perplexity of FP, uniform RTN/GPTQ, allocated mixed plans, llmcompressor.
+
+Every row is scored on the corpus' held-out windows (``Corpus.eval_windows()``, the windows
+`evaluate` uses) and quantized from the same calibration windows (``Corpus.calibration`` with
+the run's seed, as the quantize stage draws them):
+
+* ``fp``: the target as stored;
+* ``lowbit rtn|gptq <fmt>``: a uniform plan through the quantize stage's core function
+  (``quantize_checkpoint``), lm_head and embeddings kept float as in ``quant.keep_float``;
+* ``lowbit mixed@B``: the workflow's sensitivity -> allocate -> quantize stages with
+  ``quant.budget_bits=B`` (``--distill`` adds the distill stage after each);
+* ``llmcompressor gptq|rtn <scheme>``: llm-compressor's GPTQModifier / QuantizationModifier
+  on the same saved model and the same calibration windows, run in its own virtualenv (created
+  on first use; rows are skipped with the reason when it cannot be created or imported).
+
+Columns: ppl, ppl / ppl(fp), bits per quantized weight including scales and zeros, quantization
+wall time, peak RSS (MiB; lowbit rows: this process sampled while the row ran, so it includes
+the FP model held for scoring; llmcompressor rows: that child's peak from the OS).
+
+    python bench/quality.py --out bench-out/quality                    # smoke bootstrap target
+    python bench/quality.py --model /path/to/hf --out q -- data=local data.path=...
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import (  # noqa: E402
+    PeakRSS,
+    compose,
+    last_json_line,
+    log_mlflow,
+    machine,
+    markdown_table,
+    rss_mib,
+    run_child,
+    write_csv,
+)
+
+COLUMNS = ("row", "ppl", "ratio_to_fp", "bits_per_weight", "quant_seconds", "peak_rss_mib")
+LLMC_PINS = ("llmcompressor==0.14.0.1",)  # resolves its compressed-tensors and transformers
+# Runs inside the llmcompressor venv (its own torch/transformers): quantize, score, print JSON.
+CHILD_SRC = r"""
+import json, sys, time
+import torch
+from transformers import AutoModelForCausalLM
+from llmcompressor import oneshot
+from llmcompressor.modifiers.quantization import GPTQModifier, QuantizationModifier
+from datasets import Dataset
+
+target, data, method, scheme = sys.argv[1:5]
+tensors = torch.load(data)
+calib, win = tensors["calib"], tensors["eval"]
+model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+if scheme.upper() == "W4A16":
+    kw, bits, group = {"scheme": "W4A16"}, 4, 128  # symmetric int4, group 128
+else:
+    bits, group = int(scheme[3]), int(scheme.split("g")[1])
+    w = {"num_bits": bits, "type": "int", "symmetric": False, "strategy": "group",
+         "group_size": group}
+    kw = {"config_groups": {"group_0": {"targets": ["Linear"], "weights": w}}}
+Mod = GPTQModifier if method == "gptq" else QuantizationModifier
+recipe = Mod(targets="Linear", ignore=["lm_head"], **kw)
+ds = Dataset.from_dict({"input_ids": calib.tolist(),
+                        "attention_mask": torch.ones_like(calib).tolist()})
+t0 = time.perf_counter()
+oneshot(model=model, dataset=ds, recipe=recipe, num_calibration_samples=calib.shape[0],
+        max_seq_length=calib.shape[1], shuffle_calibration_samples=False)
+seconds = time.perf_counter() - t0
+total = count = 0.0
+with torch.no_grad():
+    for i in range(0, win.shape[0], 8):
+        x = win[i : i + 8]
+        logits = model(input_ids=x).logits[:, :-1].float()
+        total += torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1), reduction="sum").item()
+        count += x[:, 1:].numel()
+# counted as lowbit counts: an fp16 scale per group, plus a b-bit zero when asymmetric
+over = 16 if scheme.upper() == "W4A16" else 16 + bits
+print(json.dumps({"ppl": float(torch.exp(torch.tensor(total / count))), "seconds": seconds,
+                  "bits": bits + over / group}))
+"""
+
+
+def _workflow(overrides: list[str], stages: list[str]) -> dict:
+    from pipeline.workflow import run
+
+    return run(compose([*overrides, f"stages=[{','.join(stages)}]"]))
+
+
+def lowbit_rows(args, base: list[str], target: Path, calib, win, fp_ppl: float) -> list[dict]:
+    from pipeline.config import quant_cfg
+    from pipeline.models.adapters import linear_names
+    from pipeline.models.hf import perplexity
+    from pipeline.models.quantized import load_quantized
+    from pipeline.quant.sequential import QuantOptions
+    from pipeline.stages.quantize import quantize_checkpoint
+
+    q = quant_cfg(compose(base))
+    from transformers import AutoConfig
+
+    rows = []
+    names = linear_names(AutoConfig.from_pretrained(target), include_lm_head=False)
+    tmp = Path(tempfile.mkdtemp(prefix="lowbit-quality-"))
+    for fmt in args.formats.split(","):
+        for method in args.methods.split(","):
+            out = tmp / f"{fmt}-{method}"
+            opts = QuantOptions(method, q.block_size, q.damp, q.act_order)
+            with PeakRSS() as mem:
+                t0 = time.perf_counter()
+                rep = quantize_checkpoint(
+                    target, out / "model", {n: fmt for n in names}, calib, method=method,
+                    work_dir=out / "work", opts=opts, progress=False,
+                    segment_size=q.segment_size, batch_size=8,
+                )  # fmt: skip
+                seconds = time.perf_counter() - t0
+            ppl = perplexity(load_quantized(out / "model"), win)
+            rows.append(_row(f"lowbit {method} {fmt}", ppl, fp_ppl, rep["avg_bits"], seconds, mem))
+            print(rows[-1], flush=True)
+    for budget in [b for b in args.budgets.split(",") if b]:
+        over = [*base, f"quant.budget_bits={budget}"]
+        with PeakRSS() as mem:
+            done = _workflow(over, ["sensitivity", "allocate", "quantize"])
+        seconds = sum(
+            done[s]["timings"]["seconds"] for s in ("sensitivity", "allocate", "quantize")
+        )
+        bits = done["quantize"]["metrics"]["avg_bits"]
+        run_dir = Path(compose(over).run_dir)
+        ppl = perplexity(load_quantized(run_dir / "quantize" / "model"), win)
+        rows.append(_row(f"lowbit mixed@{budget}", ppl, fp_ppl, bits, seconds, mem))
+        print(rows[-1], flush=True)
+        if args.distill:
+            with PeakRSS() as mem:
+                done = _workflow(over, ["distill"])
+            ppl = perplexity(load_quantized(run_dir / "distill" / "model"), win)
+            secs = seconds + done["distill"]["timings"]["seconds"]
+            rows.append(_row(f"lowbit mixed@{budget}+distill", ppl, fp_ppl, bits, secs, mem))
+            print(rows[-1], flush=True)
+    return rows
+
+
+def _row(name, ppl, fp_ppl, bits, seconds, mem) -> dict:
+    peak = mem if isinstance(mem, float) else mem.peak_mib
+    return {
+        "row": name,
+        "ppl": ppl,
+        "ratio_to_fp": ppl / fp_ppl,
+        "bits_per_weight": bits,
+        "quant_seconds": seconds,
+        "peak_rss_mib": peak,
+    }
+
+
+def llmc_python(venv: Path, install: bool) -> tuple[Path | None, str]:
+    """The llmcompressor venv's interpreter, creating it when asked; (None, reason) if unusable."""
+    py = venv / "bin" / "python"
+    probe = [str(py), "-c", "import llmcompressor, compressed_tensors, transformers, torch"]
+    if py.exists() and subprocess.run(probe, capture_output=True).returncode == 0:
+        return py, ""
+    if not install:
+        return None, f"no usable llmcompressor venv at {venv} (rerun with --llmc-install)"
+    steps = [[sys.executable, "-m", "venv", str(venv)]]
+    wheels = sorted(Path("/opt/wheels").glob("torch-*.whl"))  # a local CPU torch, if provided
+    if wheels:
+        steps.append([str(py), "-m", "pip", "install", "-q", str(wheels[-1])])
+    steps.append([str(py), "-m", "pip", "install", "-q", *LLMC_PINS])
+    for cmd in steps:
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode != 0:
+            return None, f"`{' '.join(cmd[-3:])}` failed: {r.stderr.strip()[-300:]}"
+    r = subprocess.run(probe, capture_output=True, text=True)
+    if r.returncode != 0:
+        return None, f"llmcompressor does not import: {r.stderr.strip().splitlines()[-1]}"
+    return py, ""
+
+
+def llmc_rows(args, target: Path, data: Path, fp_ppl: float) -> list[dict]:
+    py, reason = llmc_python(Path(args.llmc_venv), args.llmc_install)
+    if py is None:
+        print(f"SKIPPED llmcompressor rows: {reason}", flush=True)
+        return []
+    child = Path(args.out) / "llmc_child.py"
+    child.write_text(CHILD_SRC)
+    rows = []
+    for method in args.methods.split(","):
+        for scheme in args.llmc_schemes.split(","):
+            cmd = [str(py), str(child), str(target), str(data), method, scheme]
+            try:
+                out, _wall, peak = run_child(cmd, timeout_s=args.llmc_timeout)
+            except RuntimeError as err:
+                print(f"SKIPPED llmcompressor {method} {scheme}: {err}", flush=True)
+                continue
+            res = last_json_line(out)
+            name = f"llmcompressor {method} {scheme}"
+            rows.append(_row(name, res["ppl"], fp_ppl, res["bits"], res["seconds"], peak))
+            print(rows[-1], flush=True)
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("overrides", nargs="*", help="config overrides (data, quant.calib, seed)")
+    p.add_argument("--model", help="FP HF checkpoint dir (default: the smoke bootstrap target)")
+    p.add_argument("--run-dir", default="/tmp/lowbit-bench/quality-run")
+    p.add_argument("--out", default="bench-out/quality")
+    p.add_argument("--formats", default="int4g128,int3g128,int2g64")
+    p.add_argument("--methods", default="rtn,gptq")
+    p.add_argument("--budgets", default="4.0,3.0,2.5")
+    p.add_argument("--distill", action="store_true", help="also rows after the distill stage")
+    p.add_argument("--llmc-venv", default=str(Path.home() / ".cache/lowbit/llmc"))
+    p.add_argument("--llmc-install", action="store_true", help="create the venv if missing")
+    p.add_argument("--llmc-schemes", default="W4A16,int4g128,int3g128,int2g64")
+    p.add_argument("--llmc-timeout", type=float, default=1800)
+    p.add_argument("--no-llmc", action="store_true")
+    p.add_argument("--tracking-uri", help="log the table to this MLflow server/URI")
+    args = p.parse_args()
+
+    import torch
+
+    from pipeline.config import data_cfg, quant_cfg
+    from pipeline.data.text import Corpus
+    from pipeline.models.hf import load_causal_lm, load_tokenizer, perplexity
+
+    base = ["experiment=smoke", f"run_dir={args.run_dir}", "tracking=none", *args.overrides]
+    if args.model:
+        base.append(f"model.target.path={Path(args.model).resolve()}")
+        target = Path(args.model).resolve()
+    else:
+        _workflow(base, ["bootstrap"])  # reused when its fingerprint matches
+        target = Path(args.run_dir).resolve() / "bootstrap" / "target"
+    cfg = compose(base)
+    q = quant_cfg(cfg)
+    corpus = Corpus(data_cfg(cfg), load_tokenizer(target))
+    win = corpus.eval_windows()  # (W, T)
+    calib = corpus.calibration(q.calib.samples, q.calib.seq_len, cfg.seed)  # (N, T)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    data = out / "windows.pt"  # what the llmcompressor child reads: identical tokens
+    torch.save({"calib": calib, "eval": win}, data)
+    print(f"target {target}; eval windows {tuple(win.shape)}; calibration {tuple(calib.shape)}")
+    print(f"machine: {machine()}", flush=True)
+
+    fp = load_causal_lm(target)
+    fp_ppl = perplexity(fp, win)
+    fp_bits = 8 * next(fp.parameters()).element_size()
+    rows = [_row("fp", fp_ppl, fp_ppl, float(fp_bits), 0.0, rss_mib())]
+    del fp
+    rows += lowbit_rows(args, base, target, calib, win, fp_ppl)
+    if args.no_llmc:
+        print("SKIPPED llmcompressor rows: --no-llmc")
+    else:
+        rows += llmc_rows(args, target, data, fp_ppl)
+
+    table = markdown_table(rows, COLUMNS)
+    print("\n" + table)
+    csv_path = write_csv(out / "quality.csv", rows, COLUMNS)
+    (out / "quality.md").write_text(table + "\n")
+    (out / "quality.json").write_text(json.dumps(rows, indent=1))
+    print(f"wrote {csv_path}")
+    log_mlflow(
+        args.tracking_uri, "lowbit-bench", "quality", rows, "row",
+        {"target": target, "overrides": base, "calib": list(calib.shape)}, [csv_path],
+    )  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
