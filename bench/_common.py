@@ -4,8 +4,9 @@ Peak memory is measured two ways, and each table says which:
 * ``PeakRSS``: a thread samples this process's resident set (``/proc/self/status``) every
   few milliseconds while a block runs; a row's peak therefore includes what the process
   already held (imports, the FP model kept for comparison).
-* ``run_child``: a fresh child process, its peak read from the OS (``wait4``'s ``ru_maxrss``);
-  exact, but every row pays the interpreter and import start-up.
+* ``hwm_mib`` printed by a fresh child process: the kernel's high-water mark of that process's
+  own address space (``VmHWM``). Exact, but every row pays the interpreter and imports.
+  (``ru_maxrss`` of a child is not used: Linux carries the parent's RSS at fork into it.)
 """
 
 from __future__ import annotations
@@ -35,11 +36,19 @@ def compose(overrides: Sequence[str]):
         return hydra_compose(config_name="config", overrides=list(overrides))
 
 
+def _status_mib(key: str) -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(key + ":")) / 1024
+
+
 def rss_mib() -> float:
     """This process's current resident set size in MiB."""
-    with open("/proc/self/status") as f:
-        kb = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
-    return kb / 1024
+    return _status_mib("VmRSS")
+
+
+def hwm_mib() -> float:
+    """This process's peak resident set size in MiB (since its exec)."""
+    return _status_mib("VmHWM")
 
 
 class PeakRSS:
@@ -67,7 +76,10 @@ class PeakRSS:
 
 
 def run_child(cmd: Sequence[str], timeout_s: float | None = None) -> tuple[str, float, float]:
-    """Run ``cmd``; returns (stdout, wall seconds, peak RSS MiB of that child alone).
+    """Run ``cmd``; returns (stdout, wall seconds, ``ru_maxrss`` MiB of the child).
+
+    ``ru_maxrss`` includes the parent's RSS at fork time; children that matter print
+    ``hwm_mib()`` instead.
 
     Raises:
         RuntimeError: If the child fails (its stderr tail is in the message).

@@ -18,6 +18,7 @@ second call with other distill settings only reruns distill.
 from __future__ import annotations
 
 import argparse
+import logging
 import shutil
 import time
 from pathlib import Path
@@ -30,7 +31,7 @@ VARIANTS = {
     "bits": [],
     "lsq": ["stage.distill.grad_scale=lsq"],
     "none": ["stage.distill.grad_scale=none"],
-    "bits, beta=0": ["stage.distill.beta=0"],
+    "beta=0": ["stage.distill.beta=0"],  # grad_scale=bits, logits KL only
 }
 
 
@@ -59,6 +60,7 @@ def main() -> None:
     p.add_argument("--recipes", default=",".join(RECIPES))
     p.add_argument("--variants", default=",".join(VARIANTS))
     args = p.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
 
     from pipeline import workflow
     from pipeline.config import data_cfg
@@ -85,7 +87,7 @@ def main() -> None:
         workflow.run(_cfg(qrun, [*base, *RECIPES[recipe], f"stages=[{','.join(q_stages)}]"]))
         ppl_q = perplexity(load_quantized(qrun / "quantize" / "model"), win)
         for variant in args.variants.split(","):
-            drun = args.root / recipe / variant.replace(", ", "_").replace("=", "")
+            drun = args.root / recipe / variant.replace("=", "")
             _seed_run(qrun, drun, ["bootstrap", *q_stages])
             t0 = time.time()
             overrides = [*base, *RECIPES[recipe], *distill, *VARIANTS[variant], "stages=[distill]"]

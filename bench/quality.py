@@ -15,7 +15,7 @@ the run's seed, as the quantize stage draws them):
 
 Columns: ppl, ppl / ppl(fp), bits per quantized weight including scales and zeros, quantization
 wall time, peak RSS (MiB; lowbit rows: this process sampled while the row ran, so it includes
-the FP model held for scoring; llmcompressor rows: that child's peak from the OS).
+the FP model held for scoring; llmcompressor rows: that child's own ``VmHWM``).
 
     python bench/quality.py --out bench-out/quality                    # smoke bootstrap target
     python bench/quality.py --model /path/to/hf --out q -- data=local data.path=...
@@ -84,8 +84,10 @@ with torch.no_grad():
         count += x[:, 1:].numel()
 # counted as lowbit counts: an fp16 scale per group, plus a b-bit zero when asymmetric
 over = 16 if scheme.upper() == "W4A16" else 16 + bits
+with open("/proc/self/status") as f:  # VmHWM: this process's own peak, not its parent's
+    hwm = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024
 print(json.dumps({"ppl": float(torch.exp(torch.tensor(total / count))), "seconds": seconds,
-                  "bits": bits + over / group}))
+                  "bits": bits + over / group, "peak_rss_mib": hwm}))
 """
 
 
@@ -193,12 +195,13 @@ def llmc_rows(args, target: Path, data: Path, fp_ppl: float) -> list[dict]:
         for scheme in args.llmc_schemes.split(","):
             cmd = [str(py), str(child), str(target), str(data), method, scheme]
             try:
-                out, _wall, peak = run_child(cmd, timeout_s=args.llmc_timeout)
+                out, _wall, _ = run_child(cmd, timeout_s=args.llmc_timeout)
             except RuntimeError as err:
                 print(f"SKIPPED llmcompressor {method} {scheme}: {err}", flush=True)
                 continue
             res = last_json_line(out)
             name = f"llmcompressor {method} {scheme}"
+            peak = float(res["peak_rss_mib"])
             rows.append(_row(name, res["ppl"], fp_ppl, res["bits"], res["seconds"], peak))
             print(rows[-1], flush=True)
     return rows
@@ -219,6 +222,7 @@ def main() -> None:
     p.add_argument("--llmc-schemes", default="W4A16,int4g128,int3g128,int2g64")
     p.add_argument("--llmc-timeout", type=float, default=1800)
     p.add_argument("--no-llmc", action="store_true")
+    p.add_argument("--no-lowbit", action="store_true", help="only the fp and llmcompressor rows")
     p.add_argument("--tracking-uri", help="log the table to this MLflow server/URI")
     args = p.parse_args()
 
@@ -252,7 +256,8 @@ def main() -> None:
     fp_bits = 8 * next(fp.parameters()).element_size()
     rows = [_row("fp", fp_ppl, fp_ppl, float(fp_bits), 0.0, rss_mib())]
     del fp
-    rows += lowbit_rows(args, base, target, calib, win, fp_ppl)
+    if not args.no_lowbit:
+        rows += lowbit_rows(args, base, target, calib, win, fp_ppl)
     if args.no_llmc:
         print("SKIPPED llmcompressor rows: --no-llmc")
     else:

@@ -3,8 +3,8 @@
 For each size a random-weight Llama checkpoint (``write_synthetic_checkpoint``; fixed width,
 depth grows with the size) is scored by the sensitivity stage's core (``analyze``, default
 ``gptq_proxy``) and quantized by the quantize stage's core (``quantize_checkpoint``, default
-GPTQ int4g128, one block per segment), each in a fresh child process whose wall time and peak
-RSS come from the OS. Then, per stage:
+GPTQ int4g128, one block per segment), each in a fresh child process that reports its wall
+and CPU time and its own peak RSS (``VmHWM``). Then, per stage:
 
 * time per parameter: least-squares slope of seconds vs parameters (through the intercept the
   fit finds: start-up work that does not grow with the model);
@@ -16,12 +16,12 @@ RSS come from the OS. Then, per stage:
 Projection for one node (Llama-2 7B/13B/70B shapes, same calibration set): time = slope x
 params + intercept; sensitivity memory from the fit; quantize memory = start-up RSS + the
 measured per-segment factor x that model's segment + its activation cache. The width of the
-synthetic models (1024 by default) is much smaller than 7B's 4096: GPTQ's per-weight cost
+synthetic models (512 by default) is much smaller than 7B's 4096: GPTQ's per-weight cost
 grows with the input width (a Cholesky of the in x in Hessian per layer), so the projected
 times are lower bounds; the memory projection only assumes peak is linear in segment size.
 
-    python bench/scaling.py                      # 0.05, 0.1, 0.2 GiB (minutes on 2 cores)
-    python bench/scaling.py --sizes 0.1,0.5,1,2,4
+    python bench/scaling.py                      # 0.02, 0.04, 0.08 GiB (minutes on 2 cores)
+    python bench/scaling.py --sizes 0.1,0.5,1,2,4 --hidden 4096 --intermediate 11008 --vocab 32000
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import log_mlflow, machine, markdown_table, rss_mib, run_child, write_csv  # noqa: E402
+from _common import hwm_mib, log_mlflow, machine, markdown_table, rss_mib, run_child, write_csv  # noqa: E402
 
 GIB = 2**30
 # (params, hidden, intermediate, layers) of the Llama-2 family, for the projection.
@@ -59,7 +59,7 @@ def child(args: argparse.Namespace) -> None:
 
     config = AutoConfig.from_pretrained(args.src)
     calib = torch.randint(0, config.vocab_size, (args.samples, args.seq_len))  # (N, T)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     if args.stage == "sensitivity":
         from pipeline.analysis.sensitivity import analyze
         from pipeline.models.hf import load_causal_lm
@@ -74,7 +74,17 @@ def child(args: argparse.Namespace) -> None:
             args.src, Path(args.work) / "out", plan, calib, method=args.method,
             work_dir=Path(args.work) / "w", batch_size=args.samples, progress=False,
         )  # fmt: skip
-    print(json.dumps({"seconds": time.perf_counter() - t0, "baseline_mib": base}))
+    cpu = time.process_time() - c0  # all threads; robust to other jobs sharing the cores
+    print(
+        json.dumps(
+            {
+                "seconds": time.perf_counter() - t0,
+                "cpu_s": cpu,
+                "baseline_mib": base,
+                "peak_mib": hwm_mib(),
+            }
+        )
+    )
 
 
 def _fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
@@ -90,18 +100,24 @@ def _fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--sizes", default="0.05,0.1,0.2", help="checkpoint sizes, GiB of fp16")
-    p.add_argument("--hidden", type=int, default=1024)
-    p.add_argument("--intermediate", type=int, default=2816)
-    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--sizes", default="0.02,0.04,0.08", help="checkpoint sizes, GiB of fp16")
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--intermediate", type=int, default=1408)
+    p.add_argument("--vocab", type=int, default=4096)
     p.add_argument("--stages", default="sensitivity,quantize")
     p.add_argument("--sens-method", default="gptq_proxy", choices=["gptq_proxy", "fisher"])
     p.add_argument("--candidates", default="int2g64,int3g128,int4g128")
     p.add_argument("--method", default="gptq", choices=["gptq", "rtn"])
     p.add_argument("--format", default="int4g128")
-    p.add_argument("--samples", type=int, default=8)
+    p.add_argument("--samples", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--out", default="bench-out/scaling")
+    p.add_argument(
+        "--time-basis",
+        default="cpu_s",
+        choices=["cpu_s", "seconds"],
+        help="fit CPU seconds (default: meaningful on a shared machine) or wall seconds",
+    )
     p.add_argument("--tracking-uri")
     for hidden in ("--child", "--stage", "--src", "--work"):
         p.add_argument(hidden, action="store_true" if hidden == "--child" else None,
@@ -132,12 +148,14 @@ def main() -> None:
                        "--seq-len", str(args.seq_len), "--method", args.method,
                        "--format", args.format, "--candidates", args.candidates,
                        "--sens-method", args.sens_method]  # fmt: skip
-                out, wall, peak = run_child(cmd)
+                out, wall, _ = run_child(cmd)
                 res = json.loads(out.strip().splitlines()[-1])
+                peak = res["peak_mib"]
                 shutil.rmtree(root / "work", ignore_errors=True)
                 rows.append({
                     "stage": stage, "size_gib": gb, "layers": layers, "params": params,
-                    "seconds": res["seconds"], "us_per_param": 1e6 * res["seconds"] / params,
+                    "seconds": res["seconds"], "cpu_s": res["cpu_s"],
+                    "cpu_us_per_param": 1e6 * res["cpu_s"] / params,
                     "baseline_mib": res["baseline_mib"], "peak_rss_mib": peak,
                     "segment_mib": 4 * per_block / 2**20,
                     "peak_per_segment": (peak - res["baseline_mib"]) / (4 * per_block / 2**20),
@@ -148,7 +166,7 @@ def main() -> None:
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
-    cols = ("stage", "size_gib", "layers", "params", "seconds", "us_per_param",
+    cols = ("stage", "size_gib", "layers", "params", "seconds", "cpu_s", "cpu_us_per_param",
             "baseline_mib", "peak_rss_mib", "segment_mib", "peak_per_segment")  # fmt: skip
     print(
         f"\nwidth {h}/{inter}, vocab {vocab}, calib {args.samples}x{args.seq_len}, "
@@ -158,6 +176,7 @@ def main() -> None:
     proj = project(rows, args)
     print("\nProjection to one node (see the docstring for the assumptions):")
     pcols = ("stage", "model", "hours", "peak_gib")
+    print(f"(hours from {args.time_basis}: CPU time of all threads, or wall time)")
     print(markdown_table(proj, pcols))
     out = Path(args.out)
     write_csv(out / "scaling.csv", rows, cols)
@@ -170,7 +189,7 @@ def project(rows: list[dict], args: argparse.Namespace) -> list[dict]:
     out = []
     for stage in dict.fromkeys(r["stage"] for r in rows):
         rs = [r for r in rows if r["stage"] == stage]
-        t0, t1 = _fit([r["params"] for r in rs], [r["seconds"] for r in rs])
+        t0, t1 = _fit([r["params"] for r in rs], [r[args.time_basis] for r in rs])
         m0, m1 = _fit([r["params"] for r in rs], [r["peak_rss_mib"] for r in rs])
         base = max(r["baseline_mib"] for r in rs)
         factor = max(r["peak_per_segment"] for r in rs)

@@ -73,6 +73,10 @@ def write_report(run_dir: Path) -> Path:
     ev = _load(run_dir / "evaluate" / "eval.json")
     if ev:
         lines += _eval_tables(ev)
+    flow = run_dir / "evaluate" / "error_flow.md"
+    if flow.exists():
+        lines += ["", "## Error flow (relative hidden-state error after each decoder layer)", ""]
+        lines += flow.read_text().splitlines()
     plots = [p for s in ORDER for p in sorted((run_dir / s).glob("*.png"))]
     if plots:
         lines += ["", "## Plots", ""]

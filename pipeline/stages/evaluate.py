@@ -20,6 +20,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 
+from pipeline.analysis.errorflow import error_flow, format_error_flow, plot_error_flow  # noqa: E402
 from pipeline.config import data_cfg, model_cfg, parse, positive  # noqa: E402
 from pipeline.data.text import Corpus  # noqa: E402
 from pipeline.models.hf import load_causal_lm, load_tokenizer, perplexity  # noqa: E402
@@ -112,6 +113,20 @@ def run(ctx) -> dict:
         result["ppl"][name] = perplexity(model, win, p.batch_size)
         log.info("evaluate: %-18s perplexity %.3f", name, result["ppl"][name])
 
+    # Error flow: where along the depth the low-bit targets drift from FP (before/after distill).
+    lowbit = {k.removeprefix("target_"): m for k, m in targets.items() if k != "target_fp"}
+    if lowbit:
+        curves = {
+            k: error_flow(targets["target_fp"], m, win, p.batch_size) for k, m in lowbit.items()
+        }
+        result["error_flow"] = curves
+        (ctx.out_dir / "error_flow.md").write_text(format_error_flow(curves) + "\n")
+        plot_error_flow(curves).savefig(ctx.out_dir / "error_flow.png", dpi=120)
+        log.info(
+            "evaluate: error flow (last layer) %s",
+            "  ".join(f"{k} {v[-1]:.4f}" for k, v in curves.items()),
+        )
+
     pairs = _pairs(targets, drafts)
     if pairs:
         sets = heldout_scenarios(
@@ -148,6 +163,8 @@ def run(ctx) -> dict:
             )
     (ctx.out_dir / "eval.json").write_text(json.dumps(result, indent=1))
     metrics = {f"ppl_{k}": v for k, v in result["ppl"].items()}
+    for k, v in result.get("error_flow", {}).items():
+        metrics[f"error_flow_last_{k}"] = v[-1]
     for pair, per in result["acceptance"].items():
         metrics.update({f"alpha_{pair.replace('@', '-vs-')}_{s}": v for s, v in per.items()})
     return metrics
