@@ -124,7 +124,7 @@ def last_json_line(text: str) -> Any:
 
 def _cell(v: Any) -> str:
     if isinstance(v, float):
-        return f"{v:.4g}" if abs(v) < 1e5 else f"{v:.3e}"
+        return f"{v:.6g}" if abs(v) < 1e6 else f"{v:.4e}"
     return "" if v is None else str(v)
 
 

@@ -57,10 +57,15 @@ def main() -> None:
     p.add_argument("--root", type=Path, default=Path("outputs/distill_effect"))
     p.add_argument("--steps", type=int, default=None, help="stage.distill.max_steps")
     p.add_argument("--lr", type=float, default=None, help="stage.distill.lr")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (1 on a busy host)")
     p.add_argument("--recipes", default=",".join(RECIPES))
     p.add_argument("--variants", default=",".join(VARIANTS))
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
 
     from pipeline import workflow
     from pipeline.config import data_cfg

@@ -119,6 +119,11 @@ def main() -> None:
         help="fit CPU seconds (default: meaningful on a shared machine) or wall seconds",
     )
     p.add_argument("--tracking-uri")
+    p.add_argument(
+        "--report", metavar="ROWS_JSONL",
+        help="measure nothing: print the tables for the rows an earlier (maybe interrupted) "
+        "run appended to OUT/rows.jsonl",
+    )  # fmt: skip
     for hidden in ("--child", "--stage", "--src", "--work"):
         p.add_argument(hidden, action="store_true" if hidden == "--child" else None,
                        help=argparse.SUPPRESS)  # fmt: skip
@@ -126,9 +131,20 @@ def main() -> None:
     if args.child:
         return child(args)
 
+    if args.report:
+        lines = Path(args.report).read_text().splitlines()
+        return report([json.loads(line) for line in lines if line.strip()], args)
+    report(measure(args), args)
+
+
+def measure(args: argparse.Namespace) -> list[dict]:
+    """Write each checkpoint, run each stage in a child; rows also go to OUT/rows.jsonl."""
     from pipeline.models.synthetic import write_synthetic_checkpoint
 
     h, inter, vocab = args.hidden, args.intermediate, args.vocab
+    log_file = Path(args.out) / "rows.jsonl"
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    log_file.write_text("")
     per_block = 4 * h * h + 3 * h * inter + 2 * h
     root = Path(tempfile.mkdtemp(prefix="lowbit-scaling-"))
     rows = []
@@ -162,10 +178,17 @@ def main() -> None:
                     "child_wall_s": wall,
                 })  # fmt: skip
                 print(rows[-1], flush=True)
+                with log_file.open("a") as f:
+                    f.write(json.dumps(rows[-1]) + "\n")
             shutil.rmtree(src, ignore_errors=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
+    return rows
 
+
+def report(rows: list[dict], args: argparse.Namespace) -> None:
+    """Print the measurements and the projection; write the CSVs; log to MLflow."""
+    h, inter, vocab = args.hidden, args.intermediate, args.vocab
     cols = ("stage", "size_gib", "layers", "params", "seconds", "cpu_s", "cpu_us_per_param",
             "baseline_mib", "peak_rss_mib", "segment_mib", "peak_per_segment")  # fmt: skip
     print(

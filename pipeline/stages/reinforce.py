@@ -289,7 +289,7 @@ def _trainer(ctx, p: ReinforceConfig):
     ckpt_dir = ctx.work_dir / "checkpoints"
     checkpoint = ModelCheckpoint(
         dirpath=ckpt_dir,
-        filename="step{step}",
+        filename="{step}",
         save_top_k=1,
         save_last=True,
         every_n_train_steps=p.checkpoint_every,

@@ -202,3 +202,12 @@ def test_lightning_module_trains_checkpoints_and_resumes(tmp_path, target):
     fresh = _draft(target, 9)
     fresh.load_state_dict(loaded)
     assert not torch.equal(fresh.lm_head.weight, resumed.draft.lm_head.weight)  # trained on
+
+
+def test_rollout_draft_temperature_is_what_the_draft_samples_at(target):
+    draft = _draft(target, 5)
+    gen = torch.Generator().manual_seed(0)
+    ro = draft_rollout(target, draft, _contexts(4, 6), 3, draft_temperature=0.0, generator=gen)
+    assert torch.equal(ro.tokens, ro.q_logits.argmax(-1))  # a greedy draft, sampled target
+    with pytest.raises(ValueError, match="greedy"):
+        draft_rollout(target, draft, _contexts(2, 6), 2, temperature=0.0, draft_temperature=1.0)

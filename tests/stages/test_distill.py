@@ -29,6 +29,15 @@ SMALL = (
 )
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny matmuls gain nothing from threads, and lose a lot on a busy machine."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="module")
 def quantized(boot, tmp_path_factory):
     """A run dir with the smoke bootstrap and its w2g64 quantize stage done."""
