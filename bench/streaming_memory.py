@@ -37,12 +37,16 @@ def _rss_now_kb() -> int:
 
 def child(args: argparse.Namespace) -> None:
     """Quantize in this process and print one JSON line with the memory figures."""
+    if args.mmap_threshold_mb:
+        import ctypes  # glibc: allocations above the threshold are mmapped, freed to the OS
+
+        ctypes.CDLL("libc.so.6").mallopt(-3, args.mmap_threshold_mb << 20)  # M_MMAP_THRESHOLD
     import safetensors.torch  # noqa: F401  (imports count in the baseline, not the run)
     import torch
     import transformers.models.llama.modeling_llama  # noqa: F401
 
     from pipeline.models import StreamingCheckpoint, linear_names
-    from pipeline.stages.quantize import quantize_checkpoint
+    from pipeline.quant.streaming import quantize_checkpoint
 
     torch.manual_seed(0)
     dtype = getattr(torch, args.dtype)
@@ -96,6 +100,12 @@ def main() -> None:
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--segment-size", type=int, default=1)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument(
+        "--mmap-threshold-mb",
+        type=int,
+        default=0,
+        help="pin glibc's mmap threshold (what MALLOC_MMAP_THRESHOLD_ does); 0 = default",
+    )
     p.add_argument("--modes", default="stream,full", help="comma list of stream, full")
     p.add_argument(
         "--dir",
@@ -126,7 +136,9 @@ def main() -> None:
             work = root / f"work-{mode}"
             cmd = [sys.executable, __file__, "--child", "--mode", mode, "--src", str(src),
                    "--work", str(work)]  # fmt: skip
-            for key in ("method", "format", "samples", "seq_len", "segment_size", "dtype"):
+            keys = ("method", "format", "samples", "seq_len", "segment_size", "dtype",
+                    "mmap_threshold_mb")  # fmt: skip
+            for key in keys:
                 cmd += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
             proc = subprocess.run(cmd, capture_output=True, text=True)
             if proc.returncode != 0:
@@ -137,7 +149,8 @@ def main() -> None:
         if args.dir is None:
             shutil.rmtree(root, ignore_errors=True)
     print(f"\nmethod={args.method} format={args.format} calib={args.samples}x{args.seq_len} "
-          f"segment_size={args.segment_size} compute={args.dtype}")  # fmt: skip
+          f"segment_size={args.segment_size} compute={args.dtype} "
+          f"mmap_threshold_mb={args.mmap_threshold_mb}")  # fmt: skip
     head = ("mode", "ckpt GiB", "segment GiB", "cache GiB", "base GiB", "peak GiB",
             "peak/ckpt", "(peak-base)/(2seg+cache)", "seconds")  # fmt: skip
     print(" | ".join(head))

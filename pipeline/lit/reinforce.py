@@ -234,7 +234,11 @@ class DraftReinforce(L.LightningModule):
         if self.cost_ratio is None:
             # Measured once, on the training device, by rank 0 for everyone; a resumed run
             # restores it from the checkpoint, so the reward never changes meaning mid-run.
-            c = measure_cost_ratio(self._frozen[0], self.draft) if self.global_rank == 0 else None
+            c = (
+                measure_cost_ratio(self._frozen[0], self.draft, n_iters=30)
+                if self.global_rank == 0
+                else None
+            )
             self.cost_ratio = float(self.trainer.strategy.broadcast(c, src=0))
 
     def _advantages(self, reward: torch.Tensor) -> torch.Tensor:

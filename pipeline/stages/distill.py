@@ -39,7 +39,7 @@ class DistillConfig:
     max_steps: int = 300
     batch_size: int = 8
     seq_len: int | None = None
-    lr: float = 1e-4
+    lr: float = 5e-4
     weight_lr: float = 1e-5
     warmup_steps: int = 30
     weight_decay: float = 0.0

@@ -49,7 +49,7 @@ class ReinforceConfig:
     max_steps: int = 300
     batch_size: int = 8
     gamma: int = 4
-    lr: float = 1e-4
+    lr: float = 1e-3
     warmup_steps: int = 10
     temperature: float = 1.0
     draft_t0: float = 1.0

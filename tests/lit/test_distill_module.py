@@ -105,6 +105,30 @@ def test_gradients_reach_scales_and_scaling_multiplies_them():
         torch.testing.assert_close(b.zero.grad, a.zero.grad * 0.25)
 
 
+def test_ste_reaches_latent_weights_and_scales_when_weights_train():
+    plain, scaled = (make_module(train=("scales", "weights")) for _ in range(2))
+    for m in (plain, scaled):  # move the latent weights off the grid, identically
+        g = torch.Generator().manual_seed(3)
+        with torch.no_grad():
+            for fq in m.student.modules():
+                if isinstance(fq, FakeQuantLinear):
+                    fq.weight.add_(torch.randn(fq.weight.shape, generator=g) * 1e-3)
+    apply_grad_scale(scaled.student, "bits")
+    x = batch()
+    for m in (plain, scaled):
+        m.losses(x)["total"].backward()
+    fqs = [
+        (a, b)
+        for a, b in zip(plain.student.modules(), scaled.student.modules())
+        if isinstance(a, FakeQuantLinear)
+    ]
+    for a, b in fqs:
+        assert a.weight.grad is not None and a.weight.grad.abs().sum() > 0  # round() passed by STE
+        assert a.scale.grad.abs().sum() > 0  # LSQ: round(v) - v, non-zero off the grid
+        torch.testing.assert_close(b.weight.grad, a.weight.grad)  # weights are not rescaled
+        torch.testing.assert_close(b.scale.grad, a.scale.grad * 0.25)
+
+
 def test_lsq_factor_follows_the_layer_size():
     module = make_module()
     factors = apply_grad_scale(module.student, "lsq")

@@ -158,6 +158,10 @@ def test_resume_after_crash_gives_identical_codes(src, calib, ref, tmp_path, bud
     with pytest.raises(Crash):
         run(src, calib, tmp_path, "r", on_segment=crash_after_second, **kw)
     assert not (tmp_path / "r" / "model").exists()  # nothing half-written in the output
+    with pytest.raises(Crash):  # other inputs (here the method) never reuse those segments
+        run(src, calib, tmp_path, "r", on_segment=crash_after_second, method="rtn", **kw)
+    with pytest.raises(Crash):
+        run(src, calib, tmp_path, "r", on_segment=crash_after_second, **kw)
     out, report = run(src, calib, tmp_path, "r", **kw)
     assert report["resumed_segments"] == 2
     # `ref` is what the uninterrupted run gives (test_streaming_equals_whole_model_recipe).
