@@ -46,6 +46,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny matmuls gain nothing from threads and lose a lot on a busy machine."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="session")
 def mlflow_server(tmp_path_factory):
     """A real `mlflow server` on 127.0.0.1, stopped at the end of the session."""

@@ -10,10 +10,10 @@ from pipeline.models.adapters import (
     linear_names,
     supported,
 )
-from pipeline.models.checkpoint import (
+from pipeline.models.checkpoint import StreamingCheckpoint
+from pipeline.models.shards import (
     CheckpointError,
     CheckpointNotFoundError,
-    StreamingCheckpoint,
     convert_bin_to_safetensors,
     read_safetensors_header,
 )

@@ -30,7 +30,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from pipeline.errors import LowbitError
-from pipeline.models.checkpoint import CheckpointError, read_safetensors_header
+from pipeline.models.shards import CheckpointError, read_safetensors_header
 from pipeline.quant.fakequant import FakeQuantLinear
 from pipeline.quant.qtensor import QTensor
 

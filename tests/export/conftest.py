@@ -1,5 +1,4 @@
 import pytest
-import torch
 
 from tests.export.models import QuantModels
 
@@ -10,9 +9,5 @@ def qmodels(tmp_path_factory):
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matmuls gain nothing from threads and lose a lot on a busy machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _one_thread(one_thread):
     yield
-    torch.set_num_threads(n)

@@ -23,13 +23,7 @@ from pipeline.quant.fakequant import FakeQuantLinear, grad_scale_factor
 VOCAB, SEQ = 64, 8
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matmuls gain nothing from threads, and lose a lot on a busy machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny_pair(seed: int = 0, fmt: str = "int2g32", learn_weights: bool = False):

@@ -74,13 +74,13 @@ def test_qwen2_blocks_carry_qkv_biases(hf_dirs):
 
 def test_load_block_reads_and_allocates_only_that_block(llama_dir, monkeypatch):
     read: list[str] = []
-    real_read = ckpt_mod._read_tensors
+    real_read = ckpt_mod.read_tensors
 
     def recording_read(file, entries):  # records every tensor materialised from disk
         read.extend(entries)
         return real_read(file, entries)
 
-    monkeypatch.setattr(ckpt_mod, "_read_tensors", recording_read)
+    monkeypatch.setattr(ckpt_mod, "read_tensors", recording_read)
     ck = StreamingCheckpoint(llama_dir)
     assert read == []  # opening reads headers only
     block = ck.load_block(1)

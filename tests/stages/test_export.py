@@ -13,14 +13,7 @@ from pipeline.stages import export
 from tests.conftest import smoke_cfg
 from tests.stages.conftest import boot_cfg
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Smoke-sized matmuls gain nothing from threads and lose a lot on a busy machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.mark.slow  # the workflow with MLflow tracking, quantize and export: ~20-30 s on 2 cores
