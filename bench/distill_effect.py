@@ -31,6 +31,7 @@ VARIANTS = {
     "bits": [],
     "lsq": ["stage.distill.grad_scale=lsq"],
     "none": ["stage.distill.grad_scale=none"],
+    "beta=0.1": ["stage.distill.beta=0.1"],  # a lighter attention-matching term
     "beta=0": ["stage.distill.beta=0"],  # grad_scale=bits, logits KL only
 }
 

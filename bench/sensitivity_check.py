@@ -2,13 +2,15 @@
 
 On the bootstrap target (a path, or trained here into a temporary run dir):
 
-1. Measured ΔL: quantize one layer at a time with RTN (int3g128, int2g64) and measure the
-   increase of the mean token loss on the held-out evaluation windows.
-2. Predicted ΔL: the sensitivity analysis (fisher, hutchinson, gptq_proxy) on the calibration
-   windows; Spearman ρ between predicted and measured ΔL across layers.
-3. Perplexity of the allocated plan (each method, the quant=mixed candidates) at budget 3.0 vs
-   uniform int3g128 and at 2.5 vs uniform int2g64, quantized with RTN and with GPTQ (Hessians
-   of the FP model's calibration inputs, each layer independently).
+1. Measured effect: quantize one layer at a time with RTN (int3g128, int2g64) and measure the
+   increase of the mean token loss (ΔL) and the mean token KL(p_FP ‖ p_Q), on the held-out
+   evaluation windows and on the calibration windows the estimators see.
+2. Predicted ΔL: the sensitivity analysis (fisher with data labels, fisher:model with labels
+   sampled from the model, hutchinson, gptq_proxy) on the calibration windows; Spearman ρ
+   between predicted and each measured quantity across layers.
+3. Perplexity and KL to FP of the allocated plan (each method, the quant=mixed candidates) at
+   budget 3.0 vs uniform int3g128 and at 2.5 vs uniform int2g64, quantized with RTN and with
+   GPTQ (Hessians of the FP model's calibration inputs, each layer independently).
 
     python bench/sensitivity_check.py --smoke                 # trains the smoke bootstrap
     python bench/sensitivity_check.py outputs/default/bootstrap/target
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import tempfile
 import time
@@ -32,11 +35,11 @@ from scipy.stats import spearmanr
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pipeline import conf_dir, workflow  # noqa: E402
-from pipeline.analysis import Capture, sequence_loss  # noqa: E402
+from pipeline.analysis import Capture  # noqa: E402
 from pipeline.analysis.sensitivity import METHODS, analyze, scored_modules  # noqa: E402
 from pipeline.config import QuantConfig, data_cfg, quant_cfg  # noqa: E402
 from pipeline.data.text import Corpus  # noqa: E402
-from pipeline.models.hf import load_causal_lm, load_tokenizer, perplexity  # noqa: E402
+from pipeline.models.hf import load_causal_lm, load_tokenizer  # noqa: E402
 from pipeline.quant.gptq import gptq_quantize  # noqa: E402
 from pipeline.quant.rtn import quantize_rtn  # noqa: E402
 from pipeline.stages.allocate import make_plan  # noqa: E402
@@ -53,26 +56,39 @@ def config(smoke: bool, run_dir: Path):
 
 
 @torch.no_grad()
-def mean_loss(model, windows: torch.Tensor, batch_size: int = 8) -> float:
-    total = 0.0
-    for i in range(0, len(windows), batch_size):
-        x = windows[i : i + batch_size]
-        total += float(sequence_loss(model, x)) * len(x)
-    return total / len(windows)
+def log_probs(model, windows: torch.Tensor, batch_size: int = 8) -> torch.Tensor:
+    """Next-token log-probabilities (S, T-1, V), float32."""
+    parts = [model(input_ids=windows[i : i + batch_size]).logits[:, :-1].float().log_softmax(-1)
+             for i in range(0, len(windows), batch_size)]  # fmt: skip
+    return torch.cat(parts)
+
+
+def loss_and_kl(logp: torch.Tensor, base: torch.Tensor, windows: torch.Tensor) -> tuple:
+    """Mean token loss of ``logp`` and mean token KL(p_base ‖ p) on the same windows."""
+    loss = -logp.gather(-1, windows[:, 1:, None]).mean()
+    kl = (base.exp() * (base - logp)).sum(-1).mean()
+    return float(loss), float(kl)
 
 
 @torch.no_grad()
-def measure(model, windows: torch.Tensor, names: list[str]) -> dict[str, dict[str, float]]:
-    """True ΔL of quantizing each layer alone (RTN), on the evaluation windows."""
-    base = mean_loss(model, windows)
-    out: dict[str, dict[str, float]] = {}
+def measure(model, windows: torch.Tensor, names: list[str]) -> dict[str, dict]:
+    """True effect of quantizing each layer alone (RTN): {"loss": ΔL, "kl": KL} per layer, format.
+
+    ΔL is what the loss does; KL(p_FP ‖ p_Q) is the damage to the model's predictions, the
+    quantity a curvature estimate predicts without the first-order (gradient) term, which is
+    not zero on a model that is not at a minimum of this data's loss.
+    """
+    base = log_probs(model, windows)
+    base_loss, _ = loss_and_kl(base, base, windows)
+    out: dict[str, dict] = {"loss": {}, "kl": {}}
     for name in names:
         w = model.get_submodule(name).weight
         orig = w.detach().clone()
-        out[name] = {}
+        out["loss"][name], out["kl"][name] = {}, {}
         for fmt in MEASURED:
             w.copy_(quantize_rtn(orig, fmt).dequantize())
-            out[name][fmt] = mean_loss(model, windows) - base
+            loss, kl = loss_and_kl(log_probs(model, windows), base, windows)
+            out["loss"][name][fmt], out["kl"][name][fmt] = loss - base_loss, kl
         w.copy_(orig)
     return out
 
@@ -88,8 +104,9 @@ def input_hessians(model, calib: torch.Tensor) -> dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
-def ppl_of_plan(model, plan: dict[str, str], windows, hessians=None, block_size=128) -> float:
-    """Perplexity with every planned layer quantized (RTN, or GPTQ when Hessians are given)."""
+def score_plan(model, plan: dict[str, str], windows, base, hessians=None, block_size=128) -> tuple:
+    """(perplexity, mean token KL to FP) with every planned layer quantized (RTN, or GPTQ
+    when Hessians are given)."""
     saved = {}
     for name, fmt in plan.items():
         if fmt == "float":
@@ -104,7 +121,8 @@ def ppl_of_plan(model, plan: dict[str, str], windows, hessians=None, block_size=
             )
         w.copy_(q.dequantize())
     try:
-        return perplexity(model, windows)
+        loss, kl = loss_and_kl(log_probs(model, windows), base, windows)
+        return math.exp(loss), kl
     finally:
         for name, orig in saved.items():
             model.get_submodule(name).weight.copy_(orig)
@@ -123,9 +141,9 @@ def main() -> None:
     ap.add_argument("target", nargs="?", help="FP target HF dir (default: train the bootstrap)")
     ap.add_argument("--smoke", action="store_true", help="smoke bootstrap sizes")
     ap.add_argument("--run-dir", help="where the bootstrap runs (default: a temp dir)")
-    ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--methods", default=",".join([*METHODS, "fisher:model"]))
     ap.add_argument("--no-gptq", action="store_true")
-    ap.add_argument("--json", help="also write the measured and predicted ΔL to this file")
+    ap.add_argument("--json", help="also write every measurement and table to this file")
     args = ap.parse_args()
     torch.manual_seed(0)
     run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix="lowbit-sens-"))
@@ -148,55 +166,61 @@ def main() -> None:
     blocks = [n for n in names if ".layers." in n]  # what allocate quantizes by default
     measured = {"eval": measure(model, evalw, names), "calib": measure(model, calib, names)}
     print(
-        f"measured ΔL of {len(names)} layers x {len(MEASURED)} formats x 2 window sets in "
-        f"{time.time() - t0:.0f}s"
+        f"measured ΔL and KL of {len(names)} layers x {len(MEASURED)} formats x 2 window sets "
+        f"in {time.time() - t0:.0f}s"
     )
     reports, seconds = {}, {}
     for m in args.methods.split(","):
+        method, _, labels = m.partition(":")  # fisher:model = sampled-label (true) Fisher
         t0 = time.time()
-        reports[m] = analyze(model, calib, CANDIDATES, m, probes=4)
+        reports[m] = analyze(model, calib, CANDIDATES, method, probes=4,
+                             fisher_labels=labels or "data")  # fmt: skip
         seconds[m] = time.time() - t0
 
-    def rho(a: dict, b: dict, subset: list[str]) -> str:
-        cells = [
-            spearmanr([a[n][f] for n in subset], [b[n][f] for n in subset])[0] for f in MEASURED
-        ]
-        return " | ".join(f"{r:.3f}" for r in cells)
+    def rho(a: dict, b: dict, subset: list[str]) -> list[float]:
+        pairs = [([a[n][f] for n in subset], [b[n][f] for n in subset]) for f in MEASURED]
+        return [spearmanr(x, y)[0] for x, y in pairs]
 
-    print("\n### Spearman ρ, predicted (calibration windows) vs measured ΔL (eval windows)\n")
-    cols = [f"{f} {what}" for what in ("all", "blocks") for f in MEASURED]
-    print("| method | " + " | ".join(cols) + " | seconds |")
-    print("|---|" + "---|" * (len(cols) + 1))
-    for m, rep in reports.items():
-        pred = {layer["name"]: layer["dloss"] for layer in rep["layers"]}
-        print(
-            f"| {m} | {rho(pred, measured['eval'], names)} | "
-            f"{rho(pred, measured['eval'], blocks)} | {seconds[m]:.0f} |"
-        )
-    # How reproducible the measurement itself is: a ceiling for any predictor.
-    print(
-        f"| measured on calibration windows | {rho(measured['calib'], measured['eval'], names)}"
-        f" | {rho(measured['calib'], measured['eval'], blocks)} | |"
-    )
+    truths = {
+        "ΔL eval": measured["eval"]["loss"],
+        "ΔL calib": measured["calib"]["loss"],
+        "KL calib": measured["calib"]["kl"],
+        "KL eval": measured["eval"]["kl"],
+    }
+    cols = [f"{t} {f}" for t in truths for f in MEASURED]
+    results: dict = {"rho": {}, "plans": []}
+    for subset_name, subset in (("every scored layer", names), ("decoder-block linears", blocks)):
+        print(f"\n### Spearman ρ, predicted (calibration windows) vs measured, {subset_name}\n")
+        print("| predictor | " + " | ".join(cols) + " | seconds |")
+        print("|---|" + "---|" * (len(cols) + 1))
+        for m, rep in reports.items():
+            pred = {layer["name"]: layer["dloss"] for layer in rep["layers"]}
+            r = [x for t in truths.values() for x in rho(pred, t, subset)]
+            results["rho"][f"{m} / {subset_name}"] = dict(zip(cols, r))
+            print(f"| {m} | " + " | ".join(f"{x:.3f}" for x in r) + f" | {seconds[m]:.0f} |")
+        # How reproducible the measurement itself is: a ceiling for any predictor.
+        ceil = rho(truths["ΔL calib"], truths["ΔL eval"], subset)
+        print("| (ΔL calib as the predictor of ΔL eval) | " + " | ".join(f"{x:.3f}" for x in ceil)
+              + " |" * (len(cols) - 1) + " |")  # fmt: skip
 
-    if args.json:
-        Path(args.json).write_text(json.dumps({"measured": measured, "predicted": reports}))
     shapes = {layer["name"]: layer["shape"] for layer in next(iter(reports.values()))["layers"]}
     fused = next(iter(reports.values()))["fused_groups"]
     hessians = None if args.no_gptq else input_hessians(model, calib)
     quantizers = {"rtn": None} if hessians is None else {"rtn": None, "gptq": hessians}
-    base = perplexity(model, evalw)
-    print(f"\n### Perplexity (FP target: {base:.3f}); lm_head and embeddings float\n")
-    print("| plan | avg bits | " + " | ".join(quantizers) + " |")
-    print("|---|---|" + "---|" * len(quantizers))
+    base = log_probs(model, evalw)
+    fp_ppl = math.exp(loss_and_kl(base, base, evalw)[0])
+    print(f"\n### Eval windows: perplexity and KL(FP ‖ Q) per token (FP ppl {fp_ppl:.3f}); "
+          "lm_head and embeddings float\n")  # fmt: skip
+    heads = [f"{q} {what}" for q in quantizers for what in ("ppl", "KL")]
+    print("| plan | avg bits | " + " | ".join(heads) + " |")
+    print("|---|---|" + "---|" * len(heads))
 
     def row(label: str, plan: dict) -> None:
-        ppls = [ppl_of_plan(model, plan, evalw, h, q.block_size) for h in quantizers.values()]
-        print(
-            f"| {label} | {avg_bits(plan, shapes):.3f} | "
-            + " | ".join(f"{p:.3f}" for p in ppls)
-            + " |"
-        )
+        cells = [x for h in quantizers.values()
+                 for x in score_plan(model, plan, evalw, base, h, q.block_size)]  # fmt: skip
+        bits = avg_bits(plan, shapes)
+        results["plans"].append({"plan": label, "avg_bits": bits, **dict(zip(heads, cells))})
+        print(f"| {label} | {bits:.3f} | " + " | ".join(f"{x:.4g}" for x in cells) + " |")
 
     for uniform, budgets in (("int3g128", [3.0, None]), ("int2g64", [2.5])):
         plan_u = make_plan(
@@ -209,6 +233,9 @@ def main() -> None:
                 layers = {layer["name"]: layer for layer in rep["layers"]}
                 qc = QuantConfig(candidates=CANDIDATES, budget_bits=b, keep_float=KEEP_FLOAT)
                 row(f"{m} @ {b:.3f}", make_plan(shapes, layers, fused, qc)["layers"])
+    if args.json:
+        dump = {"measured": measured, "predicted": reports, **results}
+        Path(args.json).write_text(json.dumps(dump, indent=1))
 
 
 if __name__ == "__main__":

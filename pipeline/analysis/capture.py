@@ -107,12 +107,16 @@ class Capture:
 
     def _hook(self, name: str):
         def hook(module: nn.Module, args: tuple) -> None:
-            x = args[0]  # (B, T, in)
-            self.stats[name].add(x)
-            if name in self.hessians:
-                self.hessians[name].add_batch(x.detach())
+            self.observe(name, args[0])
 
         return hook
+
+    def observe(self, name: str, x: Tensor) -> None:
+        """Account one input batch x (B, T, in) of ``name`` without running the module (the
+        hook's work; called directly where the output is not needed, e.g. a large lm_head)."""
+        self.stats[name].add(x)
+        if name in self.hessians:
+            self.hessians[name].add_batch(x.detach())
 
     def hessian(self, name: str) -> Tensor:
         """H of ``name``'s input (in, in); shared within a fused group."""

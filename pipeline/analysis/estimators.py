@@ -8,6 +8,11 @@ A second-order Taylor expansion around the trained weights (gradient ≈ 0 at a 
   sequence; the squared gradient of the sequence's summed token loss, divided by its token count,
   estimates the per-token Fisher under independent tokens, so ½ Σ F δ² is in units of the mean
   token loss. Cheap (one backward per sequence) but noisy and blind to off-diagonal terms.
+  With ``labels="model"`` the next tokens are sampled from the model itself instead of read from
+  the data: the true Fisher, whose ½ δᵀ F δ is the second-order expansion of
+  KL(p_w ‖ p_{w+δ}) with no first-order term, and whose cross-token terms vanish in expectation,
+  so the per-sequence gradient is unbiased. It is the better curvature when the model is far
+  from a minimum of the data loss (small or briefly trained models).
 * ``hutchinson_trace``: Tr(H_l) per layer by Hutchinson's estimator E_v[vᵀHv] with Rademacher v
   and exact Hessian-vector products (double backward), as in HAWQ-v2 (Dong et al., 2020). The
   layer's Hessian is then summarised by its mean eigenvalue Tr/n: the true Hessian (not a
@@ -38,6 +43,14 @@ def sequence_loss(model: nn.Module, x: Tensor) -> Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1))
 
 
+def sampled_sequence_loss(model: nn.Module, x: Tensor, gen: torch.Generator) -> Tensor:
+    """Mean cross-entropy of x (B, T) against next tokens sampled from the model itself."""
+    logits = model(input_ids=x).logits[:, :-1].float()  # (B, T-1, V)
+    probs = logits.detach().softmax(-1).reshape(-1, logits.shape[-1]).cpu()
+    labels = torch.multinomial(probs, 1, generator=gen).squeeze(1).to(logits.device)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels)
+
+
 def _bar(dist: Dist, items, desc: str, progress: bool):
     return tqdm(items, desc=desc, disable=not (progress and dist.is_main), leave=False)
 
@@ -48,8 +61,14 @@ def fisher_diagonal(
     params: dict[str, nn.Parameter],
     dist: Dist,
     progress: bool = False,
+    labels: str = "data",
+    seed: int = 0,
 ) -> dict[str, Tensor]:
-    """Diagonal empirical Fisher of ``params`` from the calibration windows (S, T).
+    """Diagonal Fisher of ``params`` from the calibration windows (S, T).
+
+    ``labels="data"`` is the empirical Fisher (the windows' own next tokens); ``"model"``
+    samples them from the model (the true Fisher), from a generator seeded by (seed, s) so
+    the result does not depend on how sequences are split across ranks.
 
     Returns:
         {name: F} with F shaped like the parameter, float32, averaged over all S sequences.
@@ -60,7 +79,12 @@ def fisher_diagonal(
     device = tensors[0].device
     for s in _bar(dist, dist.shard(len(windows)), "fisher", progress):
         x = windows[s : s + 1].to(device)  # (1, T): one backward per sequence
-        grads = torch.autograd.grad(sequence_loss(model, x), tensors)
+        if labels == "model":
+            gen = torch.Generator().manual_seed(seed * 1_000_003 + s)
+            loss = sampled_sequence_loss(model, x, gen)
+        else:
+            loss = sequence_loss(model, x)
+        grads = torch.autograd.grad(loss, tensors)
         for f, g in zip(fisher, grads):
             g = g.float()
             f.addcmul_(g, g, value=tokens)

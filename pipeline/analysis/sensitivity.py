@@ -57,6 +57,7 @@ def analyze(
     *,
     weighting: str = "full",
     probes: int = 4,
+    fisher_labels: str = "data",
     seed: int = 0,
     batch_size: int = 8,
     include_lm_head: bool = True,
@@ -73,7 +74,9 @@ def analyze(
         dist: Ranks to split the sequences over (single process when None).
         weighting: gptq_proxy only: ``full`` or ``diag``.
         probes: hutchinson only: Rademacher probes per sequence.
-        seed: hutchinson probe seed.
+        fisher_labels: fisher only: ``data`` (empirical Fisher) or ``model`` (sampled labels,
+            the true Fisher).
+        seed: hutchinson probe / fisher label seed.
         batch_size: gptq_proxy only: sequences per forward.
         include_lm_head: Score lm_head.
         include_embeddings: Score the (untied) embedding table.
@@ -91,7 +94,7 @@ def analyze(
     model.eval()
     try:
         if method == "fisher":
-            fisher = fisher_diagonal(model, windows, params, dist, progress)
+            fisher = fisher_diagonal(model, windows, params, dist, progress, fisher_labels, seed)
             weigh = {n: fisher_weigh(fisher[n]) for n in modules}
         elif method == "hutchinson":
             trace = hutchinson_trace(model, windows, params, dist, probes, seed, progress)
@@ -133,6 +136,7 @@ def analyze(
     return {
         "method": method,
         "weighting": weighting if method == "gptq_proxy" else None,
+        "fisher_labels": fisher_labels if method == "fisher" else None,
         "candidates": list(candidates),
         "samples": int(windows.shape[0]),
         "seq_len": int(windows.shape[1]),

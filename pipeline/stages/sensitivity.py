@@ -6,11 +6,11 @@ windows (see ``pipeline.analysis``): the diagonal empirical Fisher (default), Hu
 Hessian-trace estimate (HAWQ-v2) or the gradient-free GPTQ proxy H = 2XXᵀ. The input of every
 linear is also summarised (MAD outlier-channel share, kurtosis, max/median channel absmax).
 
-Memory: the whole model is loaded. Fisher and Hutchinson need backpropagation through the
-whole network (one sequence per backward), plus a float32 Fisher buffer the size of the scored
-weights; a target bigger than one host's memory needs a bigger host or the ``gptq_proxy``
-method, which is forward-only and could stream one decoder block at a time through
-``StreamingCheckpoint`` as the quantize stage does (not implemented yet: it also loads the model).
+Memory: Fisher and Hutchinson load the whole model and backpropagate through it (one sequence
+per backward), plus a float32 Fisher buffer the size of the scored weights. For a target bigger
+than one host's memory (70B and up) use ``method=gptq_proxy stream=true``: forward-only, one
+decoder block at a time from the shards (:mod:`pipeline.analysis.streamed`), the activations in
+memory up to ``quant.activation_budget_gb`` and spilled to the stage's work dir beyond.
 
 Ranks: every rank loads the model and takes ``dist.shard`` of the calibration sequences; sums
 are all-reduced, so the result does not depend on the number of ranks.
@@ -28,9 +28,11 @@ import torch
 
 from pipeline import plots
 from pipeline.analysis.sensitivity import analyze
+from pipeline.analysis.streamed import analyze_streamed
 from pipeline.config import data_cfg, model_cfg, parse, positive, quant_cfg
 from pipeline.data.text import Corpus
-from pipeline.errors import LowbitError
+from pipeline.errors import ConfigError, LowbitError
+from pipeline.models.checkpoint import StreamingCheckpoint
 from pipeline.models.hf import load_causal_lm, load_tokenizer
 from pipeline.quant.formats import parse_format
 
@@ -47,14 +49,23 @@ log = logging.getLogger("lowbit")
 class SensitivityConfig:
     method: Literal["fisher", "hutchinson", "gptq_proxy"] = "fisher"
     gptq_weighting: Literal["full", "diag"] = "full"
+    fisher_labels: Literal["data", "model"] = "data"
     hutchinson_probes: int = 4
     batch_size: int = 8
     include_lm_head: bool = True
     include_embeddings: bool = True
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    stream: bool = False
 
     def check(self, prefix: str) -> None:
         positive(prefix, hutchinson_probes=self.hutchinson_probes, batch_size=self.batch_size)
+        if self.stream and self.method != "gptq_proxy":
+            raise ConfigError(
+                f"{prefix}.stream",
+                f"is true with {prefix}.method={self.method}, which backpropagates through the "
+                "loaded model; streaming needs the forward-only estimator: set "
+                f"{prefix}.method=gptq_proxy or {prefix}.stream=false",
+            )
 
 
 def skip_reason(cfg) -> str | None:
@@ -90,23 +101,40 @@ def run(ctx) -> dict:
     windows = Corpus(data_cfg(ctx.cfg), tokenizer).calibration(
         q.calib.samples, q.calib.seq_len, ctx.cfg.seed
     )  # (S, T), identical on every rank
-    model = load_causal_lm(target, allow_bin=ctx.cfg.model.allow_bin)
-    model.to(_device(p, ctx.dist.local_rank))
+    device = _device(p, ctx.dist.local_rank)
     t0 = time.time()
-    report = analyze(
-        model,
-        windows,
-        candidates,
-        p.method,
-        ctx.dist,
-        weighting=p.gptq_weighting,
-        probes=p.hutchinson_probes,
-        seed=ctx.cfg.seed,
-        batch_size=p.batch_size,
-        include_lm_head=p.include_lm_head,
-        include_embeddings=p.include_embeddings,
-        progress=True,
-    )
+    if p.stream:
+        ckpt = StreamingCheckpoint(target, ctx.cfg.model.allow_bin, device=device)
+        report = analyze_streamed(
+            ckpt,
+            windows,
+            candidates,
+            ctx.dist,
+            spill_dir=ctx.work_dir,
+            weighting=p.gptq_weighting,
+            batch_size=p.batch_size,
+            include_lm_head=p.include_lm_head,
+            include_embeddings=p.include_embeddings,
+            act_budget_gb=q.activation_budget_gb,
+            progress=True,
+        )
+    else:
+        model = load_causal_lm(target, allow_bin=ctx.cfg.model.allow_bin).to(device)
+        report = analyze(
+            model,
+            windows,
+            candidates,
+            p.method,
+            ctx.dist,
+            weighting=p.gptq_weighting,
+            probes=p.hutchinson_probes,
+            fisher_labels=p.fisher_labels,
+            seed=ctx.cfg.seed,
+            batch_size=p.batch_size,
+            include_lm_head=p.include_lm_head,
+            include_embeddings=p.include_embeddings,
+            progress=True,
+        )
     seconds = time.time() - t0
     log.info(
         "sensitivity: %s on %d sequences x %d tokens, %d layers, %.1fs",

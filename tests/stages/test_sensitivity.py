@@ -56,3 +56,17 @@ def test_workflow_writes_sensitivity_and_bitplan(boot, tmp_path):
 def test_invalid_method_is_rejected_before_compute():
     with pytest.raises(ConfigError, match="stage.sensitivity.method"):
         sensitivity.validate(make_cfg("stage.sensitivity.method=obd"))
+
+
+def test_streamed_stage_matches_the_loaded_one(boot, tmp_path):
+    """stream=true (what the 70B experiment runs) writes the same ΔL as the loaded model."""
+    reports = {}
+    for stream in ("false", "true"):
+        overrides = ("stage.sensitivity.method=gptq_proxy", f"stage.sensitivity.stream={stream}")
+        cfg = boot_cfg(boot, tmp_path / stream, "stages=[bootstrap,sensitivity]", *overrides)
+        workflow.run(cfg)
+        path = tmp_path / stream / "run" / "sensitivity" / "sensitivity.json"
+        reports[stream] = json.loads(path.read_text())["layers"]
+    assert [la["name"] for la in reports["true"]] == [la["name"] for la in reports["false"]]
+    for a, b in zip(reports["true"], reports["false"]):
+        assert a["dloss"] == pytest.approx(b["dloss"], rel=1e-3), a["name"]
