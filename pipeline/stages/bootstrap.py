@@ -27,8 +27,8 @@ log = logging.getLogger("lowbit")
 
 @dataclass(frozen=True)
 class BootstrapConfig:
-    max_steps: int = 600
-    draft_max_steps: int = 600
+    max_steps: int = 400
+    draft_max_steps: int = 300
     batch_size: int = 16
     lr: float = 3e-3
     warmup_steps: int = 50
