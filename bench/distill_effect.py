@@ -3,8 +3,9 @@
 Runs the real workflow on the bootstrap target: bootstrap once, then for each quantization
 recipe (uniform w2g64, and a mixed plan at budget_bits=2.5 via sensitivity + allocate) the
 quantize stage once, then the distill stage once per variant (gradient scaling bits / lsq /
-none, and β=0, i.e. logits KL only). Every model is scored on the same held-out windows the
-evaluate stage uses (test split), and the table shows
+none at the default β, and the attention-matching weight β at 1 and at 0, i.e. logits KL
+only). Every model is scored on the same held-out windows the evaluate stage uses (test
+split), and the table shows
 
     gap recovered = (ppl_quantized - ppl_distilled) / (ppl_quantized - ppl_fp)
 
@@ -31,7 +32,7 @@ VARIANTS = {
     "bits": [],
     "lsq": ["stage.distill.grad_scale=lsq"],
     "none": ["stage.distill.grad_scale=none"],
-    "beta=0.1": ["stage.distill.beta=0.1"],  # a lighter attention-matching term
+    "beta=1": ["stage.distill.beta=1"],  # KL and attention matching weighted equally
     "beta=0": ["stage.distill.beta=0"],  # grad_scale=bits, logits KL only
 }
 

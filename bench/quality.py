@@ -19,6 +19,7 @@ the FP model held for scoring; llmcompressor rows: that child's own ``VmHWM``).
 
     python bench/quality.py --out bench-out/quality                    # smoke bootstrap target
     python bench/quality.py --model /path/to/hf --out q -- data=local data.path=...
+    python bench/quality.py --model outputs/default/bootstrap/target --out q   # default sizes
 """
 
 from __future__ import annotations
@@ -232,7 +233,10 @@ def main() -> None:
     from pipeline.data.text import Corpus
     from pipeline.models.hf import load_causal_lm, load_tokenizer, perplexity
 
-    base = ["experiment=smoke", f"run_dir={args.run_dir}", "tracking=none", *args.overrides]
+    # The smoke sizes only for the smoke bootstrap this script trains itself; a given model is
+    # scored with the default data and calibration settings (positional overrides change them).
+    smoke = [] if args.model else ["experiment=smoke"]
+    base = [*smoke, f"run_dir={args.run_dir}", "tracking=none", *args.overrides]
     if args.model:
         base.append(f"model.target.path={Path(args.model).resolve()}")
         target = Path(args.model).resolve()

@@ -87,7 +87,8 @@ def _row_chunks(wg: Tensor, weight: Tensor | None):
 
 
 def fit_int(wg: Tensor, fmt: Format, weight: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """Grid-search scale and zero per group.
+    """Scale and zero per group: min-max, or with ``weight`` the clipping that minimises the
+    weighted error.
 
     Args:
         wg: Weights, groups along the last dim: (..., G).
@@ -99,6 +100,10 @@ def fit_int(wg: Tensor, fmt: Format, weight: Tensor | None = None) -> tuple[Tens
         and integer-valued float32 zero points (``2**(bits-1)`` for symmetric formats).
     """
     half = float(1 << (fmt.bits - 1))
+    # Clipping search only against an importance weighting: unweighted, the weight-MSE optimum
+    # clips the largest weights, which matter most; on the bootstrap target it raised RTN
+    # int3g128 perplexity from 189.58 (min-max) to 190.24 and GPTQ int2g64 from 189.77 to 190.51.
+    clips = INT_CLIPS if weight is not None else (1.0,)
     xmin = wg.amin(-1).clamp_max(0)  # the grid always contains 0
     xmax = wg.amax(-1).clamp_min(0)
     if fmt.symmetric:
@@ -107,7 +112,7 @@ def fit_int(wg: Tensor, fmt: Format, weight: Tensor | None = None) -> tuple[Tens
         base = (xmax - xmin) / fmt.maxq
     best_err = torch.full_like(xmax, float("inf"))
     best_s, best_z = torch.ones_like(xmax), torch.full_like(xmax, half)
-    for clip in INT_CLIPS:
+    for clip in clips:
         s = to_fp16(base * clip, round_down=True)
         if fmt.symmetric:
             z = torch.full_like(s, half)

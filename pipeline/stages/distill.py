@@ -45,7 +45,7 @@ class DistillConfig:
     weight_decay: float = 0.0
     train: list[str] = field(default_factory=lambda: ["scales"])
     alpha: float = 1.0
-    beta: float = 1.0
+    beta: float = 0.1
     temperature: float = 1.0
     match: Literal["attention", "hidden", "both"] = "attention"
     layer_weights: Literal["error", "uniform"] = "error"
