@@ -220,7 +220,8 @@ def main() -> None:
                  for x in score_plan(model, plan, evalw, base, h, q.block_size)]  # fmt: skip
         bits = avg_bits(plan, shapes)
         results["plans"].append({"plan": label, "avg_bits": bits, **dict(zip(heads, cells))})
-        print(f"| {label} | {bits:.3f} | " + " | ".join(f"{x:.4g}" for x in cells) + " |")
+        text = [f"{x:.3f}" if h.endswith("ppl") else f"{x:.3g}" for h, x in zip(heads, cells)]
+        print(f"| {label} | {bits:.3f} | " + " | ".join(text) + " |")
 
     for uniform, budgets in (("int3g128", [3.0, None]), ("int2g64", [2.5])):
         plan_u = make_plan(
