@@ -11,8 +11,8 @@ A second-order Taylor expansion around the trained weights (gradient ≈ 0 at a 
   With ``labels="model"`` the next tokens are sampled from the model itself instead of read from
   the data: the true Fisher, whose ½ δᵀ F δ is the second-order expansion of
   KL(p_w ‖ p_{w+δ}) with no first-order term, and whose cross-token terms vanish in expectation,
-  so the per-sequence gradient is unbiased. It is the better curvature when the model is far
-  from a minimum of the data loss (small or briefly trained models).
+  so the per-sequence gradient is unbiased. In theory the better curvature away from a minimum
+  of the data loss; on the bootstrap target both rank layers alike (docs/benchmarks.md).
 * ``hutchinson_trace``: Tr(H_l) per layer by Hutchinson's estimator E_v[vᵀHv] with Rademacher v
   and exact Hessian-vector products (double backward), as in HAWQ-v2 (Dong et al., 2020). The
   layer's Hessian is then summarised by its mean eigenvalue Tr/n: the true Hessian (not a
