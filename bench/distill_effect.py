@@ -21,8 +21,12 @@ from __future__ import annotations
 import argparse
 import logging
 import shutil
+import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import compose  # noqa: E402
 
 RECIPES = {
     "w2g64": ["quant=w2g64"],
@@ -38,12 +42,7 @@ VARIANTS = {
 
 
 def _cfg(run_dir: Path, overrides: list[str]):
-    from hydra import compose, initialize_config_dir
-
-    from pipeline import conf_dir
-
-    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
-        return compose(config_name="config", overrides=[f"run_dir={run_dir}", *overrides])
+    return compose([f"run_dir={run_dir}", *overrides])
 
 
 def _seed_run(src: Path, dst: Path, stages: list[str]) -> None:

@@ -29,18 +29,21 @@ import time
 from pathlib import Path
 
 import torch
-from hydra import compose, initialize_config_dir
 from scipy.stats import spearmanr
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from pipeline import conf_dir, workflow  # noqa: E402
+from _common import compose  # noqa: E402
+
+from pipeline import workflow  # noqa: E402
 from pipeline.analysis import Capture  # noqa: E402
 from pipeline.analysis.sensitivity import METHODS, analyze, scored_modules  # noqa: E402
 from pipeline.config import QuantConfig, data_cfg, quant_cfg  # noqa: E402
 from pipeline.data.text import Corpus  # noqa: E402
 from pipeline.models.hf import load_causal_lm, load_tokenizer  # noqa: E402
 from pipeline.quant.gptq import gptq_quantize  # noqa: E402
+from pipeline.quant.losses import kl_divergence  # noqa: E402
 from pipeline.quant.rtn import quantize_rtn  # noqa: E402
 from pipeline.stages.allocate import make_plan  # noqa: E402
 
@@ -50,9 +53,8 @@ KEEP_FLOAT = ["lm_head", "embed_tokens"]
 
 
 def config(smoke: bool, run_dir: Path):
-    overrides = [f"run_dir={run_dir}", "tracking=none", "stages=[bootstrap]"]
-    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
-        return compose("config", overrides=(["experiment=smoke"] if smoke else []) + overrides)
+    smoke_sizes = ["experiment=smoke"] if smoke else []
+    return compose([*smoke_sizes, f"run_dir={run_dir}", "tracking=none", "stages=[bootstrap]"])
 
 
 @torch.no_grad()
@@ -66,8 +68,7 @@ def log_probs(model, windows: torch.Tensor, batch_size: int = 8) -> torch.Tensor
 def loss_and_kl(logp: torch.Tensor, base: torch.Tensor, windows: torch.Tensor) -> tuple:
     """Mean token loss of ``logp`` and mean token KL(p_base ‖ p) on the same windows."""
     loss = -logp.gather(-1, windows[:, 1:, None]).mean()
-    kl = (base.exp() * (base - logp)).sum(-1).mean()
-    return float(loss), float(kl)
+    return float(loss), float(kl_divergence(base, logp))  # log-probs are valid logits
 
 
 @torch.no_grad()

@@ -121,26 +121,57 @@ def analyze(
         dl = layer_dloss(params[names[i]], candidates, weigh[names[i]])
         table[i] = torch.tensor([dl[f] for f in candidates], dtype=torch.float64, device=device)
     dist.all_reduce_(table)
-    layers = []
-    for i, name in enumerate(names):
-        w = params[name]
-        layers.append(
-            {
-                "name": name,
-                "shape": list(w.shape),
-                "params": w.numel(),
-                "dloss": dict(zip(candidates, table[i].tolist())),
-                "outliers": capture.stats[name].summary() if name in linears else dict(NO_STATS),
-            }
+    layers = [
+        layer_entry(
+            name,
+            params[name],
+            dict(zip(candidates, table[i].tolist())),
+            capture.stats[name].summary() if name in linears else dict(NO_STATS),
         )
+        for i, name in enumerate(names)
+    ]
+    return report(
+        model.config,
+        layers,
+        method=method,
+        weighting=weighting if method == "gptq_proxy" else None,
+        fisher_labels=fisher_labels if method == "fisher" else None,
+        candidates=candidates,
+        windows=windows,
+    )
+
+
+def layer_entry(name: str, weight: Tensor, dloss: dict[str, float], outliers: dict) -> dict:
+    """One element of sensitivity.json's ``layers``."""
+    return {
+        "name": name,
+        "shape": list(weight.shape),
+        "params": weight.numel(),
+        "dloss": dloss,
+        "outliers": outliers,
+    }
+
+
+def report(
+    config,
+    layers: list[dict],
+    *,
+    method: str,
+    weighting: str | None,
+    fisher_labels: str | None,
+    candidates: Sequence[str],
+    windows: Tensor,
+) -> dict:
+    """The sensitivity.json contract around the scored ``layers`` of a model with ``config``."""
+    names = {layer["name"] for layer in layers}
     return {
         "method": method,
-        "weighting": weighting if method == "gptq_proxy" else None,
-        "fisher_labels": fisher_labels if method == "fisher" else None,
+        "weighting": weighting,
+        "fisher_labels": fisher_labels,
         "candidates": list(candidates),
         "samples": int(windows.shape[0]),
         "seq_len": int(windows.shape[1]),
-        "tied_embeddings": bool(getattr(model.config, "tie_word_embeddings", False)),
-        "fused_groups": [g for g in fused_groups(model) if all(n in modules for n in g)],
+        "tied_embeddings": bool(getattr(config, "tie_word_embeddings", False)),
+        "fused_groups": [g for g in fused_groups(config) if all(n in names for n in g)],
         "layers": layers,
     }

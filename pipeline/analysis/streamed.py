@@ -23,12 +23,10 @@ from tqdm.auto import tqdm
 
 from pipeline.analysis.capture import Capture
 from pipeline.analysis.scores import embedding_weigh, hessian_weigh, layer_dloss
+from pipeline.analysis.sensitivity import NO_STATS, layer_entry, report
 from pipeline.dist import Dist
-from pipeline.models.adapters import fused_groups
 from pipeline.models.checkpoint import StreamingCheckpoint
 from pipeline.quant.actcache import ActivationCache
-
-NO_STATS = {"share": None, "kurtosis": None, "max_over_median": None}
 
 
 @torch.no_grad()
@@ -65,15 +63,7 @@ def analyze_streamed(
     layers: list[dict] = []
 
     def score(name: str, weight: torch.Tensor, weigh, stats: dict) -> None:
-        layers.append(
-            {
-                "name": name,
-                "shape": list(weight.shape),
-                "params": weight.numel(),
-                "dloss": layer_dloss(weight, candidates, weigh),
-                "outliers": stats,
-            }
-        )
+        layers.append(layer_entry(name, weight, layer_dloss(weight, candidates, weigh), stats))
 
     tied = bool(getattr(config, "tie_word_embeddings", False))
     if include_embeddings and not tied:
@@ -109,16 +99,13 @@ def analyze_streamed(
         capture.reduce_(dist)
         weigh = hessian_weigh(capture.hessian(a.lm_head), weighting)
         score(a.lm_head, head.weight, weigh, capture.stats[a.lm_head].summary())
-    names = {layer["name"] for layer in layers}
-    return {
-        "method": "gptq_proxy",
-        "weighting": weighting,
-        "fisher_labels": None,
-        "candidates": list(candidates),
-        "samples": int(windows.shape[0]),
-        "seq_len": int(windows.shape[1]),
-        "tied_embeddings": tied,
-        "fused_groups": [g for g in fused_groups(config) if all(n in names for n in g)],
-        "layers": layers,
-        "streamed": True,
-    }
+    scored = report(
+        config,
+        layers,
+        method="gptq_proxy",
+        weighting=weighting,
+        fisher_labels=None,
+        candidates=candidates,
+        windows=windows,
+    )
+    return {**scored, "streamed": True}

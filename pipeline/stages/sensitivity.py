@@ -102,39 +102,26 @@ def run(ctx) -> dict:
         q.calib.samples, q.calib.seq_len, ctx.cfg.seed
     )  # (S, T), identical on every rank
     device = _device(p, ctx.dist.local_rank)
+    common = dict(
+        weighting=p.gptq_weighting,
+        batch_size=p.batch_size,
+        include_lm_head=p.include_lm_head,
+        include_embeddings=p.include_embeddings,
+        progress=True,
+    )
     t0 = time.time()
     if p.stream:
         ckpt = StreamingCheckpoint(target, ctx.cfg.model.allow_bin, device=device)
         report = analyze_streamed(
-            ckpt,
-            windows,
-            candidates,
-            ctx.dist,
-            spill_dir=ctx.work_dir,
-            weighting=p.gptq_weighting,
-            batch_size=p.batch_size,
-            include_lm_head=p.include_lm_head,
-            include_embeddings=p.include_embeddings,
-            act_budget_gb=q.activation_budget_gb,
-            progress=True,
-        )
+            ckpt, windows, candidates, ctx.dist, spill_dir=ctx.work_dir,
+            act_budget_gb=q.activation_budget_gb, **common,
+        )  # fmt: skip
     else:
         model = load_causal_lm(target, allow_bin=ctx.cfg.model.allow_bin).to(device)
         report = analyze(
-            model,
-            windows,
-            candidates,
-            p.method,
-            ctx.dist,
-            weighting=p.gptq_weighting,
-            probes=p.hutchinson_probes,
-            fisher_labels=p.fisher_labels,
-            seed=ctx.cfg.seed,
-            batch_size=p.batch_size,
-            include_lm_head=p.include_lm_head,
-            include_embeddings=p.include_embeddings,
-            progress=True,
-        )
+            model, windows, candidates, p.method, ctx.dist, probes=p.hutchinson_probes,
+            fisher_labels=p.fisher_labels, seed=ctx.cfg.seed, **common,
+        )  # fmt: skip
     seconds = time.time() - t0
     log.info(
         "sensitivity: %s on %d sequences x %d tokens, %d layers, %.1fs",
