@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from pipeline.config import DataConfig
-from pipeline.data.text import load_documents, split_documents
+from pipeline.data.text import load_splits
 from pipeline.models.hf import load_causal_lm, load_tokenizer
 from pipeline.quant.rtn import quantize_rtn
 from pipeline.spec.evaluation import acceptance_table, column, heldout_scenarios, plot_acceptance
@@ -116,7 +116,7 @@ def main() -> None:
 
     targets, drafts, pairs, target_dir = collect_models(args.run_dir)
     data = DataConfig(path=args.data_path)
-    docs = split_documents(load_documents(data), data)
+    docs = load_splits(data)
     scenarios = heldout_scenarios(
         load_tokenizer(target_dir),
         docs["test"],

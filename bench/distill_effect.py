@@ -70,6 +70,7 @@ def main() -> None:
 
     from pipeline import workflow
     from pipeline.config import data_cfg
+    from pipeline.data.heldout import corpus_heldout
     from pipeline.data.text import Corpus
     from pipeline.models.hf import load_causal_lm, load_tokenizer, perplexity
     from pipeline.models.quantized import load_quantized
@@ -81,7 +82,7 @@ def main() -> None:
     workflow.run(_cfg(boot, [*base, "stages=[bootstrap]"]))
     cfg = _cfg(boot, base)
     target = boot / "bootstrap" / "target"
-    win = Corpus(data_cfg(cfg), load_tokenizer(target)).eval_windows()
+    win = corpus_heldout(Corpus(data_cfg(cfg), load_tokenizer(target))).windows
     ppl_fp = perplexity(load_causal_lm(target), win)
 
     rows = []

@@ -1,6 +1,6 @@
 """Quantization quality: perplexity of FP, uniform RTN/GPTQ, allocated mixed plans, llmcompressor.
 
-Every row is scored on the corpus' held-out windows (``Corpus.eval_windows()``, the windows
+Every row is scored on the held-out test windows (``corpus_heldout``, the protocol and windows
 `evaluate` uses) and quantized from the same calibration windows (``Corpus.calibration`` with
 the run's seed, as the quantize stage draws them):
 
@@ -230,6 +230,7 @@ def main() -> None:
     import torch
 
     from pipeline.config import data_cfg, quant_cfg
+    from pipeline.data.heldout import corpus_heldout
     from pipeline.data.text import Corpus
     from pipeline.models.hf import load_causal_lm, load_tokenizer, perplexity
 
@@ -246,7 +247,7 @@ def main() -> None:
     cfg = compose(base)
     q = quant_cfg(cfg)
     corpus = Corpus(data_cfg(cfg), load_tokenizer(target))
-    win = corpus.eval_windows()  # (W, T)
+    win = corpus_heldout(corpus).windows  # (W, T): the whole test split, as evaluate scores it
     calib = corpus.calibration(q.calib.samples, q.calib.seq_len, cfg.seed)  # (N, T)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

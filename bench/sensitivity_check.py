@@ -40,6 +40,7 @@ from pipeline import workflow  # noqa: E402
 from pipeline.analysis import Capture  # noqa: E402
 from pipeline.analysis.sensitivity import METHODS, analyze, scored_modules  # noqa: E402
 from pipeline.config import QuantConfig, data_cfg, quant_cfg  # noqa: E402
+from pipeline.data.heldout import corpus_heldout  # noqa: E402
 from pipeline.data.text import Corpus  # noqa: E402
 from pipeline.models.hf import load_causal_lm, load_tokenizer  # noqa: E402
 from pipeline.quant.gptq import gptq_quantize  # noqa: E402
@@ -159,7 +160,7 @@ def main() -> None:
     model, tokenizer = load_causal_lm(target), load_tokenizer(target)
     corpus = Corpus(data_cfg(cfg), tokenizer)
     calib = corpus.calibration(cfg.quant.calib.samples, cfg.quant.calib.seq_len, cfg.seed)
-    evalw = corpus.eval_windows()
+    evalw = corpus_heldout(corpus).windows
     print(f"target {target}: calib {tuple(calib.shape)}, eval {tuple(evalw.shape)}")
 
     t0 = time.time()

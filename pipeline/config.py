@@ -122,9 +122,9 @@ def positive(prefix: str, **values: float) -> None:
 class ModelSpec:
     path: str | None = None
     layers: int = 4
-    hidden: int = 256
-    heads: int = 8
-    intermediate: int = 688
+    hidden: int = 128
+    heads: int = 2
+    intermediate: int = 384
 
     def check(self, prefix: str) -> None:
         if self.path is not None and not Path(self.path).is_dir():
@@ -141,7 +141,7 @@ class ModelSpec:
 
 @dataclass(frozen=True)
 class TokenizerSpec:
-    vocab_size: int = 4096
+    vocab_size: int = 2048
 
 
 @dataclass(frozen=True)
@@ -152,14 +152,22 @@ class ModelConfig:
     allow_bin: bool = False
 
 
+# Installed packages whose docstrings extend the built-in corpus, in reading order.
+BUILTIN_PACKAGES = ("torch", "numpy", "scipy", "transformers", "pandas", "sklearn", "networkx")
+
+
 @dataclass(frozen=True)
 class DataConfig:
     path: str | None = None
     text_field: str = "text"
-    seq_len: int = 256
+    sample_by: Literal["line", "paragraph", "document"] = "line"
+    seq_len: int = 128
     val_fraction: float = 0.05
     test_fraction: float = 0.05
-    eval_windows: int = 64
+    eval_seq_len: int | None = None
+    eval_windows: int | None = None
+    builtin_packages: list[str] = field(default_factory=lambda: list(BUILTIN_PACKAGES))
+    builtin_max_chars: int | None = 12_000_000
 
     def check(self, prefix: str) -> None:
         if self.path is not None and not Path(self.path).exists():
@@ -169,7 +177,13 @@ class DataConfig:
                 "local text/JSON/parquet files, a directory of them, a `save_to_disk` dataset "
                 "directory, or null for the built-in corpus",
             )
-        positive(prefix, seq_len=self.seq_len, eval_windows=self.eval_windows)
+        positive(
+            prefix,
+            seq_len=self.seq_len,
+            eval_seq_len=self.eval_seq_len,
+            eval_windows=self.eval_windows,
+            builtin_max_chars=self.builtin_max_chars,
+        )
         if not 0 < self.val_fraction + self.test_fraction < 0.5:
             raise ConfigError(f"{prefix}.val_fraction", "and test_fraction must sum to (0, 0.5)")
 

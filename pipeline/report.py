@@ -39,7 +39,12 @@ def _stage_table(run_dir: Path) -> list[str]:
 
 
 def _eval_tables(ev: dict) -> list[str]:
-    out = ["## Perplexity (held-out windows)", "", "| model | ppl |", "|---|---|"]
+    proto = ev.get("ppl_protocol")
+    where = "held-out windows"
+    if proto:
+        where = f"{proto['split']} split, {proto['windows']} windows x {proto['window']}, "
+        where += f"{proto['tokens']:,} tokens"
+    out = [f"## Perplexity ({where})", "", "| model | ppl |", "|---|---|"]
     out += [f"| {k} | {v:.3f} |" for k, v in ev.get("ppl", {}).items()]
     acc = ev.get("acceptance", {})
     if acc:
@@ -49,6 +54,26 @@ def _eval_tables(ev: dict) -> list[str]:
         for pair, per in acc.items():
             cells = [f"{per[s]:.3f}" if s in per else "" for s in scenarios]
             out.append(f"| {pair} | " + " | ".join(cells) + " |")
+    return out + _lm_eval_table(ev.get("lm_eval", {}))
+
+
+def _lm_eval_table(res: dict) -> list[str]:
+    """One row per task and metric (acc, acc_norm...), one column per model: value ± stderr."""
+    if not res:
+        return []
+    models = list(res)
+    rows = {}  # (task, metric) -> {model: cell}
+    for model, tasks in res.items():
+        for task, metrics in tasks.items():
+            for m, v in metrics.items():
+                if not m.endswith("_stderr"):
+                    err = metrics.get(f"{m}_stderr")
+                    cell = f"{v:.3f}" + (f" ± {err:.3f}" if err is not None else "")
+                    rows.setdefault((task, m), {})[model] = cell
+    out = ["", "## Downstream tasks (lm-evaluation-harness)", ""]
+    out += ["| task | metric | " + " | ".join(models) + " |", "|---" * (len(models) + 2) + "|"]
+    for (task, m), cells in rows.items():
+        out.append(f"| {task} | {m} | " + " | ".join(cells.get(k, "") for k in models) + " |")
     return out
 
 

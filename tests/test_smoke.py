@@ -18,6 +18,10 @@ def test_smoke_workflow_writes_every_stage(smoke_run):
     ev = json.loads((smoke_run["run_dir"] / "evaluate" / "eval.json").read_text())
     # The bootstrap target is clearly better than the draft.
     assert ev["ppl"]["target_fp"] < ev["ppl"]["draft_fp"]
+    # The standard protocol: the whole test split (smoke caps nothing), at the training length.
+    proto = ev["ppl_protocol"]
+    assert proto["split"] == "test" and proto["window"] == 64
+    assert proto["windows"] > 100 and proto["tokens"] == proto["windows"] * 63
     assert 0 < ev["acceptance"]["draft_fp@target_fp"]["mix"] <= 1
 
 

@@ -1,14 +1,25 @@
 """Documents -> train/validation/test splits -> fixed-length token windows.
 
-Splits are assigned per document by a hash of its text, so they are stable when the corpus grows
-and identical on every rank and every run. Windows are contiguous slices of the concatenated,
-EOS-separated token stream (the usual LM pre-training packing).
+The user's splits are the splits. A `datasets.save_to_disk` DatasetDict keeps its own splits, and
+in a folder of files each file belongs to the split its name says: the file stem, cut into words at
+`.`, `_` and `-`, holds one of train | validation, valid, val, dev | test (`train.txt`,
+`wiki.valid.raw`, `test-00000-of-00001.parquet`; several files per split are fine). Only a single
+undivided source (one file, a folder without split words, a Dataset, the built-in corpus) is split
+per document by a hash of its text, so the assignment is stable when the corpus grows and identical
+on every rank and every run; a split the user did not supply is carved from train the same way. A
+user's validation or test document is never moved. Text files are cut into documents by
+`data.sample_by` (line | paragraph | document, the `datasets` text builder's own option).
+
+Windows are contiguous slices of the concatenated, EOS-separated token stream (the usual LM
+pre-training packing).
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
+import re
 from pathlib import Path
 
 import torch
@@ -17,19 +28,56 @@ from pipeline.config import DataConfig
 from pipeline.data.corpus import builtin_documents
 from pipeline.errors import LowbitError
 
+log = logging.getLogger("lowbit")
+
 _BUILDERS = {
     ".txt": "text",
+    ".raw": "text",  # WikiText's wiki.{train,valid,test}.raw
     ".json": "json",
     ".jsonl": "json",
     ".parquet": "parquet",
     ".csv": "csv",
 }
+_SPLIT_WORDS = {
+    "train": "train",
+    "validation": "validation",
+    "valid": "validation",
+    "val": "validation",
+    "dev": "validation",
+    "test": "test",
+}
+_SPLIT_RULE = (
+    "name each file (or DatasetDict split) with exactly one of the words train | validation, "
+    "valid, val, dev | test, cut at . _ - (e.g. train.txt, validation.txt, test.txt)"
+)
 
 
-def load_documents(data: DataConfig) -> list[str]:
-    """The corpus as a list of documents: built-in, or the user's through `datasets`."""
+def load_splits(data: DataConfig) -> dict[str, list[str]]:
+    """The corpus's "train", "validation" and "test" documents; the user's own splits if given."""
     if data.path is None:
-        return builtin_documents()
+        given = {"train": builtin_documents(data.builtin_max_chars, data.builtin_packages)}
+    else:
+        given = _read_splits(data)
+    if "train" not in given:
+        raise LowbitError(
+            f"data.path={data.path} has {sorted(given)} but no train split; " + _SPLIT_RULE
+        )
+    # A missing split is carved from train rather than refused: many saved datasets hold only
+    # train (or train + validation, as C4 does), and carved documents are still never trained
+    # on. The splits the user did give are kept whole.
+    missing = tuple(s for s in ("test", "validation") if s not in given)
+    if missing and len(given) > 1:
+        log.info(
+            "data.path=%s has no %s split: carving it from train by hash",
+            data.path,
+            " or ".join(missing),
+        )
+    carved = split_documents(given.pop("train"), data, carve=missing)
+    return carved | given
+
+
+def _read_splits(data: DataConfig) -> dict[str, list[str]]:
+    """The user's documents per split named in data.path; all in "train" when undivided."""
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # never reach for the hub
     import datasets
 
@@ -38,8 +86,10 @@ def load_documents(data: DataConfig) -> list[str]:
         (path / f).exists() for f in ("dataset_info.json", "dataset_dict.json")
     ):
         ds = datasets.load_from_disk(str(path))
-        if isinstance(ds, datasets.DatasetDict):
-            ds = datasets.concatenate_datasets([ds[k] for k in sorted(ds)])
+        if isinstance(ds, datasets.Dataset):
+            parts = {"train": [("the saved Dataset", ds)]}
+        else:
+            parts = _group([(k, (f"split {k!r}", ds[k])) for k in ds], data)
     else:
         files = sorted(path.rglob("*")) if path.is_dir() else [path]
         files = [f for f in files if f.suffix in _BUILDERS]
@@ -49,33 +99,78 @@ def load_documents(data: DataConfig) -> list[str]:
                 f"data.path={data.path}: expected files of one kind among "
                 f"{sorted(_BUILDERS)}, found {sorted(kinds) or 'none'}"
             )
-        ds = datasets.load_dataset(kinds.pop(), data_files=[str(f) for f in files], split="train")
+        for f in files:
+            if f.stat().st_size == 0:  # `datasets` fails on it with a bare StopIteration
+                raise LowbitError(f"data.path={data.path}: {f} is empty; add text or remove it")
+        kind = kinds.pop()
+        # One file is one undivided source whatever its name.
+        groups = _group([(f.stem, f) for f in files], data) if path.is_dir() else {"train": files}
+        # sample_by is the text builder's option; the other builders reject unknown options.
+        options = {"sample_by": data.sample_by} if kind == "text" else {}
+        dd = datasets.load_dataset(
+            kind, data_files={s: [str(f) for f in fs] for s, fs in groups.items()}, **options
+        )
+        parts = {s: [(", ".join(f.name for f in fs), dd[s])] for s, fs in groups.items()}
+    out = {}
+    for split, sources in parts.items():
+        out[split] = [doc for where, ds in sources for doc in _texts(ds, data, where)]
+        if not out[split]:
+            raise LowbitError(
+                f"data.path={data.path}: the {split} split "
+                f"({'; '.join(where for where, _ in sources)}) holds no non-empty text in "
+                f"{data.text_field!r}"
+            )
+    return out
+
+
+def _group(named: list[tuple[str, object]], data: DataConfig) -> dict[str, list]:
+    """Items by the split their name says; all in "train" when no name says one."""
+    splits = [
+        {_SPLIT_WORDS.get(w) for w in re.split(r"[._-]", name.lower())} - {None}
+        for name, _ in named
+    ]
+    if not any(splits):
+        return {"train": [item for _, item in named]}
+    unclear = [name for (name, _), s in zip(named, splits, strict=True) if len(s) != 1]
+    if unclear:
+        raise LowbitError(
+            f"data.path={data.path}: cannot tell the split of {unclear}; " + _SPLIT_RULE
+        )
+    out: dict[str, list] = {}
+    for (_, item), s in zip(named, splits, strict=True):
+        out.setdefault(s.pop(), []).append(item)
+    return out
+
+
+def _texts(ds, data: DataConfig, where: str) -> list[str]:
     if data.text_field not in ds.column_names:
         raise LowbitError(
-            f"data.path={data.path} has no column {data.text_field!r}; set data.text_field to one "
-            f"of {ds.column_names}"
+            f"data.path={data.path} ({where}) has no column {data.text_field!r}; set "
+            f"data.text_field to one of {ds.column_names}"
         )
-    docs = [t for t in ds[data.text_field] if isinstance(t, str) and t.strip()]
-    if not docs:
-        raise LowbitError(f"data.path={data.path} holds no non-empty text in {data.text_field!r}")
-    return docs
+    return [t for t in ds[data.text_field] if isinstance(t, str) and t.strip()]
 
 
-def split_documents(docs: list[str], data: DataConfig) -> dict[str, list[str]]:
-    """Deterministic train/validation/test assignment by a hash of each document."""
-    out: dict[str, list[str]] = {"train": [], "validation": [], "test": []}
+def split_documents(
+    docs: list[str], data: DataConfig, carve: tuple[str, ...] = ("test", "validation")
+) -> dict[str, list[str]]:
+    """Deterministic assignment by a hash of each document; train keeps what `carve` leaves."""
+    # Fixed hash intervals (test first, then validation), so a document's carved split does not
+    # depend on which splits are carved.
+    out: dict[str, list[str]] = {"train": []} | {s: [] for s in carve}
     for doc in docs:
         u = int.from_bytes(hashlib.sha1(doc.encode()).digest()[:8], "big") / 2**64
         if u < data.test_fraction:
-            out["test"].append(doc)
+            out["test" if "test" in carve else "train"].append(doc)
         elif u < data.test_fraction + data.val_fraction:
-            out["validation"].append(doc)
+            out["validation" if "validation" in carve else "train"].append(doc)
         else:
             out["train"].append(doc)
-    if not out["test"] or not out["validation"]:
+    if not all(out[s] for s in carve):
         # A tiny corpus: fall back to a positional split so every split has text.
         n = max(1, int(len(docs) * data.test_fraction))
-        out = {"train": docs[2 * n :], "validation": docs[n : 2 * n], "test": docs[:n]}
+        out = {s: docs[i * n : (i + 1) * n] for i, s in enumerate(carve)}
+        out["train"] = docs[len(carve) * n :]
     return out
 
 
@@ -116,17 +211,13 @@ class Corpus:
     def __init__(self, data: DataConfig, tokenizer, splits: dict[str, list[str]] | None = None):
         self.data = data
         self.tokenizer = tokenizer
-        self.splits = splits or split_documents(load_documents(data), data)
+        self.splits = splits or load_splits(data)
         self._streams: dict[str, torch.Tensor] = {}
 
     def stream(self, split: str) -> torch.Tensor:
         if split not in self._streams:
             self._streams[split] = token_stream(self.splits[split], self.tokenizer)
         return self._streams[split]
-
-    def eval_windows(self, seq_len: int | None = None) -> torch.Tensor:
-        """The held-out windows every perplexity and acceptance number is computed on."""
-        return windows(self.stream("test"), seq_len or self.data.seq_len, self.data.eval_windows)
 
     def calibration(self, samples: int, seq_len: int, seed: int) -> torch.Tensor:
         return random_windows(self.stream("train"), seq_len, samples, seed)

@@ -10,18 +10,30 @@ latent weights, codes re-derived by rounding) and `norms` (also the RMSNorm gain
 The teacher is a registered submodule so that DeepSpeed ZeRO-3 shards it like the student (a
 70B teacher does not fit one device); it stays frozen and in eval mode, and its tensors are
 dropped from Lightning checkpoints (it is reloaded from the FP checkpoint on resume).
+
+Validation (Lightning's loop, every `val_check_interval` steps and at the last step): the
+student's mean next-token NLL on fixed held-out windows of the validation split, plus the
+teacher's NLL and KL(teacher ‖ student) from the same two forwards. Every rank scores every
+window (the loader is not sharded), so the number is exact and identical on all ranks and ZeRO-3
+ranks run the same forwards. The first validation is Lightning's sanity check, run on all
+windows before the first step: that is the input model's score (`val_input`), measured by the
+same code, strategy and precision as the checkpoints it is compared with, and kept in every
+checkpoint so a resumed run still knows it.
 """
 
 from __future__ import annotations
 
 import fnmatch
+import math
 from dataclasses import dataclass
+from pathlib import Path
 
 import lightning as L
 import torch
 from torch import Tensor, nn
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, IterableDataset
 
+from pipeline.errors import LowbitError
 from pipeline.lit.lm import RandomWindows, cosine_with_warmup
 from pipeline.quant.fakequant import FakeQuantLinear, grad_scale_factor
 from pipeline.quant.losses import distill_loss
@@ -108,6 +120,41 @@ def keep_full_precision(model: nn.Module, patterns: list[str]) -> list[str]:
     return matched
 
 
+# ------------------------------------------------------------------ validation
+def heldout_sums(teacher_logits: Tensor, student_logits: Tensor, ids: Tensor) -> Tensor:
+    """Summed student NLL, teacher NLL and KL(teacher ‖ student) over next-token positions.
+
+    Args:
+        teacher_logits, student_logits: (B, T, V).
+        ids: (B, T) the windows both models read.
+
+    Returns:
+        (3,) float64 sums over the B·(T−1) scored positions.
+    """
+    target = ids[:, 1:, None]  # (B, T-1, 1)
+    log_t = teacher_logits[:, :-1].float().log_softmax(-1)  # (B, T-1, V)
+    log_s = student_logits[:, :-1].float().log_softmax(-1)
+    s_nll = -log_s.gather(-1, target).sum()
+    t_nll = -log_t.gather(-1, target).sum()
+    kl = (log_t.exp() * (log_t - log_s)).sum()
+    return torch.stack([s_nll, t_nll, kl]).double()
+
+
+class HeldoutBatches(IterableDataset):
+    """Fixed batches of held-out windows (W, T), the same on every rank.
+
+    An IterableDataset, so Lightning does not give it a DistributedSampler: every rank scores
+    every window (exact, no padding duplicates, equal forwards on every ZeRO-3 rank).
+    """
+
+    def __init__(self, windows: Tensor, batch_size: int) -> None:
+        self.windows, self.batch_size = windows, batch_size
+
+    def __iter__(self):
+        for i in range(0, self.windows.shape[0], self.batch_size):
+            yield self.windows[i : i + self.batch_size]
+
+
 # ------------------------------------------------------------------ Lightning
 class DistillModule(L.LightningModule):
     """Teacher → fake-quant student distillation (see the module docstring)."""
@@ -126,6 +173,11 @@ class DistillModule(L.LightningModule):
         self.groups = set_trainable(student, train)
         self.register_buffer("layer_w", layer_weights.float(), persistent=False)  # (L,)
         self.strict_loading = False  # checkpoints hold the student only
+        # Validation results: the input model's (the sanity check, step 0) and one per check.
+        self.val_input: dict[str, float] | None = None
+        self.val_history: list[dict[str, float]] = []
+        self._val_sums: Tensor | None = None
+        self._val_count = 0
 
     def on_fit_start(self) -> None:
         self.train()  # loaded models come in eval mode; Lightning does not switch them
@@ -168,6 +220,36 @@ class DistillModule(L.LightningModule):
         self.log("lr", self.trainer.optimizers[0].param_groups[0]["lr"], on_step=True)
         return terms["total"]
 
+    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+        # Stopping at max_steps through `should_stop` makes Lightning validate the last step too,
+        # whatever val_check_interval: the final weights are always a candidate.
+        if 0 < self.trainer.max_steps <= self.global_step:
+            self.trainer.should_stop = True
+
+    def on_validation_epoch_start(self) -> None:
+        self._val_sums, self._val_count = torch.zeros(3, dtype=torch.float64), 0
+
+    def validation_step(self, batch: Tensor, batch_idx: int) -> None:
+        t = self.teacher(input_ids=batch, use_cache=False).logits  # (B, T, V)
+        s = self.student(input_ids=batch, use_cache=False).logits
+        self._val_sums += heldout_sums(t, s, batch).cpu()
+        self._val_count += batch[:, 1:].numel()
+
+    def on_validation_epoch_end(self) -> None:
+        if not self._val_count:
+            return
+        nll, t_nll, kl = (self._val_sums / self._val_count).tolist()
+        result = {"step": float(self.global_step), "nll": nll, "nll_teacher": t_nll, "kl": kl}
+        if self.trainer.sanity_checking:
+            if self.val_input is None:
+                self.val_input = result
+        else:
+            self.val_history.append(result)
+        # Identical on every rank (each scores every window): syncing averages equal numbers.
+        self.log_dict(
+            {"val/nll": nll, "val/ppl": math.exp(min(nll, 50.0)), "val/kl": kl}, sync_dist=True
+        )
+
     def configure_optimizers(self):
         hp = self.hp
         spec = [
@@ -192,18 +274,57 @@ class DistillModule(L.LightningModule):
         if state is not None:  # (DeepSpeed writes its own module states)
             for key in [k for k in state if k.startswith("teacher.")]:
                 del state[key]
+        checkpoint["distill_val"] = {"input": self.val_input, "history": self.val_history}
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        val = checkpoint.get("distill_val", {})
+        self.val_input = val.get("input", self.val_input)
+        self.val_history = list(val.get("history", []))
+
+
+def load_trained(model, path, prefix: str) -> None:
+    """Put the tensors under `prefix` of a Lightning checkpoint into `model` (in place).
+
+    `path` is a checkpoint file, or the directory DeepSpeed writes (consolidated from its ZeRO
+    shards: only the trained tensors are in it, the rest comes from `model` as loaded). Every
+    parameter of `model` that requires grad must be in the checkpoint. Used by both training
+    stages to take their best checkpoint's weights.
+    """
+    if Path(path).is_dir():
+        from pipeline.lit.guards import zero_trainable_state
+
+        state = zero_trainable_state(path, prefix=prefix)
+    else:
+        saved = torch.load(path, map_location="cpu", weights_only=False)["state_dict"]
+        state = {k[len(prefix) :]: v for k, v in saved.items() if k.startswith(prefix)}
+    wanted = {n for n, t in model.named_parameters() if t.requires_grad}
+    if wanted - set(state):
+        raise LowbitError(f"{path} lacks trained tensors {sorted(wanted - set(state))[:5]}")
+    model.load_state_dict(state, strict=False)
 
 
 class DistillData(L.LightningDataModule):
-    """Random training windows of the corpus's train split (seeded, identical on every rank)."""
+    """Random training windows of the corpus's train split (seeded, identical on every rank),
+    and optionally fixed validation windows `val` (W, T), scored whole on every rank."""
 
     def __init__(
-        self, stream: Tensor, seq_len: int, batch_size: int, samples: int, seed: int
+        self,
+        stream: Tensor,
+        seq_len: int,
+        batch_size: int,
+        samples: int,
+        seed: int,
+        val: Tensor | None = None,
     ) -> None:
         super().__init__()
         self.stream, self.seq_len, self.batch_size = stream, seq_len, batch_size
-        self.samples, self.seed = samples, seed
+        self.samples, self.seed, self.val = samples, seed, val
 
     def train_dataloader(self) -> DataLoader:
         ds = RandomWindows(self.stream, self.seq_len, self.samples, self.seed)
         return DataLoader(ds, batch_size=self.batch_size, shuffle=False, num_workers=0)
+
+    def val_dataloader(self) -> DataLoader | list:
+        if self.val is None:
+            return []
+        return DataLoader(HeldoutBatches(self.val, self.batch_size), batch_size=None)

@@ -22,6 +22,14 @@ gradient, hence the baseline and the small default weight of the KL anchor.
 
 A quantized draft (FakeQuantLinear layers) trains only its step sizes and zero points, as the
 distill stage does; the target and the reference draft are frozen and kept out of checkpoints.
+
+Validation (Lightning's loop, every `val_check_interval` steps and at the last step): the
+teacher-forced expected acceptance alpha = mean over positions of sum_x min(p, q) = 1 - TVD(p, q)
+of the draft against the target on fixed held-out prompts, averaged per scenario and then over
+the scenarios (``val/alpha``, larger is better). It is deterministic (no sampling), so two
+checkpoints are compared on exactly the same positions. Every rank scores every prompt. The
+first validation is Lightning's sanity check before the first step: the starting draft's score
+(``val_input``), kept in the checkpoints so a resumed run still knows it.
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ from torch.utils.data import IterableDataset
 
 from pipeline.lit.lm import cosine_with_warmup
 from pipeline.spec.cost import measure_cost_ratio
+from pipeline.spec.metrics import expected_acceptance
 from pipeline.spec.rewards import (
     MovingAverageBaseline,
     draft_temperature,
@@ -171,6 +180,22 @@ class ScenarioBatches(IterableDataset):
             k += 1
 
 
+class ScenarioPrompts(IterableDataset):
+    """Fixed validation batches ``(scenario, (B, L) token ids)``, every prompt once, in order.
+
+    An IterableDataset, so Lightning does not shard it: every rank scores every prompt.
+    """
+
+    def __init__(self, prompts: dict[str, torch.Tensor], batch_size: int):
+        self.prompts = {k: torch.as_tensor(v, dtype=torch.long) for k, v in prompts.items()}
+        self.batch_size = batch_size
+
+    def __iter__(self):
+        for name, pool in self.prompts.items():
+            for i in range(0, pool.shape[0], self.batch_size):
+                yield name, pool[i : i + self.batch_size]
+
+
 def prepare_trainable(draft: torch.nn.Module, quant_grad_scale: str = "bits") -> list[str]:
     """Choose what trains: every weight of a float draft, or a quantized draft's grid only.
 
@@ -227,6 +252,10 @@ class DraftReinforce(L.LightningModule):
         self.lr, self.warmup, self.max_steps = lr, warmup, max_steps
         self.baseline = MovingAverageBaseline(baseline_momentum)
         self.window: deque[float] = deque(maxlen=monitor_window)
+        # Validation results: the starting draft's (sanity check, step 0) and one per check.
+        self.val_input: dict[str, float] | None = None
+        self.val_history: list[dict[str, float]] = []
+        self._val: dict[str, list[float]] = {}
 
     def on_fit_start(self) -> None:
         for model in self._frozen:
@@ -272,6 +301,39 @@ class DraftReinforce(L.LightningModule):
         self.log("train_loss", loss.detach(), prog_bar=True)
         return loss
 
+    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+        # Stopping at max_steps through `should_stop` makes Lightning validate the last step too.
+        if 0 < self.trainer.max_steps <= self.global_step:
+            self.trainer.should_stop = True
+
+    def on_validation_epoch_start(self) -> None:
+        self._val = {}
+
+    def validation_step(self, batch, _) -> None:
+        name, ids = batch  # ids (B, L)
+        p_logits = self._frozen[0](input_ids=ids).logits  # (B, L, V_p)
+        q_logits = self.draft(input_ids=ids).logits  # (B, L, V_q)
+        _, beta = expected_acceptance(p_logits, q_logits.to(p_logits.device), self.temperature)
+        sums = self._val.setdefault(name, [0.0, 0])
+        sums[0] += beta.double().sum().item()
+        sums[1] += beta.numel()
+
+    def on_validation_epoch_end(self) -> None:
+        if not self._val:
+            return
+        per_scenario = {name: total / count for name, (total, count) in self._val.items()}
+        alpha = sum(per_scenario.values()) / len(per_scenario)  # scenarios weigh alike
+        result = {"step": float(self.global_step), "alpha": alpha} | {
+            f"alpha_{name}": a for name, a in per_scenario.items()
+        }
+        if self.trainer.sanity_checking:
+            if self.val_input is None:
+                self.val_input = result
+        else:
+            self.val_history.append(result)
+        # Identical on every rank (each scores every prompt): syncing averages equal numbers.
+        self.log_dict({f"val/{k}": v for k, v in result.items() if k != "step"}, sync_dist=True)
+
     def configure_optimizers(self):
         params = [p for p in self.draft.parameters() if p.requires_grad]
         opt = torch.optim.AdamW(params, lr=self.lr, weight_decay=0.0, betas=(0.9, 0.95))
@@ -285,6 +347,8 @@ class DraftReinforce(L.LightningModule):
             "baseline": self.baseline.state_dict(),
             "window": list(self.window),
             "cost_ratio": self.cost_ratio,
+            "val_input": self.val_input,
+            "val_history": self.val_history,
         }
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
@@ -294,3 +358,5 @@ class DraftReinforce(L.LightningModule):
         self.window.extend(state.get("window", []))
         if state.get("cost_ratio") is not None:
             self.cost_ratio = state["cost_ratio"]
+        self.val_input = state.get("val_input", self.val_input)
+        self.val_history = list(state.get("val_history", []))

@@ -4,8 +4,18 @@ Student: the quantize stage's model, loaded with FakeQuantLinear layers that rep
 scales and zeros exactly; teacher: the FP target, frozen. The training (pipeline/lit/distill.py)
 runs on the configured Lightning strategy (cpu, ddp, DeepSpeed ZeRO-2/3, several nodes) with
 gradient clipping, quant-aware gradient scaling, a NaN/Inf guard and checkpoints in the stage's
-work dir, so a killed run resumes from its last checkpoint. At the end the learned parameters
-(consolidated from the ZeRO shards when DeepSpeed trained them) are written back in the quantize
+work dir, so a killed run resumes from its last checkpoint.
+
+Selection: the student is validated on `val_windows` fixed windows of the validation split (never
+the test split that evaluate reports) before the first step (the input), every `val_every` steps
+and at the last step; the metric is its mean next-token NLL (perplexity), with KL(teacher ‖
+student) logged beside it. Checkpoints are taken right after validations, so both happen every
+min(val_every, ckpt_every) steps: `checkpoints/last.ckpt` in the work dir to resume from, and
+`checkpoints/best.ckpt`, the best by that NLL, whose parameters (consolidated from the ZeRO
+shards when DeepSpeed trained them), not the last ones, are the result; `early_stop_patience`
+optionally stops once validation stops improving. When no checkpoint beats the input, the
+quantize stage's model is handed on unchanged (copied byte for byte), with a warning and
+`kept_input: true` in `distill_report.json`. Either way the result is written in the quantize
 stage's representation (`model/`), which is all evaluate and export need to know.
 """
 
@@ -14,13 +24,15 @@ from __future__ import annotations
 import json
 import logging
 import math
+import shutil
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
 import torch
 
 from pipeline.config import data_cfg, model_cfg, parse, positive
-from pipeline.data.text import Corpus, windows
+from pipeline.data.heldout import heldout
+from pipeline.data.text import Corpus
 from pipeline.errors import ConfigError, LowbitError
 from pipeline.lit.trainer import build_trainer, trainer_kwargs
 
@@ -55,7 +67,9 @@ class DistillConfig:
     fp32_modules: list[str] = field(default_factory=lambda: ["lm_head", "norm"])
     nan_guard: bool = True
     ckpt_every: int = 100
-    val_windows: int = 16
+    val_windows: int = 128
+    val_every: int = 50
+    early_stop_patience: int | None = None
 
     def check(self, prefix: str) -> None:
         positive(
@@ -67,6 +81,9 @@ class DistillConfig:
             temperature=self.temperature,
             ckpt_every=self.ckpt_every,
             seq_len=self.seq_len,
+            val_windows=self.val_windows,
+            val_every=self.val_every,
+            early_stop_patience=self.early_stop_patience,
         )
         if sorted(self.train) not in [sorted(t) for t in _TRAIN_SETS]:
             raise ConfigError(
@@ -82,11 +99,7 @@ class DistillConfig:
             raise ConfigError(
                 f"{prefix}.alpha", f"={self.alpha} and beta={self.beta}", "both >= 0 and not both 0"
             )
-        for key, v in (
-            ("warmup_steps", self.warmup_steps),
-            ("val_windows", self.val_windows),
-            ("weight_decay", self.weight_decay),
-        ):
+        for key, v in (("warmup_steps", self.warmup_steps), ("weight_decay", self.weight_decay)):
             if v < 0:
                 raise ConfigError(f"{prefix}.{key}", f"must be >= 0, got {v}")
 
@@ -132,30 +145,50 @@ def _is_deepspeed(trainer) -> bool:
     return isinstance(trainer.strategy, DeepSpeedStrategy)
 
 
-def _consolidate(trainer, ctx, model_dir, p: DistillConfig, student):
-    """The trained student as one complete model on rank 0 (None on other ranks)."""
-    if not _is_deepspeed(trainer):
-        return student if ctx.dist.is_main else None  # DDP replicas are identical
-    from pipeline.lit.guards import zero_trainable_state
+def _callbacks(ctx, p: DistillConfig):
+    """NaN guard, checkpoints (the best by validation NLL, and the last for resume) in the work
+    dir, and optional early stopping."""
+    from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 
-    path = ctx.work_dir / "final.ckpt"
-    trainer.save_checkpoint(path)  # every rank writes its shard
-    ctx.dist.barrier()
-    if not ctx.dist.is_main:
-        return None
-    state = zero_trainable_state(path, prefix="student.")
-    final = build_student(model_dir, p)
-    wanted = {n for n, t in final.named_parameters() if t.requires_grad}
-    if wanted - set(state):
-        raise LowbitError(f"{path} lacks trained tensors {sorted(wanted - set(state))[:5]}")
-    final.load_state_dict(state, strict=False)
-    return final
+    from pipeline.lit.guards import CKPT_DIR, NanGuard
+
+    guard = NanGuard() if p.nan_guard else None
+    # Both files are written right after a validation (never before it: a run resumed from a
+    # checkpoint taken before its step's validation would skip that validation). `best` is one
+    # fixed name, overwritten by each new best; `last` is what a rerun resumes from.
+    ckpt = ModelCheckpoint(
+        dirpath=str(ctx.work_dir / CKPT_DIR),
+        filename="best",
+        monitor="val/nll",
+        mode="min",
+        save_top_k=1,
+        save_last=True,
+        save_on_train_epoch_end=False,
+        auto_insert_metric_name=False,
+        enable_version_counter=False,
+    )
+    stop = None
+    if p.early_stop_patience is not None:
+        stop = EarlyStopping(
+            "val/nll", patience=p.early_stop_patience, mode="min", check_on_train_epoch_end=False
+        )
+    return guard, ckpt, [c for c in (guard, ckpt, stop) if c]
+
+
+def _ppl(nll: float) -> float:
+    return math.exp(min(nll, 50.0))
 
 
 def run(ctx) -> dict:
-    from pipeline.lit.distill import DistillData, DistillHParams, DistillModule, keep_full_precision
-    from pipeline.lit.guards import NanGuard, checkpoint_callback, last_checkpoint
-    from pipeline.models.hf import load_causal_lm, load_tokenizer, perplexity
+    from pipeline.lit.distill import (
+        DistillData,
+        DistillHParams,
+        DistillModule,
+        keep_full_precision,
+        load_trained,
+    )
+    from pipeline.lit.guards import CKPT_DIR
+    from pipeline.models.hf import load_causal_lm, load_tokenizer
     from pipeline.quant.losses import layer_weights
 
     p = parse(ctx.params, DistillConfig, "stage.distill")
@@ -184,13 +217,14 @@ def run(ctx) -> dict:
         weights = torch.full((n_layers,), 1.0 / n_layers)
 
     corpus = Corpus(data, load_tokenizer(target_dir))
-    val = None
-    if p.val_windows:
-        val = windows(corpus.stream("validation"), seq_len, limit=p.val_windows)
-    metrics: dict[str, float] = {}
-    if val is not None and ctx.dist.is_main:
-        metrics["ppl_fp"] = perplexity(teacher, val)
-        metrics["ppl_quantized"] = perplexity(student, val)
+    val = heldout(corpus.stream("validation"), "validation", seq_len, limit=p.val_windows)
+    if val.windows.shape[0] < p.val_windows:
+        log.warning(
+            "distill: the validation split holds only %d windows of %d tokens (val_windows=%d)",
+            val.windows.shape[0],
+            seq_len,
+            p.val_windows,
+        )
 
     hp = DistillHParams(
         max_steps=p.max_steps,
@@ -205,9 +239,12 @@ def run(ctx) -> dict:
     )
     module = DistillModule(student, teacher, hp, weights, p.train)
     samples = p.max_steps * p.batch_size * ctx.dist.world_size
-    datamodule = DistillData(corpus.stream("train"), seq_len, p.batch_size, samples, ctx.cfg.seed)
-    guard = NanGuard() if p.nan_guard else None
-    callbacks = [c for c in (guard, checkpoint_callback(ctx.work_dir, p.ckpt_every)) if c]
+    datamodule = DistillData(
+        corpus.stream("train"), seq_len, p.batch_size, samples, ctx.cfg.seed, val=val.windows
+    )
+    last = ctx.work_dir / CKPT_DIR / "last.ckpt"  # a file, or a directory under DeepSpeed
+    resume = ctx.dist.broadcast(str(last) if ctx.dist.is_main and last.exists() else None)
+    guard, best, callbacks = _callbacks(ctx, p)
     trainer = build_trainer(
         ctx.cfg.trainer,
         max_steps=p.max_steps,
@@ -216,31 +253,51 @@ def run(ctx) -> dict:
         logger=ctx.log.lightning_logger() or False,
         callbacks=callbacks,
         default_root_dir=str(ctx.work_dir),
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
+        # Checkpoints follow validations, so both happen every min(val_every, ckpt_every) steps.
+        val_check_interval=min(p.val_every, p.ckpt_every, p.max_steps),
+        check_val_every_n_epoch=None,  # count steps across epochs, as max_steps does
+        limit_val_batches=1.0,
+        # The sanity check scores the input model on every window (step 0); a resumed run
+        # restores that score from its checkpoint instead.
+        num_sanity_val_steps=0 if resume else -1,
     )
     if _is_deepspeed(trainer):
         # The teacher and the frozen codes are reloaded from disk on resume: keep them out of
         # every ZeRO checkpoint (the module loads non-strictly, see DistillModule).
         trainer.strategy.exclude_frozen_parameters = True
-    found = last_checkpoint(ctx.work_dir) if ctx.dist.is_main else None
-    resume = ctx.dist.broadcast(str(found) if found else None)
     if resume:
         log.info("distill: resuming from %s", resume)
     trainer.fit(module, datamodule=datamodule, ckpt_path=resume)
 
-    final = _consolidate(trainer, ctx, model_dir, p, student)
-    if final is None:
+    before, history = module.val_input, module.val_history
+    chosen = min(history, key=lambda r: r["nll"]) if history else None
+    if chosen is None or not best.best_model_path:
+        raise LowbitError(
+            "distill: training ended without a validation; check trainer.limit_val_batches "
+            "and stage.distill.val_every"
+        )
+    kept = before is not None and not chosen["nll"] < before["nll"]
+    if not ctx.dist.is_main:
         return {}
     from pipeline.models.quantized import save_quantized_model
 
-    final.eval()
-    if val is not None:
-        metrics["ppl_distilled"] = perplexity(final, val)
-        gap = metrics["ppl_quantized"] - metrics["ppl_fp"]
-        if gap > 0:
-            metrics["gap_recovered"] = (metrics["ppl_quantized"] - metrics["ppl_distilled"]) / gap
-    save_quantized_model(final, ctx.out_dir / "model", src_dir=model_dir, method="distill")
+    if kept:
+        log.warning(
+            "distill: no checkpoint beat the input on the validation split (best val ppl %.4g "
+            "at step %d vs %.4g before training): keeping the quantize stage's model unchanged",
+            _ppl(chosen["nll"]),
+            chosen["step"],
+            _ppl(before["nll"]),
+        )
+        shutil.copytree(model_dir, ctx.out_dir / "model")
+    else:
+        # DDP trained the in-memory student in place; DeepSpeed's copy may be sharded.
+        final = build_student(model_dir, p) if _is_deepspeed(trainer) else student
+        load_trained(final, best.best_model_path, "student.")
+        save_quantized_model(
+            final.eval(), ctx.out_dir / "model", src_dir=model_dir, method="distill"
+        )
+    metrics = _metrics(before, chosen, kept, val)
     logged = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("loss/")}
     metrics.update(
         {f"final_{k.replace('/', '_')}": v for k, v in logged.items() if math.isfinite(v)}
@@ -254,10 +311,45 @@ def run(ctx) -> dict:
     report = {
         "config": asdict(p),
         "metrics": metrics,
+        "kept_input": kept,
+        "validation": {
+            **val.describe(),
+            "metric": "student mean next-token NLL (val/nll; ppl = exp), lower is better",
+            "input": before,
+            "best": chosen,
+            "history": history,
+        },
         "layer_weights": weights.tolist(),
         "strategy": type(trainer.strategy).__name__,
         "world_size": ctx.dist.world_size,
     }
     (ctx.out_dir / "distill_report.json").write_text(json.dumps(report, indent=1))
     log.info("distill: %s", "  ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
+    return metrics
+
+
+def _metrics(before: dict | None, best: dict, kept: bool, val) -> dict[str, float]:
+    """Validation-split numbers of the input, the best checkpoint and what was written."""
+    out = before if kept else best
+    metrics = {
+        "val_ppl_best": _ppl(best["nll"]),
+        "val_ppl_distilled": _ppl(out["nll"]),
+        "val_kl_distilled": out["kl"],
+        "kept_input": float(kept),
+        "best_step": best["step"],
+        "val_window": val.window,
+        "val_windows": int(val.windows.shape[0]),
+        "val_tokens": val.tokens,
+    }
+    if before is not None:
+        metrics.update(
+            val_ppl_fp=_ppl(before["nll_teacher"]),
+            val_ppl_quantized=_ppl(before["nll"]),
+            val_kl_quantized=before["kl"],
+        )
+        gap = metrics["val_ppl_quantized"] - metrics["val_ppl_fp"]
+        if gap > 0:
+            metrics["gap_recovered"] = (
+                metrics["val_ppl_quantized"] - metrics["val_ppl_distilled"]
+            ) / gap
     return metrics

@@ -1,8 +1,9 @@
 """evaluate: perplexity of every model the run produced, and acceptance of every draft/target pair.
 
 Models are discovered from the run: the FP target and draft, the quantized target (`quantize`),
-the distilled target (`distill`) and the reinforced draft (`reinforce`). All perplexities use the
-same held-out windows (`data.eval_windows` windows of `data.seq_len` tokens from the test split).
+the distilled target (`distill`) and the reinforced draft (`reinforce`). Every perplexity is the
+standard protocol (pipeline/data/heldout.py): the whole test split in non-overlapping windows of
+`data.eval_seq_len` tokens; eval.json's `ppl_protocol` records the split, window and tokens.
 Acceptance is measured per scenario (long contexts, repetition, rare words, mix) on held-out
 prompts: the on-line α of real speculative decoding (mean Σ_x min(p, q) over verified positions),
 the teacher-forced α on the prompts, acceptance rate, τ, and tokens/s against plain decoding.
@@ -21,7 +22,9 @@ import matplotlib
 matplotlib.use("Agg")
 
 from pipeline.analysis.errorflow import error_flow, format_error_flow, plot_error_flow  # noqa: E402
+from pipeline.analysis.harness import LmEvalConfig, lm_eval_metrics, run_lm_eval  # noqa: E402
 from pipeline.config import data_cfg, model_cfg, parse, positive  # noqa: E402
+from pipeline.data.heldout import corpus_heldout  # noqa: E402
 from pipeline.data.text import Corpus  # noqa: E402
 from pipeline.models.hf import load_causal_lm, load_tokenizer, perplexity  # noqa: E402
 from pipeline.spec.evaluation import (  # noqa: E402
@@ -51,6 +54,8 @@ class EvaluateConfig:
     spec_new_tokens: int = 32
     gamma: int = 4
     timing: bool = True  # also decode plainly and report tokens/s and speed-up
+    error_flow_windows: int = 32  # test windows the per-layer drift diagnostic runs on
+    lm_eval: LmEvalConfig = field(default_factory=LmEvalConfig)  # downstream tasks (off)
 
     def check(self, prefix: str) -> None:
         positive(
@@ -61,6 +66,7 @@ class EvaluateConfig:
             gamma=self.gamma,
             scenario_prompts=self.scenario_prompts,
             spec_prompts=self.spec_prompts,
+            error_flow_windows=self.error_flow_windows,
         )
         from pipeline.data.scenarios import SCENARIOS
         from pipeline.errors import ConfigError
@@ -106,18 +112,29 @@ def run(ctx) -> dict:
     p = parse(ctx.params, EvaluateConfig, "stage.evaluate")
     tokenizer = load_tokenizer(ctx.target_dir())
     corpus = Corpus(data_cfg(ctx.cfg), tokenizer)
-    win = corpus.eval_windows()
     targets, drafts = _models(ctx)
-    result: dict = {"ppl": {}, "acceptance": {}, "speculative": {}, "windows": list(win.shape)}
+    user_context = None
+    if ctx.cfg.model.target.path:
+        user_context = targets["target_fp"].config.max_position_embeddings
+    test = corpus_heldout(corpus, "test", user_context)
+    win = test.windows
+    result: dict = {"ppl": {}, "ppl_protocol": test.describe(), "acceptance": {}, "speculative": {}}
+    log.info("evaluate: perplexity on the %s", test.label())
     for name, model in {**targets, **drafts}.items():
         result["ppl"][name] = perplexity(model, win, p.batch_size)
-        log.info("evaluate: %-18s perplexity %.3f", name, result["ppl"][name])
+        log.info("evaluate: %-18s perplexity %.3f (%s)", name, result["ppl"][name], test.label())
+
+    # Downstream tasks (lm-evaluation-harness) on the targets: does the drift change answers?
+    if p.lm_eval.tasks:
+        device = next(targets["target_fp"].parameters()).device  # where evaluation runs
+        result["lm_eval"] = run_lm_eval(targets, tokenizer, p.lm_eval, device)
 
     # Error flow: where along the depth the low-bit targets drift from FP (before/after distill).
     lowbit = {k.removeprefix("target_"): m for k, m in targets.items() if k != "target_fp"}
     if lowbit:
+        probe = win[: p.error_flow_windows]  # a diagnostic: a few windows show the trend
         curves = {
-            k: error_flow(targets["target_fp"], m, win, p.batch_size) for k, m in lowbit.items()
+            k: error_flow(targets["target_fp"], m, probe, p.batch_size) for k, m in lowbit.items()
         }
         result["error_flow"] = curves
         (ctx.out_dir / "error_flow.md").write_text(format_error_flow(curves) + "\n")
@@ -165,6 +182,7 @@ def run(ctx) -> dict:
     metrics = {f"ppl_{k}": v for k, v in result["ppl"].items()}
     for k, v in result.get("error_flow", {}).items():
         metrics[f"error_flow_last_{k}"] = v[-1]
+    metrics.update(lm_eval_metrics(result.get("lm_eval", {})))
     for pair, per in result["acceptance"].items():
         metrics.update({f"alpha_{pair.replace('@', '-vs-')}_{s}": v for s, v in per.items()})
     return metrics

@@ -2,8 +2,18 @@
 
 The draft is trained on-policy on the acceptance scenarios (long contexts, heavy repetition,
 rare words, plain text; cut from the train split) with the loss of
-:mod:`pipeline.lit.reinforce` under Lightning (any `trainer=`; checkpoints every
-`checkpoint_every` steps in the stage's work dir, a rerun resumes from the last one).
+:mod:`pipeline.lit.reinforce` under Lightning (any `trainer=`).
+
+Selection: the draft is validated on `val_prompts` prompts per scenario cut from the validation
+split (never the test split the report's before/after numbers come from) before the first step
+(the starting draft), every `val_every` steps and at the last step; the metric is the
+teacher-forced expected acceptance alpha = mean sum_x min(p, q) against the target, per
+scenario, then averaged over the scenarios. Checkpoints are taken right after validations, so
+both happen every min(val_every, checkpoint_every) steps: `checkpoints/last.ckpt` in the work
+dir, which a rerun resumes from, and `checkpoints/best.ckpt`, the best by that alpha, whose
+weights, not the last ones, are the result; `early_stop_patience` optionally stops once it no
+longer improves. When no checkpoint beats the starting draft, the starting draft is handed on
+unchanged, with a warning and `kept_input: true` in `reinforce.json`.
 
 Which target: the one the run will deploy. The distilled model when the run has one, else the
 quantized one, else the FP target: a low-bit target's distribution moves, and the draft's
@@ -12,15 +22,18 @@ quantized directory, whose step sizes and zero points are then what trains) or t
 draft. Without a draft (a user target and no `model.draft.path`) the target drafts for itself;
 there is nothing to reinforce and the workflow skips the stage, saying so.
 
-Outputs: `draft/` (HF dir, or a lowbit quantized dir for a quantized draft) and
-`reinforce.json`: acceptance per scenario on held-out prompts (test split) before and after,
-plus the FP draft on the FP target as the reference when the target is quantized, and a plot.
+Outputs: `draft/` (HF dir, or a lowbit quantized dir for a quantized draft, copied unchanged
+when the input is kept) and `reinforce.json`: the validation numbers (split, prompts, step-0,
+best and every check), and on-line acceptance per scenario on held-out prompts of the test split
+before and after, plus the FP draft on the FP target as the reference when the target is
+quantized, and a plot.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -29,9 +42,16 @@ import torch
 
 from pipeline.config import data_cfg, model_cfg, parse, positive
 from pipeline.data.scenarios import SCENARIOS
-from pipeline.data.text import load_documents, split_documents
-from pipeline.errors import ConfigError
-from pipeline.lit.reinforce import DraftReinforce, LossWeights, ScenarioBatches, prepare_trainable
+from pipeline.data.text import load_splits
+from pipeline.errors import ConfigError, LowbitError
+from pipeline.lit.distill import load_trained
+from pipeline.lit.reinforce import (
+    DraftReinforce,
+    LossWeights,
+    ScenarioBatches,
+    ScenarioPrompts,
+    prepare_trainable,
+)
 from pipeline.lit.trainer import build_trainer, trainer_kwargs
 from pipeline.models.hf import load_causal_lm, load_tokenizer, save_hf
 from pipeline.spec.evaluation import acceptance_table, column, heldout_scenarios, plot_acceptance
@@ -70,6 +90,9 @@ class ReinforceConfig:
     prompt_len: int = 128
     long_len: int = 576
     eval_new_tokens: int = 32
+    val_prompts: int = 32
+    val_every: int = 50
+    early_stop_patience: int | None = None
 
     def check(self, prefix: str) -> None:
         positive(
@@ -87,6 +110,9 @@ class ReinforceConfig:
             train_prompts=self.train_prompts,
             eval_prompts=self.eval_prompts,
             eval_new_tokens=self.eval_new_tokens,
+            val_prompts=self.val_prompts,
+            val_every=self.val_every,
+            early_stop_patience=self.early_stop_patience,
         )
         for key in (
             "w_acceptance",
@@ -192,8 +218,9 @@ def run(ctx) -> dict:
     target_name, target_dir, target_quantized = pick_target(ctx)
     draft_dir = ctx.draft_dir()
     tokenizer = load_tokenizer(ctx.target_dir())
-    docs = split_documents(load_documents(data), data)
+    docs = load_splits(data)
     train_sets = _scenarios(ctx, p, tokenizer, docs, "train", p.train_prompts)
+    val_sets = _scenarios(ctx, p, tokenizer, docs, "validation", p.val_prompts)
     eval_sets = _scenarios(ctx, p, tokenizer, docs, "test", p.eval_prompts)
 
     target = load_model(target_dir, allow_bin).requires_grad_(False)
@@ -235,7 +262,9 @@ def run(ctx) -> dict:
         monitor_window=p.monitor_window,
         seed=ctx.cfg.seed,
     )
-    trainer, last = _trainer(ctx, p)
+    last = ctx.work_dir / "checkpoints" / "last.ckpt"  # a directory under DeepSpeed
+    resume = str(last) if last.exists() else None
+    trainer, best = _trainer(ctx, p, resume is not None)
     batches = ScenarioBatches(
         {s: torch.tensor(v) for s, v in train_sets.items()},
         p.batch_size,
@@ -244,15 +273,43 @@ def run(ctx) -> dict:
         start=lambda: module.global_step,
     )
     loader = torch.utils.data.DataLoader(batches, batch_size=None, num_workers=0)
+    val_loader = torch.utils.data.DataLoader(
+        ScenarioPrompts(val_sets, p.batch_size), batch_size=None, num_workers=0
+    )
     module.draft.train()
-    trainer.fit(module, loader, ckpt_path=str(last) if last.is_file() else None)
+    trainer.fit(module, loader, val_loader, ckpt_path=resume)
+
+    before, history = module.val_input, module.val_history
+    chosen = max(history, key=lambda r: r["alpha"]) if history else None
+    if chosen is None or not best.best_model_path:
+        raise LowbitError(
+            "reinforce: training ended without a validation; check trainer.limit_val_batches "
+            "and stage.reinforce.val_every"
+        )
+    kept = before is not None and not chosen["alpha"] > before["alpha"]
     if not ctx.dist.is_main:
         return {}
 
     after_name = "draft_reinforced"
     device = next(target.parameters()).device  # Lightning may have moved the module back
-    draft = module.draft.to(device).eval()
-    table.update(_measure(ctx, p, target_name, target, {after_name: draft}, eval_sets))
+    # A fresh copy of the starting draft: kept as is, or given the best checkpoint's tensors
+    # (whatever the strategy did to the trained module, e.g. ZeRO-3 partitions).
+    draft = load_model(draft_dir, allow_bin)
+    if kept:
+        log.warning(
+            "reinforce: no checkpoint beat the starting draft on the validation split (best "
+            "teacher-forced alpha %.4f at step %d vs %.4f before training): keeping it unchanged",
+            chosen["alpha"],
+            chosen["step"],
+            before["alpha"],
+        )
+        table[f"{after_name}@{target_name}"] = table[f"{start_name}@{target_name}"]
+    else:
+        prepare_trainable(draft, p.quant_grad_scale)
+        load_trained(draft, best.best_model_path, "draft.")
+    draft = draft.to(device).eval()
+    if not kept:
+        table.update(_measure(ctx, p, target_name, target, {after_name: draft}, eval_sets))
     pairs = {"before": f"{start_name}@{target_name}", "after": f"{after_name}@{target_name}"}
     if target_quantized:  # the goal: at least the FP draft's acceptance on the FP target
         fp_target = load_causal_lm(ctx.target_dir(), allow_bin=allow_bin).to(device)
@@ -261,7 +318,9 @@ def run(ctx) -> dict:
         pairs["reference"] = f"{start_name}@target_fp"
 
     out = ctx.out_dir / "draft"
-    if draft_quantized:
+    if kept and draft_quantized:
+        shutil.copytree(draft_dir, out)  # the input, byte for byte
+    elif draft_quantized:
         from pipeline.models.quantized import read_quant_meta, save_quantized_model
 
         save_quantized_model(draft.cpu(), out, draft_dir, read_quant_meta(draft_dir)["method"])
@@ -276,6 +335,17 @@ def run(ctx) -> dict:
         "gamma": p.gamma,
         "temperature": p.temperature,
         "cost_ratio": module.cost_ratio,
+        "kept_input": kept,
+        "validation": {
+            "split": "validation",
+            "prompts": {s: [len(v), len(v[0])] for s, v in val_sets.items()},
+            "metric": "teacher-forced alpha = mean sum_x min(p, q), mean over scenarios; higher "
+            "is better",
+            "input": before,
+            "best": chosen,
+            "history": history,
+        },
+        "eval_split": "test",
         "eval_prompts": {s: [len(v), len(v[0])] for s, v in eval_sets.items()},
         "eval_new_tokens": p.eval_new_tokens,
         "pairs": pairs,
@@ -283,29 +353,51 @@ def run(ctx) -> dict:
     return _report(ctx, report, table)
 
 
-def _trainer(ctx, p: ReinforceConfig):
-    from lightning.pytorch.callbacks import ModelCheckpoint
+def _trainer(ctx, p: ReinforceConfig, resuming: bool):
+    """The Trainer and its checkpoint callback; every checkpoint lives in the work dir."""
+    from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 
-    ckpt_dir = ctx.work_dir / "checkpoints"
-    checkpoint = ModelCheckpoint(
-        dirpath=ckpt_dir,
-        filename="{step}",
+    # Both files are written right after a validation (never before it: a run resumed from a
+    # checkpoint taken before its step's validation would skip that validation). `best` is one
+    # fixed name, overwritten by each new best; `last` is what a rerun resumes from.
+    ckpt = ModelCheckpoint(
+        dirpath=ctx.work_dir / "checkpoints",
+        filename="best",
+        monitor="val/alpha",
+        mode="max",
         save_top_k=1,
         save_last=True,
-        every_n_train_steps=p.checkpoint_every,
+        save_on_train_epoch_end=False,
+        auto_insert_metric_name=False,
+        enable_version_counter=False,
     )
+    callbacks = [ckpt]
+    if p.early_stop_patience is not None:
+        callbacks.append(
+            EarlyStopping(
+                "val/alpha",
+                patience=p.early_stop_patience,
+                mode="max",
+                check_on_train_epoch_end=False,
+            )
+        )
     trainer = build_trainer(
         ctx.cfg.trainer,
         max_steps=p.max_steps,
         logger=ctx.log.lightning_logger() or False,
-        callbacks=[checkpoint],
+        callbacks=callbacks,
         default_root_dir=str(ctx.work_dir),
         gradient_clip_val=p.grad_clip,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
+        # Checkpoints follow validations, so both happen every min(val_every, checkpoint_every).
+        val_check_interval=min(p.val_every, p.checkpoint_every, p.max_steps),
+        check_val_every_n_epoch=None,
+        limit_val_batches=1.0,
+        # The sanity check scores the starting draft on every prompt (step 0); a resumed run
+        # restores that score from its checkpoint instead.
+        num_sanity_val_steps=0 if resuming else -1,
         use_distributed_sampler=False,  # each rank draws its own batches (ScenarioBatches)
     )
-    return trainer, ckpt_dir / "last.ckpt"
+    return trainer, ckpt
 
 
 def _report(ctx, report: dict, table: dict) -> dict:
@@ -344,4 +436,15 @@ def _report(ctx, report: dict, table: dict) -> dict:
         "cost_ratio": report["cost_ratio"],
         "steps": float(report["steps"]),
     }
+    val = report["validation"]
+    written = val["input"] if report["kept_input"] else val["best"]
+    metrics |= {
+        "val_alpha_tf_best_mean": val["best"]["alpha"],
+        "val_alpha_tf_after_mean": written["alpha"],
+        "kept_input": float(report["kept_input"]),
+        "best_step": val["best"]["step"],
+        "val_prompts": float(min(n for n, _ in val["prompts"].values())),
+    }
+    if val["input"] is not None:
+        metrics["val_alpha_tf_before_mean"] = val["input"]["alpha"]
     return metrics

@@ -1,9 +1,11 @@
-"""The distill stage: end to end on the smoke models, config errors, resume after a kill, and
-2-rank DDP / DeepSpeed ZeRO-2 / ZeRO-3 runs on CPU that must produce a loadable model."""
+"""The distill stage: end to end on the smoke models, config errors, resume after a kill, the
+choice of the best validated checkpoint (or of the input when none beats it), and 2-rank DDP /
+DeepSpeed ZeRO-2 / ZeRO-3 runs on CPU that must produce a loadable model."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -13,9 +15,18 @@ import pytest
 import torch
 
 from pipeline import workflow
+from pipeline.config import data_cfg
+from pipeline.data.heldout import heldout
+from pipeline.data.text import Corpus
 from pipeline.errors import ConfigError
 from pipeline.lit.distill import DistillModule
-from pipeline.models.quantized import load_quantized, quantized_modules, read_quant_meta
+from pipeline.models.hf import load_tokenizer
+from pipeline.models.quantized import (
+    load_quantized,
+    quantized_modules,
+    read_quant_meta,
+    save_quantized_model,
+)
 from tests.conftest import REPO, smoke_cfg
 from tests.stages.conftest import boot_cfg
 
@@ -38,6 +49,45 @@ def quantized(boot, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("distill-q")
     workflow.run(boot_cfg(boot, tmp, "stages=[bootstrap,quantize]", QUANT))
     return tmp / "run"
+
+
+@pytest.fixture(scope="module")
+def detuned(quantized, tmp_path_factory):
+    """`quantized` with every step size shrunk by 30%: a gap for distillation to recover (the
+    smoke model loses almost nothing at 2 bits, so there training can only make it worse)."""
+    run = tmp_path_factory.mktemp("distill-detuned") / "run"
+    shutil.copytree(quantized, run)
+    q_dir = run / "quantize" / "model"
+    model = load_quantized(q_dir)
+    with torch.no_grad():
+        for m in quantized_modules(model).values():
+            m.scale.mul_(0.7)
+    staged = run / "detuned"
+    save_quantized_model(model, staged, src_dir=q_dir, method=read_quant_meta(q_dir)["method"])
+    shutil.rmtree(q_dir)
+    staged.rename(q_dir)
+    return run
+
+
+def ascending_from(step: int):
+    """A sabotaged DistillModule.training_step: gradient ascent on the loss from `step` on."""
+    original = DistillModule.training_step
+
+    def training_step(self, batch, batch_idx):
+        loss = original(self, batch, batch_idx)
+        return -loss if self.global_step >= step else loss
+
+    return training_step
+
+
+def val_nll(cfg, model, n_windows: int) -> float:
+    """Mean next-token NLL of `model` on the stage's validation windows (a direct reference)."""
+    target = cfg.run_dir + "/bootstrap/target"
+    corpus = Corpus(data_cfg(cfg), load_tokenizer(target))
+    w = heldout(corpus.stream("validation"), "validation", 64, limit=n_windows).windows
+    with torch.no_grad():
+        logits = model(input_ids=w).logits[:, :-1]  # (W, T-1, V)
+    return torch.nn.functional.cross_entropy(logits.transpose(1, 2), w[:, 1:]).item()
 
 
 def distill_args(quantized, tmp_path, *overrides: str) -> list[str]:
@@ -72,31 +122,40 @@ def check_output(run, steps: int) -> dict:
     return done["metrics"]
 
 
-def test_end_to_end_bf16_with_attention_and_hidden_matching(quantized, tmp_path):
+def test_end_to_end_bf16_with_attention_and_hidden_matching(detuned, tmp_path):
     args = distill_args(
-        quantized,
+        detuned,
         tmp_path,
         "trainer.precision=bf16-mixed",
         "stage.distill.teacher_dtype=bfloat16",
         "stage.distill.match=both",
+        "stage.distill.ckpt_every=3",
     )
     workflow.run(smoke_cfg(tmp_path, *args))
     metrics = check_output(tmp_path / "run", steps=4)
     for key in (
-        "ppl_fp",
-        "ppl_quantized",
-        "ppl_distilled",
+        "val_ppl_fp",
+        "val_ppl_quantized",
+        "val_ppl_distilled",
+        "val_kl_quantized",
+        "val_kl_distilled",
         "final_loss_kl",
         "final_loss_attn",
         "final_loss_hidden",
     ):
         assert key in metrics and metrics[key] >= 0, key
-    # The student starts from the quantize stage's codes, not from the FP weights (on the
-    # barely trained smoke model 2 bits need not cost perplexity, so no direction is asserted).
-    assert metrics["ppl_quantized"] != metrics["ppl_fp"]
+    # Labelled: 4 validation windows of 64 tokens, 63 scored positions each.
+    assert (metrics["val_window"], metrics["val_windows"], metrics["val_tokens"]) == (64, 4, 252)
+    assert metrics["val_ppl_quantized"] != metrics["val_ppl_fp"]
+    assert metrics["kept_input"] == 0
+    assert metrics["val_ppl_distilled"] < metrics["val_ppl_quantized"]
     report = json.loads((tmp_path / "run" / "distill" / "distill_report.json").read_text())
     assert abs(sum(report["layer_weights"]) - 1) < 1e-6
     assert metrics["resumed"] == 0 and metrics["nan_skipped"] == 0
+    val = report["validation"]
+    assert val["split"] == "validation" and report["kept_input"] is False
+    assert [r["step"] for r in val["history"]] == [3, 4]  # with each checkpoint, and the last
+    assert val["best"]["nll"] < val["input"]["nll"]
 
 
 @pytest.mark.parametrize(
@@ -109,6 +168,9 @@ def test_end_to_end_bf16_with_attention_and_hidden_matching(quantized, tmp_path)
         ("stage.distill.teacher_dtype=float8", "stage.distill.teacher_dtype"),
         ("stage.distill.match=logits", "stage.distill.match"),
         ("+stage.distill.lr_sched=linear", "stage.distill.lr_sched"),
+        ("stage.distill.val_windows=0", "stage.distill.val_windows"),
+        ("stage.distill.val_every=0", "stage.distill.val_every"),
+        ("stage.distill.early_stop_patience=0", "stage.distill.early_stop_patience"),
     ],
 )
 def test_validate_names_the_bad_key(tmp_path, override, key):
@@ -125,7 +187,7 @@ def test_alpha_and_beta_cannot_both_be_zero(tmp_path):
         validate(smoke_cfg(tmp_path, "stage.distill.alpha=0", "stage.distill.beta=0"))
 
 
-def test_rerun_after_a_kill_resumes_from_the_last_checkpoint(quantized, tmp_path, monkeypatch):
+def test_rerun_after_a_kill_resumes_from_the_last_checkpoint(detuned, tmp_path, monkeypatch):
     original = DistillModule.training_step
 
     def dies_at_step_3(self, batch, batch_idx):
@@ -133,24 +195,73 @@ def test_rerun_after_a_kill_resumes_from_the_last_checkpoint(quantized, tmp_path
             raise RuntimeError("node lost")
         return original(self, batch, batch_idx)
 
-    args = distill_args(quantized, tmp_path)
+    args = distill_args(detuned, tmp_path, "stage.distill.val_every=2")
     monkeypatch.setattr(DistillModule, "training_step", dies_at_step_3)
     with pytest.raises(RuntimeError, match="node lost"):
         workflow.run(smoke_cfg(tmp_path, *args))
-    ckpts = list((tmp_path / "run" / ".work").glob("distill-*/checkpoints/step=000002.ckpt"))
-    assert len(ckpts) == 1
+    ckpts = list((tmp_path / "run" / ".work").glob("distill-*/checkpoints/*.ckpt"))
+    assert sorted(c.name for c in ckpts) == ["best.ckpt", "last.ckpt"]  # both in the work dir
+    assert torch.load(ckpts[0].parent / "last.ckpt", weights_only=False)["global_step"] == 2
     monkeypatch.setattr(DistillModule, "training_step", original)
     metrics = workflow.run(smoke_cfg(tmp_path, *args))["distill"]["metrics"]
     assert metrics["resumed"] == 1 and metrics["steps"] == 4
     assert not list((tmp_path / "run" / ".work").glob("distill-*"))  # dropped once done
     check_output(tmp_path / "run", steps=4)
+    # The step-0 score came back from the checkpoint, not from the resumed weights.
+    report = json.loads((tmp_path / "run" / "distill" / "distill_report.json").read_text())
+    assert report["validation"]["input"]["step"] == 0
+    assert metrics["val_ppl_quantized"] > metrics["val_ppl_distilled"]
+
+
+def test_no_checkpoint_better_than_the_input_keeps_it_byte_identical(
+    detuned, tmp_path, monkeypatch, caplog
+):
+    """Training that only makes things worse (gradient ascent at a large lr) hands on the
+    quantize stage's model unchanged, says so, and early stopping ends it after 2 checks."""
+    monkeypatch.setattr(DistillModule, "training_step", ascending_from(0))
+    args = distill_args(
+        detuned,
+        tmp_path,
+        "stage.distill.lr=5e-2",
+        "stage.distill.val_every=1",
+        "stage.distill.early_stop_patience=1",
+    )
+    with caplog.at_level("WARNING", logger="lowbit"):
+        metrics = workflow.run(smoke_cfg(tmp_path, *args))["distill"]["metrics"]
+    assert "keeping the quantize stage's model unchanged" in caplog.text
+    assert metrics["kept_input"] == 1 and metrics["steps"] == 2  # stopped early
+    assert metrics["val_ppl_distilled"] == metrics["val_ppl_quantized"] < metrics["val_ppl_best"]
+    report = json.loads((tmp_path / "run" / "distill" / "distill_report.json").read_text())
+    assert report["kept_input"] is True
+    before = report["validation"]["input"]["nll"]
+    assert all(r["nll"] > before for r in report["validation"]["history"])
+    q_dir, d_dir = tmp_path / "run" / "quantize" / "model", tmp_path / "run" / "distill" / "model"
+    files = sorted(p.name for p in q_dir.iterdir())
+    assert files == sorted(p.name for p in d_dir.iterdir())
+    assert all((q_dir / f).read_bytes() == (d_dir / f).read_bytes() for f in files)
+
+
+def test_the_result_is_the_best_checkpoint_not_the_last(detuned, tmp_path, monkeypatch):
+    """Two good steps, then two of gradient ascent: the written model is step 2's."""
+    monkeypatch.setattr(DistillModule, "training_step", ascending_from(2))
+    args = distill_args(detuned, tmp_path, "stage.distill.lr=5e-3", "stage.distill.val_every=2")
+    cfg = smoke_cfg(tmp_path, *args)
+    metrics = workflow.run(cfg)["distill"]["metrics"]
+    report = json.loads((tmp_path / "run" / "distill" / "distill_report.json").read_text())
+    val = report["validation"]
+    by_step = {r["step"]: r["nll"] for r in val["history"]}
+    assert sorted(by_step) == [2, 4] and by_step[2] < val["input"]["nll"] < by_step[4]
+    assert metrics["best_step"] == 2 and metrics["kept_input"] == 0
+    written = val_nll(cfg, load_quantized(tmp_path / "run" / "distill" / "model"), 4)
+    assert written == pytest.approx(by_step[2], rel=1e-5)
+    assert metrics["val_ppl_distilled"] == pytest.approx(math.exp(written), rel=1e-5)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("trainer", ["ddp", "deepspeed_zero2", "deepspeed_zero3"])
-def test_two_ranks_on_cpu(quantized, tmp_path, trainer):
+def test_two_ranks_on_cpu(detuned, tmp_path, trainer):
     args = distill_args(
-        quantized,
+        detuned,
         tmp_path,
         f"trainer={trainer}",
         f"run_dir={tmp_path / 'run'}",

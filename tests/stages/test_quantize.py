@@ -223,6 +223,7 @@ def test_quantized_lm_head(src, calib, tmp_path):
 def test_stage_end_to_end_on_the_smoke_models(boot, tmp_path):
     from pipeline import workflow
     from pipeline.config import data_cfg
+    from pipeline.data.heldout import corpus_heldout
     from pipeline.data.text import Corpus
     from pipeline.models.hf import load_causal_lm, load_tokenizer, perplexity
     from pipeline.models.quantized import read_quant_meta
@@ -243,7 +244,7 @@ def test_stage_end_to_end_on_the_smoke_models(boot, tmp_path):
     assert not list((tmp_path / "run" / ".work").glob("quantize-*"))  # work dir cleaned
 
     target = boot["target"]
-    win = Corpus(data_cfg(cfg), load_tokenizer(target)).eval_windows()
+    win = corpus_heldout(Corpus(data_cfg(cfg), load_tokenizer(target))).windows
     ppl_fp = perplexity(load_causal_lm(target), win)
     ppl_q = perplexity(load_quantized(stage / "model"), win)
     # 4-bit GPTQ keeps the small model's quality (it may even land slightly below FP).

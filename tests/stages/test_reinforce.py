@@ -1,4 +1,5 @@
-"""reinforce stage: end to end on the smoke bootstrap models, resume, quantized pairs, skips."""
+"""reinforce stage: end to end on the smoke bootstrap models, resume, quantized pairs, skips, and
+the choice of the best validated checkpoint (or of the starting draft when none beats it)."""
 
 import json
 import shutil
@@ -7,8 +8,12 @@ import pytest
 import torch
 
 from pipeline import workflow
+from pipeline.config import data_cfg
+from pipeline.data.text import load_splits
 from pipeline.errors import ConfigError
-from pipeline.models.hf import load_causal_lm
+from pipeline.models.hf import load_causal_lm, load_tokenizer
+from pipeline.spec.evaluation import heldout_scenarios
+from pipeline.spec.metrics import teacher_forced_acceptance
 from pipeline.stages import reinforce
 from tests.conftest import smoke_cfg
 from tests.stages.conftest import boot_cfg
@@ -24,8 +29,30 @@ TINY = (
     "stage.reinforce.long_len=80",
     "stage.reinforce.eval_new_tokens=6",
     "stage.reinforce.checkpoint_every=2",
+    "stage.reinforce.val_prompts=8",
     "trainer.enable_progress_bar=false",
 )
+
+
+def ascending_from(step: int):
+    """A sabotaged DraftReinforce.training_step: gradient ascent on the loss from `step` on."""
+    original = reinforce.DraftReinforce.training_step
+
+    def training_step(self, batch, batch_idx):
+        loss = original(self, batch, batch_idx)
+        return -loss if self.global_step >= step else loss
+
+    return training_step
+
+
+def val_alpha(cfg, target, draft) -> float:
+    """Teacher-forced alpha on the stage's validation prompts, mean over scenarios (reference)."""
+    tokenizer = load_tokenizer(target)
+    docs = load_splits(data_cfg(cfg))["validation"]
+    sets = heldout_scenarios(tokenizer, docs, n_prompts=8, prompt_len=24, long_len=80, seed=0)
+    t, d = load_causal_lm(target).eval(), load_causal_lm(draft).eval()
+    alphas = [teacher_forced_acceptance(t, d, [torch.tensor(v)]) for v in sets.values()]
+    return sum(alphas) / len(alphas)
 
 
 @pytest.fixture(autouse=True)
@@ -37,7 +64,7 @@ def _threads():
 
 
 def test_end_to_end_writes_a_better_draft_and_the_report(boot, tmp_path):
-    cfg = boot_cfg(boot, tmp_path, STAGES, *TINY)
+    cfg = boot_cfg(boot, tmp_path, STAGES, *TINY, "stage.reinforce.checkpoint_every=3")
     done = workflow.run(cfg)["reinforce"]
     out = tmp_path / "run" / "reinforce"
     assert (out / "draft" / "model.safetensors").is_file()
@@ -54,6 +81,12 @@ def test_end_to_end_writes_a_better_draft_and_the_report(boot, tmp_path):
         assert all(0.0 < a < 1.0 for a in alpha.values())
     assert report["eval_prompts"]["long"] == [2, 80]
     assert done["metrics"]["alpha_gain_mean"] == pytest.approx(report["summary"]["gain"]["mean"])
+    val = report["validation"]
+    assert val["split"] == "validation" and val["prompts"]["long"] == [8, 80]
+    assert [r["step"] for r in val["history"]] == [3, 4]  # with each checkpoint, and the last
+    assert report["kept_input"] is False and done["metrics"]["kept_input"] == 0
+    metrics = done["metrics"]
+    assert metrics["val_alpha_tf_after_mean"] > metrics["val_alpha_tf_before_mean"]
     new, old = load_causal_lm(out / "draft"), load_causal_lm(boot["draft"])
     assert not torch.equal(new.lm_head.weight, old.lm_head.weight)
     assert not list((tmp_path / "run").glob(".work/reinforce-*"))  # checkpoints dropped when done
@@ -74,6 +107,7 @@ def test_rerun_after_a_crash_resumes_from_the_checkpoint(boot, tmp_path, monkeyp
         workflow.run(cfg)
     work = next((tmp_path / "run" / ".work").glob("reinforce-*"))
     assert (work / "checkpoints" / "last.ckpt").is_file() and (work / "before.json").is_file()
+    assert (work / "checkpoints" / "best.ckpt").is_file()
     monkeypatch.undo()
     steps = []
     original = reinforce.DraftReinforce.training_step
@@ -86,6 +120,9 @@ def test_rerun_after_a_crash_resumes_from_the_checkpoint(boot, tmp_path, monkeyp
     assert steps == []  # all 4 steps came from the checkpoint
     report = json.loads((tmp_path / "run" / "reinforce" / "reinforce.json").read_text())
     assert report["steps"] == 4
+    # The validation state came back too: the step-0 score and the checks at steps 2 and 4.
+    assert report["validation"]["input"]["step"] == 0
+    assert [r["step"] for r in report["validation"]["history"]] == [2, 4]
 
 
 def test_quantized_target_and_draft(boot, tmp_path):
@@ -126,6 +163,45 @@ def test_quantized_target_and_draft(boot, tmp_path):
     assert torch.equal(new.model.embed_tokens.weight, old.model.embed_tokens.weight)
 
 
+def test_no_checkpoint_better_than_the_start_keeps_the_draft(boot, tmp_path, monkeypatch, caplog):
+    """Training that only makes things worse (gradient ascent at a large lr) hands on the
+    starting draft unchanged, says so, and early stopping ends it after 2 checks."""
+    monkeypatch.setattr(reinforce.DraftReinforce, "training_step", ascending_from(0))
+    overrides = (
+        "stage.reinforce.lr=1e-2",
+        "stage.reinforce.val_every=1",
+        "stage.reinforce.early_stop_patience=1",
+    )
+    cfg = boot_cfg(boot, tmp_path, STAGES, *TINY, *overrides)
+    with caplog.at_level("WARNING", logger="lowbit"):
+        metrics = workflow.run(cfg)["reinforce"]["metrics"]
+    assert "keeping it unchanged" in caplog.text
+    assert metrics["kept_input"] == 1 and metrics["steps"] == 2  # stopped early
+    assert metrics["val_alpha_tf_after_mean"] == metrics["val_alpha_tf_before_mean"]
+    assert metrics["val_alpha_tf_best_mean"] < metrics["val_alpha_tf_before_mean"]
+    out = tmp_path / "run" / "reinforce"
+    report = json.loads((out / "reinforce.json").read_text())
+    assert report["kept_input"] is True
+    assert report["summary"]["alpha"]["after"] == report["summary"]["alpha"]["before"]
+    weights = "model.safetensors"
+    assert (out / "draft" / weights).read_bytes() == (boot["draft"] / weights).read_bytes()
+
+
+def test_the_result_is_the_best_checkpoint_not_the_last(boot, tmp_path, monkeypatch):
+    """Two good steps, then two of gradient ascent: the written draft is step 2's."""
+    monkeypatch.setattr(reinforce.DraftReinforce, "training_step", ascending_from(2))
+    cfg = boot_cfg(boot, tmp_path, STAGES, *TINY, "stage.reinforce.val_every=2")
+    metrics = workflow.run(cfg)["reinforce"]["metrics"]
+    report = json.loads((tmp_path / "run" / "reinforce" / "reinforce.json").read_text())
+    val = report["validation"]
+    by_step = {r["step"]: r["alpha"] for r in val["history"]}
+    assert sorted(by_step) == [2, 4] and by_step[2] > by_step[4]
+    assert by_step[2] > val["input"]["alpha"]
+    assert metrics["best_step"] == 2 and metrics["kept_input"] == 0
+    written = val_alpha(cfg, boot["target"], tmp_path / "run" / "reinforce" / "draft")
+    assert written == pytest.approx(by_step[2], rel=1e-5)
+
+
 def test_no_draft_means_self_speculation_and_a_skip(boot, tmp_path):
     target = tmp_path / "target"
     shutil.copytree(boot["target"], target)
@@ -141,6 +217,9 @@ def test_no_draft_means_self_speculation_and_a_skip(boot, tmp_path):
         ("stage.reinforce.baseline_momentum=1.0", "baseline_momentum"),
         ("stage.reinforce.quant_grad_scale=fancy", "quant_grad_scale"),
         ("stage.reinforce.tvd_weight=-1", "tvd_weight"),
+        ("stage.reinforce.val_prompts=0", "val_prompts"),
+        ("stage.reinforce.val_every=0", "val_every"),
+        ("stage.reinforce.early_stop_patience=0", "early_stop_patience"),
     ],
 )
 def test_validate_names_the_bad_key(tmp_path, override, key):

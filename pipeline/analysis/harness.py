@@ -1,0 +1,217 @@
+"""Downstream tasks through EleutherAI's lm-evaluation-harness, on models already in memory.
+
+Perplexity says how far a low-bit model drifted; a multiple-choice benchmark says whether the
+drift changes its answers. :func:`run_lm_eval` wraps each model (FP or ``load_quantized``: both
+are transformers ``PreTrainedModel`` instances, the latter with ``FakeQuantLinear`` modules)
+in lm-eval's ``HFLM`` and runs ``simple_evaluate`` on the configured tasks, so the numbers are
+lm-eval's own and comparable with published ones (same prompts, same default seeds).
+
+Nothing is downloaded: the call runs with the hub and datasets offline, so a task's data must
+be in the local datasets cache or in files named by a task YAML under ``include_path``. Every
+task is loaded once before any model runs, so missing data or an unknown name fails fast with
+one message naming the task; the process keeps its environment and RNG state afterwards.
+
+Trade-off: lm-eval is an optional dependency (``pip install 'lowbit[eval]'``), imported only
+when tasks are configured; the stage works without it when ``tasks`` is empty.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import logging
+import math
+import os
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from pipeline.config import positive
+from pipeline.errors import ConfigError, LowbitError
+
+KEY = "stage.evaluate.lm_eval"  # where the config lives, for messages raised at run time
+INSTALL = "pip install 'lowbit[eval]' (lm-eval[hf]>=0.4.10)"
+
+log = logging.getLogger("lowbit")
+
+
+@dataclass(frozen=True)
+class LmEvalConfig:
+    """lm-eval tasks run on every target model; an empty ``tasks`` list turns them off.
+
+    Attributes:
+        tasks: lm-eval task (or group) names, built-in or defined under ``include_path``.
+        num_fewshot: Few-shot examples per prompt; None keeps each task's default.
+        limit: Documents per task: an int count, or a float in (0, 1) for a fraction.
+        include_path: A directory of extra task YAMLs (e.g. a local copy of a benchmark).
+        batch_size: Requests per forward pass.
+    """
+
+    tasks: list[str] = field(default_factory=list)
+    num_fewshot: int | None = None
+    limit: int | float | None = None
+    include_path: str | None = None
+    batch_size: int = 8
+
+    def check(self, prefix: str) -> None:
+        positive(prefix, batch_size=self.batch_size, limit=self.limit)
+        if self.num_fewshot is not None and self.num_fewshot < 0:
+            raise ConfigError(f"{prefix}.num_fewshot", f"must be >= 0, got {self.num_fewshot}")
+        if isinstance(self.limit, float) and self.limit >= 1:
+            raise ConfigError(
+                f"{prefix}.limit", f"is {self.limit}", "an integer count or a fraction in (0, 1)"
+            )
+        for i, task in enumerate(self.tasks):
+            if not task.strip() or task in self.tasks[:i]:
+                raise ConfigError(f"{prefix}.tasks[{i}]", f"is {task!r}: empty or repeated")
+        if self.include_path is not None and not Path(self.include_path).is_dir():
+            raise ConfigError(
+                f"{prefix}.include_path",
+                f"is {self.include_path!r}, which is not a directory",
+                "a directory of lm-eval task YAMLs, or null for the built-in tasks",
+            )
+        if self.tasks and importlib.util.find_spec("lm_eval") is None:
+            raise ConfigError(
+                f"{prefix}.tasks", f"needs lm-eval, which is not installed: {INSTALL}"
+            )
+
+
+def run_lm_eval(
+    models: dict[str, nn.Module], tokenizer: Any, cfg: LmEvalConfig, device: torch.device | str
+) -> dict[str, dict[str, dict[str, float]]]:
+    """Run ``cfg.tasks`` on every model with lm-eval.
+
+    Args:
+        models: ``{name: causal LM}``, transformers ``PreTrainedModel`` instances (FP or
+            loaded by ``load_quantized``). Each is moved to ``device`` for its run and back.
+        tokenizer: The HF tokenizer shared by the models.
+        cfg: Tasks and their settings.
+        device: Where the models run.
+
+    Returns:
+        ``{model name: {task: {metric: value}}}`` with lm-eval's numeric metrics (``acc``,
+        ``acc_norm``, ``acc_stderr``...); a metric under a filter other than ``none`` is named
+        ``<metric>_<filter>``. Empty when ``cfg.tasks`` is.
+
+    Raises:
+        LowbitError: lm-eval is missing, a task is unknown, or its data is not available
+            offline; the message names the task and ``include_path``.
+    """
+    if not cfg.tasks:
+        return {}
+    try:
+        import lm_eval
+        from lm_eval.models.huggingface import HFLM
+        from lm_eval.tasks import TaskManager, get_task_dict
+    except ImportError as err:
+        raise LowbitError(
+            f"{KEY}.tasks is set but lm-eval cannot be imported ({err}): {INSTALL}"
+        ) from None
+
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    with _isolated(torch.device(device)):
+        manager = TaskManager(include_path=cfg.include_path)
+        for task in cfg.tasks:  # build each task once up front: a bad name or missing data
+            try:  # fails here, in one line, and a failure inside a model run stays visible
+                get_task_dict([task], manager)
+            except Exception as err:  # lm-eval raises KeyError, ValueError, OSError, ...
+                raise LowbitError(_task_error(task, cfg, err)) from None
+        for name, model in models.items():
+            home = next(model.parameters()).device
+            lm = HFLM(pretrained=model.to(device).eval(), tokenizer=tokenizer,
+                      batch_size=cfg.batch_size)  # fmt: skip
+            try:
+                results = lm_eval.simple_evaluate(
+                    model=lm,
+                    tasks=list(cfg.tasks),
+                    num_fewshot=cfg.num_fewshot,
+                    limit=cfg.limit,
+                    task_manager=manager,
+                    log_samples=False,
+                    bootstrap_iters=1000,  # only non-mean metrics bootstrap; acc's is closed form
+                )
+            finally:
+                model.to(home)
+            out[name] = _numeric(results["results"])
+            for task, metrics in out[name].items():
+                log.info("evaluate: lm_eval %-18s %-24s %s", name, task, _fmt(metrics))
+    return out
+
+
+def lm_eval_metrics(results: dict[str, dict[str, dict[str, float]]]) -> dict[str, float]:
+    """Flat ``{lm_eval_<model>_<task>_<metric>: value}`` for the tracker."""
+    return {
+        f"lm_eval_{model}_{task}_{metric}": v
+        for model, tasks in results.items()
+        for task, metrics in tasks.items()
+        for metric, v in metrics.items()
+    }
+
+
+def _numeric(task_results: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Keep the finite numbers of lm-eval's ``{task: {"acc,none": 0.5, "alias": ...}}``."""
+    out = {}
+    for task, entries in task_results.items():
+        metrics = {}
+        for key, v in entries.items():
+            metric, _, filt = key.partition(",")
+            if not filt or isinstance(v, bool) or not isinstance(v, int | float):
+                continue  # "alias", "samples", stderr "N/A"
+            if math.isfinite(v):
+                metrics[metric if filt == "none" else f"{metric}_{filt}"] = float(v)
+        out[task] = metrics
+    return out
+
+
+def _task_error(task: str, cfg: LmEvalConfig, err: Exception) -> str:
+    now = repr(cfg.include_path) if cfg.include_path else "unset"
+    reason = " ".join(str(err).split())[:300] or type(err).__name__
+    return (
+        f"lm_eval task {task!r} cannot be loaded offline ({type(err).__name__}: {reason}). "
+        f"Check the name, or write a task YAML whose data files are local into a directory "
+        f"and point {KEY}.include_path at it (now {now})."
+    )
+
+
+def _fmt(metrics: dict[str, float]) -> str:
+    return "  ".join(f"{k} {v:.4f}" for k, v in metrics.items() if not k.endswith("_stderr"))
+
+
+@contextlib.contextmanager
+def _isolated(device: torch.device) -> Iterator[None]:
+    """Hub and datasets offline, and the caller's RNG state back afterwards.
+
+    huggingface_hub and datasets read their offline switches once, at import, so the module
+    flags are set along with the environment. simple_evaluate reseeds python, numpy and torch
+    with lm-eval's defaults (kept: they make scores comparable); the states are restored.
+    """
+    import datasets.config
+    import huggingface_hub.constants as hub
+
+    env = {k: os.environ.get(k) for k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")}
+    flags = [(hub, "HF_HUB_OFFLINE"), (datasets.config, "HF_HUB_OFFLINE"),
+             (datasets.config, "HF_DATASETS_OFFLINE")]  # fmt: skip
+    saved = [(mod, name, getattr(mod, name)) for mod, name in flags if hasattr(mod, name)]
+    py_rng, np_rng = random.getstate(), np.random.get_state()
+    os.environ.update(dict.fromkeys(env, "1"))
+    for mod, name, _ in saved:
+        setattr(mod, name, True)
+    try:
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            yield
+    finally:
+        for mod, name, value in saved:
+            setattr(mod, name, value)
+        for k, v in env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        random.setstate(py_rng)
+        np.random.set_state(np_rng)

@@ -1,0 +1,156 @@
+"""The user's splits are the splits: given train/validation/test text never crosses splits."""
+
+import logging
+
+import pytest
+
+from pipeline.config import DataConfig
+from pipeline.data.text import Corpus, load_splits, split_documents
+from pipeline.errors import LowbitError
+
+WORDS = ["river", "hill", "stone", "cloud", "field", "lamp", "bread", "music"]
+
+
+def _lines(mark: str, n: int) -> list[str]:
+    """n distinct lines, each carrying `mark` (a word no other split's lines contain)."""
+    return [f"{mark} {i} {WORDS[i % 8]} and {WORDS[(3 * i) % 8]}" for i in range(n)]
+
+
+def _write(folder, **files: list[str]) -> None:
+    folder.mkdir(exist_ok=True)
+    for name, lines in files.items():
+        (folder / name).write_text("\n".join(lines) + "\n")
+
+
+@pytest.fixture(scope="module")
+def divided(tmp_path_factory):
+    """A folder with train.txt, validation.txt and test.txt of marked lines."""
+    root = tmp_path_factory.mktemp("divided")
+    given = {
+        "train": _lines("trainline", 150),
+        "validation": _lines("valmark", 30),
+        "test": _lines("testmark", 30),
+    }
+    _write(root, **{f"{s}.txt": lines for s, lines in given.items()})
+    return root, given
+
+
+@pytest.fixture(scope="module")
+def tokenizer(divided):
+    from pipeline.models.hf import train_tokenizer
+
+    _, given = divided
+    return train_tokenizer([line for lines in given.values() for line in lines], 300)
+
+
+def test_files_named_by_split_keep_their_lines(divided):
+    root, given = divided
+    assert load_splits(DataConfig(path=str(root))) == given
+    # The old behaviour, a hash split of every line, would have trained on test lines.
+    mixed = split_documents([line for lines in given.values() for line in lines], DataConfig())
+    assert any("testmark" in line for line in mixed["train"])
+
+
+def test_no_held_out_text_in_calibration_or_training_windows(divided, tokenizer):
+    from pipeline.lit.lm import RandomWindows
+
+    root, _ = divided
+    corpus = Corpus(DataConfig(path=str(root), seq_len=16), tokenizer)
+    train_text = tokenizer.decode(corpus.stream("train"))
+    calib = [tokenizer.decode(w) for w in corpus.calibration(samples=64, seq_len=16, seed=0)]
+    training = RandomWindows(corpus.stream("train"), 16, 64, seed=0)
+    training = [tokenizer.decode(training[i]) for i in range(len(training))]
+    for text in [train_text, *calib, *training]:
+        assert "testmark" not in text and "valmark" not in text
+    # The markers survive tokenisation: the same check finds them where they belong.
+    assert "trainline" in train_text and any("trainline" in t for t in calib)
+    assert "testmark" in tokenizer.decode(corpus.stream("test"))
+
+
+def test_dataset_dict_keeps_its_splits(tmp_path):
+    import datasets
+
+    given = {"train": _lines("a", 40), "valid": _lines("b", 5), "test": _lines("c", 5)}
+    datasets.DatasetDict(
+        {k: datasets.Dataset.from_dict({"text": v}) for k, v in given.items()}
+    ).save_to_disk(str(tmp_path / "dd"))
+    splits = load_splits(DataConfig(path=str(tmp_path / "dd")))
+    assert splits == {"train": given["train"], "validation": given["valid"], "test": given["test"]}
+
+
+def test_several_files_per_split_and_wikitext_names(tmp_path):
+    _write(
+        tmp_path / "wiki",
+        **{
+            "wiki.train.raw": _lines("a", 20),
+            "extra_train-01.raw": _lines("b", 20),
+            "wiki.valid.raw": _lines("c", 5),
+            "wiki.test.raw": _lines("d", 5),
+        },
+    )
+    splits = load_splits(DataConfig(path=str(tmp_path / "wiki")))
+    assert sorted(splits["train"]) == sorted(_lines("a", 20) + _lines("b", 20))
+    assert splits["validation"] == _lines("c", 5) and splits["test"] == _lines("d", 5)
+
+
+def test_sample_by_paragraph_gives_one_document_per_paragraph(tmp_path):
+    paragraphs = [f"{WORDS[i % 8]} paragraph {i}\nits second line {i}" for i in range(12)]
+    _write(tmp_path / "p", **{"train.txt": paragraphs, "test.txt": ["a test\nparagraph"]})
+    (tmp_path / "p" / "train.txt").write_text("\n\n".join(paragraphs) + "\n")
+    by_line = load_splits(DataConfig(path=str(tmp_path / "p")))
+    by_paragraph = load_splits(DataConfig(path=str(tmp_path / "p"), sample_by="paragraph"))
+    assert len(by_line["train"]) + len(by_line["validation"]) == 24
+    docs = [d.strip() for d in by_paragraph["train"] + by_paragraph["validation"]]
+    assert sorted(docs) == sorted(paragraphs)
+    assert [d.strip() for d in by_paragraph["test"]] == ["a test\nparagraph"]
+
+
+@pytest.mark.parametrize("layout", ["file", "folder"])
+def test_an_undivided_source_is_split_by_hash(tmp_path, layout):
+    lines = _lines("doc", 400)
+    _write(tmp_path / "u", **{"corpus.txt": lines[:200], "more.txt": lines[200:]})
+    if layout == "file":
+        (tmp_path / "u" / "corpus.txt").write_text("\n".join(lines) + "\n")
+    path = tmp_path / "u" / "corpus.txt" if layout == "file" else tmp_path / "u"
+    data = DataConfig(path=str(path))
+    splits = load_splits(data)
+    assert all(splits[s] for s in ("train", "validation", "test"))
+    assert {k: sorted(v) for k, v in splits.items()} == {
+        k: sorted(v) for k, v in split_documents(lines, data).items()
+    }
+
+
+def test_missing_validation_is_carved_from_train(tmp_path, caplog):
+    train, test = _lines("trainline", 200), _lines("testmark", 20)
+    _write(tmp_path / "tt", **{"train.txt": train, "test.txt": test})
+    with caplog.at_level(logging.INFO, logger="lowbit"):
+        splits = load_splits(DataConfig(path=str(tmp_path / "tt")))
+    assert splits["test"] == test
+    assert splits["validation"] and set(splits["validation"]) <= set(train)
+    assert sorted(splits["train"] + splits["validation"]) == sorted(train)
+    assert not set(splits["train"]) & set(splits["validation"])
+    assert [r.message for r in caplog.records if "carving" in r.message] == [
+        f"data.path={tmp_path / 'tt'} has no validation split: carving it from train by hash"
+    ]
+
+
+def test_errors_name_the_file(tmp_path):
+    _write(tmp_path / "e", **{"train.txt": _lines("a", 20), "test.txt": _lines("b", 3)})
+    (tmp_path / "e" / "test.txt").write_text("")
+    with pytest.raises(LowbitError, match="test.txt is empty"):
+        load_splits(DataConfig(path=str(tmp_path / "e")))
+    (tmp_path / "e" / "test.txt").write_text("\n  \n")
+    with pytest.raises(LowbitError, match=r"test split \(test.txt\) holds no non-empty text"):
+        load_splits(DataConfig(path=str(tmp_path / "e")))
+    _write(tmp_path / "e", **{"test.txt": _lines("b", 3), "notes.txt": ["x"]})
+    with pytest.raises(LowbitError, match=r"cannot tell the split of \['notes'\]"):
+        load_splits(DataConfig(path=str(tmp_path / "e")))
+    _write(tmp_path / "t", **{"test.txt": _lines("b", 3)})
+    with pytest.raises(LowbitError, match="no train split"):
+        load_splits(DataConfig(path=str(tmp_path / "t")))
+    (tmp_path / "t" / "train.json").write_text('{"body": "x"}\n')
+    with pytest.raises(LowbitError, match="one kind"):
+        load_splits(DataConfig(path=str(tmp_path / "t")))
+    (tmp_path / "t" / "test.txt").unlink()
+    with pytest.raises(LowbitError, match="no column 'text'.*body"):
+        load_splits(DataConfig(path=str(tmp_path / "t")))

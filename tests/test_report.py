@@ -1,0 +1,32 @@
+"""report.md: built from the stage folders alone; eval.json's lm_eval scores become one table."""
+
+from __future__ import annotations
+
+import json
+
+from pipeline.report import write_report
+
+
+def test_lm_eval_scores_render_as_task_by_model_table(tmp_path):
+    ev = {
+        "ppl": {"target_fp": 12.0, "target_quantized": 13.5},
+        "lm_eval": {
+            "target_fp": {"arc_easy": {"acc": 0.5, "acc_stderr": 0.01, "acc_norm": 0.48}},
+            "target_quantized": {"arc_easy": {"acc": 0.45, "acc_stderr": 0.012}},
+        },
+    }
+    (tmp_path / "evaluate").mkdir()
+    (tmp_path / "evaluate" / "eval.json").write_text(json.dumps(ev))
+    lines = write_report(tmp_path).read_text().splitlines()
+
+    i = lines.index("## Downstream tasks (lm-evaluation-harness)")
+    assert lines[i + 2] == "| task | metric | target_fp | target_quantized |"
+    assert lines[i + 4] == "| arc_easy | acc | 0.500 ± 0.010 | 0.450 ± 0.012 |"
+    assert lines[i + 5] == "| arc_easy | acc_norm | 0.480 |  |"  # no stderr, model missing
+    assert not any("stderr" in line for line in lines[i:])
+
+
+def test_no_lm_eval_section_without_scores(tmp_path):
+    (tmp_path / "evaluate").mkdir()
+    (tmp_path / "evaluate" / "eval.json").write_text(json.dumps({"ppl": {"target_fp": 12.0}}))
+    assert "Downstream" not in write_report(tmp_path).read_text()
