@@ -270,12 +270,16 @@ def run(ctx) -> dict:
     trainer.fit(module, datamodule=datamodule, ckpt_path=resume)
 
     before, history = module.val_input, module.val_history
-    chosen = min(history, key=lambda r: r["nll"]) if history else None
+    # The check ModelCheckpoint kept (it ranks a NaN last, and the earlier of equal ones first).
+    finite = [r for r in history if math.isfinite(r["nll"])] or history
+    chosen = min(finite, key=lambda r: r["nll"]) if history else None
     if chosen is None or not best.best_model_path:
         raise LowbitError(
             "distill: training ended without a validation; check trainer.limit_val_batches "
             "and stage.distill.val_every"
         )
+    if before is None:
+        log.warning("distill: the input's validation score is unknown; using the best checkpoint")
     kept = before is not None and not chosen["nll"] < before["nll"]
     if not ctx.dist.is_main:
         return {}
@@ -331,25 +335,25 @@ def run(ctx) -> dict:
 def _metrics(before: dict | None, best: dict, kept: bool, val) -> dict[str, float]:
     """Validation-split numbers of the input, the best checkpoint and what was written."""
     out = before if kept else best
-    metrics = {
-        "val_ppl_best": _ppl(best["nll"]),
-        "val_ppl_distilled": _ppl(out["nll"]),
-        "val_kl_distilled": out["kl"],
-        "kept_input": float(kept),
-        "best_step": best["step"],
-        "val_window": val.window,
-        "val_windows": int(val.windows.shape[0]),
-        "val_tokens": val.tokens,
-    }
+    metrics: dict[str, float] = {}
     if before is not None:
         metrics.update(
-            val_ppl_fp=_ppl(before["nll_teacher"]),
-            val_ppl_quantized=_ppl(before["nll"]),
-            val_kl_quantized=before["kl"],
+            val_ppl_fp=_ppl(before["nll_teacher"]), val_ppl_quantized=_ppl(before["nll"])
         )
+    metrics.update(val_ppl_distilled=_ppl(out["nll"]), kept_input=float(kept))
+    if before is not None and metrics["val_ppl_quantized"] > metrics["val_ppl_fp"]:
         gap = metrics["val_ppl_quantized"] - metrics["val_ppl_fp"]
-        if gap > 0:
-            metrics["gap_recovered"] = (
-                metrics["val_ppl_quantized"] - metrics["val_ppl_distilled"]
-            ) / gap
+        metrics["gap_recovered"] = (
+            metrics["val_ppl_quantized"] - metrics["val_ppl_distilled"]
+        ) / gap
+    if before is not None:
+        metrics["val_kl_quantized"] = before["kl"]
+    metrics.update(
+        val_kl_distilled=out["kl"],
+        val_ppl_best=_ppl(best["nll"]),
+        best_step=best["step"],
+        val_window=val.window,
+        val_windows=int(val.windows.shape[0]),
+        val_tokens=val.tokens,
+    )
     return metrics

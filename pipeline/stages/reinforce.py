@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -280,12 +281,16 @@ def run(ctx) -> dict:
     trainer.fit(module, loader, val_loader, ckpt_path=resume)
 
     before, history = module.val_input, module.val_history
-    chosen = max(history, key=lambda r: r["alpha"]) if history else None
+    # The check ModelCheckpoint kept (it ranks a NaN last, and the earlier of equal ones first).
+    finite = [r for r in history if math.isfinite(r["alpha"])] or history
+    chosen = max(finite, key=lambda r: r["alpha"]) if history else None
     if chosen is None or not best.best_model_path:
         raise LowbitError(
             "reinforce: training ended without a validation; check trainer.limit_val_batches "
             "and stage.reinforce.val_every"
         )
+    if before is None:
+        log.warning("reinforce: the starting draft's score is unknown; using the best checkpoint")
     kept = before is not None and not chosen["alpha"] > before["alpha"]
     if not ctx.dist.is_main:
         return {}
@@ -427,7 +432,24 @@ def _report(ctx, report: dict, table: dict) -> dict:
         f"{s} {alpha['before'][s]:.3f}->{alpha['after'][s]:.3f}" for s in alpha["after"]
     )
     log.info("reinforce: alpha %s", shown)
-    metrics = {f"alpha_after_{s}": v for s, v in alpha["after"].items()}
+    val = report["validation"]
+    written = val["input"] if report["kept_input"] else val["best"]
+    # The first four make the workflow's summary line: test-split on-line alpha, and whether
+    # the starting draft was kept.
+    metrics = {
+        "alpha_before_mean": alpha["before"]["mean"],
+        "alpha_after_mean": alpha["after"]["mean"],
+        "kept_input": float(report["kept_input"]),
+    }
+    if val["input"] is not None:
+        metrics["val_alpha_tf_before_mean"] = val["input"]["alpha"]
+    metrics |= {
+        "val_alpha_tf_after_mean": written["alpha"],
+        "val_alpha_tf_best_mean": val["best"]["alpha"],
+        "best_step": val["best"]["step"],
+        "val_prompts": float(min(n for n, _ in val["prompts"].values())),
+    }
+    metrics |= {f"alpha_after_{s}": v for s, v in alpha["after"].items()}
     metrics |= {f"alpha_before_{s}": v for s, v in alpha["before"].items()}
     if "reference" in alpha:
         metrics["alpha_reference_mean"] = alpha["reference"]["mean"]
@@ -436,15 +458,4 @@ def _report(ctx, report: dict, table: dict) -> dict:
         "cost_ratio": report["cost_ratio"],
         "steps": float(report["steps"]),
     }
-    val = report["validation"]
-    written = val["input"] if report["kept_input"] else val["best"]
-    metrics |= {
-        "val_alpha_tf_best_mean": val["best"]["alpha"],
-        "val_alpha_tf_after_mean": written["alpha"],
-        "kept_input": float(report["kept_input"]),
-        "best_step": val["best"]["step"],
-        "val_prompts": float(min(n for n, _ in val["prompts"].values())),
-    }
-    if val["input"] is not None:
-        metrics["val_alpha_tf_before_mean"] = val["input"]["alpha"]
     return metrics
