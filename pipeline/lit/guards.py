@@ -189,3 +189,37 @@ def zero_trainable_state(ckpt_dir: Path, prefix: str) -> dict[str, Tensor]:
     )
     # lazy_mode: one parameter at a time is materialised (`.contiguous()`), not the whole model.
     return {k[len(prefix) :]: v.contiguous() for k, v in state.items() if k.startswith(prefix)}
+
+
+def pick_best(
+    stage: str, before: dict | None, history: list[dict], key: str, larger_is_better: bool
+) -> tuple[dict, bool]:
+    """The validation check a stage's ModelCheckpoint kept, and whether the input was as good.
+
+    Args:
+        stage: the stage's name, for the messages.
+        before: the input's validation record (None when unknown), e.g. {"step": 0, key: v}.
+        history: one record per validation during training.
+        key: the monitored metric in each record.
+        larger_is_better: True for acceptance, False for NLL.
+
+    Returns:
+        (the chosen record, True when no check beat the input: the stage hands on its input).
+    """
+    import math
+
+    # As ModelCheckpoint ranks them: a NaN last, and the earlier of equal checks first.
+    finite = [r for r in history if math.isfinite(r[key])] or history
+    if not finite:
+        from pipeline.errors import LowbitError
+
+        raise LowbitError(
+            f"{stage}: training ended without a validation; check trainer.limit_val_batches "
+            f"and stage.{stage}.val_every"
+        )
+    sign = -1.0 if larger_is_better else 1.0
+    chosen = min(finite, key=lambda r: sign * r[key])
+    if before is None:
+        log.warning("%s: the input's validation score is unknown; using the best checkpoint", stage)
+        return chosen, False
+    return chosen, not sign * chosen[key] < sign * before[key]

@@ -187,7 +187,7 @@ def run(ctx) -> dict:
         keep_full_precision,
         load_trained,
     )
-    from pipeline.lit.guards import CKPT_DIR
+    from pipeline.lit.guards import CKPT_DIR, pick_best
     from pipeline.models.hf import load_causal_lm, load_tokenizer
     from pipeline.quant.losses import layer_weights
 
@@ -269,18 +269,10 @@ def run(ctx) -> dict:
         log.info("distill: resuming from %s", resume)
     trainer.fit(module, datamodule=datamodule, ckpt_path=resume)
 
-    before, history = module.val_input, module.val_history
-    # The check ModelCheckpoint kept (it ranks a NaN last, and the earlier of equal ones first).
-    finite = [r for r in history if math.isfinite(r["nll"])] or history
-    chosen = min(finite, key=lambda r: r["nll"]) if history else None
-    if chosen is None or not best.best_model_path:
-        raise LowbitError(
-            "distill: training ended without a validation; check trainer.limit_val_batches "
-            "and stage.distill.val_every"
-        )
-    if before is None:
-        log.warning("distill: the input's validation score is unknown; using the best checkpoint")
-    kept = before is not None and not chosen["nll"] < before["nll"]
+    before = module.val_input
+    chosen, kept = pick_best("distill", before, module.val_history, "nll", larger_is_better=False)
+    if not best.best_model_path:
+        raise LowbitError("distill: no checkpoint was written; check stage.distill.val_every")
     if not ctx.dist.is_main:
         return {}
     from pipeline.models.quantized import save_quantized_model
@@ -321,7 +313,7 @@ def run(ctx) -> dict:
             "metric": "student mean next-token NLL (val/nll; ppl = exp), lower is better",
             "input": before,
             "best": chosen,
-            "history": history,
+            "history": module.val_history,
         },
         "layer_weights": weights.tolist(),
         "strategy": type(trainer.strategy).__name__,

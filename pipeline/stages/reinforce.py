@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,6 +45,7 @@ from pipeline.data.scenarios import SCENARIOS
 from pipeline.data.text import load_splits
 from pipeline.errors import ConfigError, LowbitError
 from pipeline.lit.distill import load_trained
+from pipeline.lit.guards import pick_best
 from pipeline.lit.reinforce import (
     DraftReinforce,
     LossWeights,
@@ -280,18 +280,11 @@ def run(ctx) -> dict:
     module.draft.train()
     trainer.fit(module, loader, val_loader, ckpt_path=resume)
 
-    before, history = module.val_input, module.val_history
-    # The check ModelCheckpoint kept (it ranks a NaN last, and the earlier of equal ones first).
-    finite = [r for r in history if math.isfinite(r["alpha"])] or history
-    chosen = max(finite, key=lambda r: r["alpha"]) if history else None
-    if chosen is None or not best.best_model_path:
-        raise LowbitError(
-            "reinforce: training ended without a validation; check trainer.limit_val_batches "
-            "and stage.reinforce.val_every"
-        )
-    if before is None:
-        log.warning("reinforce: the starting draft's score is unknown; using the best checkpoint")
-    kept = before is not None and not chosen["alpha"] > before["alpha"]
+    before = module.val_input
+    history = module.val_history
+    chosen, kept = pick_best("reinforce", before, history, "alpha", larger_is_better=True)
+    if not best.best_model_path:
+        raise LowbitError("reinforce: no checkpoint was written; check stage.reinforce.val_every")
     if not ctx.dist.is_main:
         return {}
 
