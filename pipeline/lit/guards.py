@@ -138,6 +138,43 @@ class NanGuard(L.Callback):
 
 
 # ------------------------------------------------------------------ checkpoints
+def best_and_last(
+    work_dir: Path, monitor: str, mode: str, patience: int | None
+) -> tuple[L.Callback, list[L.Callback]]:
+    """A training stage's checkpoints: `best.ckpt` by the validation `monitor`, `last.ckpt` to
+    resume from, both in work_dir; and early stopping after `patience` checks (None: off).
+
+    Returns:
+        (the ModelCheckpoint, whose best_model_path the stage reads; every callback to pass).
+    """
+    from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
+
+    # Both files are written right after a validation (never before it: a run resumed from a
+    # checkpoint taken before its step's validation would skip that validation). `best` is one
+    # fixed name, overwritten by each new best; `last` is what a rerun resumes from.
+    ckpt = ModelCheckpoint(
+        dirpath=str(Path(work_dir) / CKPT_DIR),
+        filename="best",
+        monitor=monitor,
+        mode=mode,
+        save_top_k=1,
+        save_last=True,
+        save_on_train_epoch_end=False,
+        auto_insert_metric_name=False,
+        enable_version_counter=False,
+    )
+    if patience is None:
+        return ckpt, [ckpt]
+    stop = EarlyStopping(monitor, patience=patience, mode=mode, check_on_train_epoch_end=False)
+    return ckpt, [ckpt, stop]
+
+
+def resume_path(work_dir: Path) -> Path:
+    """Where `best_and_last` keeps the checkpoint a rerun resumes from (a directory under
+    DeepSpeed); it exists only once a validation has run."""
+    return Path(work_dir) / CKPT_DIR / "last.ckpt"
+
+
 def checkpoint_callback(work_dir: Path, every: int) -> L.Callback:
     """Keep the latest checkpoint (`step=000123.ckpt`) every `every` steps under work_dir."""
     from lightning.pytorch.callbacks import ModelCheckpoint

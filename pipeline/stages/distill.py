@@ -145,36 +145,6 @@ def _is_deepspeed(trainer) -> bool:
     return isinstance(trainer.strategy, DeepSpeedStrategy)
 
 
-def _callbacks(ctx, p: DistillConfig):
-    """NaN guard, checkpoints (the best by validation NLL, and the last for resume) in the work
-    dir, and optional early stopping."""
-    from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
-
-    from pipeline.lit.guards import CKPT_DIR, NanGuard
-
-    guard = NanGuard() if p.nan_guard else None
-    # Both files are written right after a validation (never before it: a run resumed from a
-    # checkpoint taken before its step's validation would skip that validation). `best` is one
-    # fixed name, overwritten by each new best; `last` is what a rerun resumes from.
-    ckpt = ModelCheckpoint(
-        dirpath=str(ctx.work_dir / CKPT_DIR),
-        filename="best",
-        monitor="val/nll",
-        mode="min",
-        save_top_k=1,
-        save_last=True,
-        save_on_train_epoch_end=False,
-        auto_insert_metric_name=False,
-        enable_version_counter=False,
-    )
-    stop = None
-    if p.early_stop_patience is not None:
-        stop = EarlyStopping(
-            "val/nll", patience=p.early_stop_patience, mode="min", check_on_train_epoch_end=False
-        )
-    return guard, ckpt, [c for c in (guard, ckpt, stop) if c]
-
-
 def _ppl(nll: float) -> float:
     return math.exp(min(nll, 50.0))
 
@@ -187,7 +157,7 @@ def run(ctx) -> dict:
         keep_full_precision,
         load_trained,
     )
-    from pipeline.lit.guards import CKPT_DIR, pick_best
+    from pipeline.lit.guards import NanGuard, best_and_last, pick_best, resume_path
     from pipeline.models.hf import load_causal_lm, load_tokenizer
     from pipeline.quant.losses import layer_weights
 
@@ -242,9 +212,11 @@ def run(ctx) -> dict:
     datamodule = DistillData(
         corpus.stream("train"), seq_len, p.batch_size, samples, ctx.cfg.seed, val=val.windows
     )
-    last = ctx.work_dir / CKPT_DIR / "last.ckpt"  # a file, or a directory under DeepSpeed
+    last = resume_path(ctx.work_dir)
     resume = ctx.dist.broadcast(str(last) if ctx.dist.is_main and last.exists() else None)
-    guard, best, callbacks = _callbacks(ctx, p)
+    guard = NanGuard() if p.nan_guard else None
+    best, callbacks = best_and_last(ctx.work_dir, "val/nll", "min", p.early_stop_patience)
+    callbacks = [guard, *callbacks] if guard else callbacks
     trainer = build_trainer(
         ctx.cfg.trainer,
         max_steps=p.max_steps,

@@ -45,7 +45,7 @@ from pipeline.data.scenarios import SCENARIOS
 from pipeline.data.text import load_splits
 from pipeline.errors import ConfigError, LowbitError
 from pipeline.lit.distill import load_trained
-from pipeline.lit.guards import pick_best
+from pipeline.lit.guards import best_and_last, pick_best, resume_path
 from pipeline.lit.reinforce import (
     DraftReinforce,
     LossWeights,
@@ -263,7 +263,7 @@ def run(ctx) -> dict:
         monitor_window=p.monitor_window,
         seed=ctx.cfg.seed,
     )
-    last = ctx.work_dir / "checkpoints" / "last.ckpt"  # a directory under DeepSpeed
+    last = resume_path(ctx.work_dir)
     resume = str(last) if last.exists() else None
     trainer, best = _trainer(ctx, p, resume is not None)
     batches = ScenarioBatches(
@@ -353,32 +353,7 @@ def run(ctx) -> dict:
 
 def _trainer(ctx, p: ReinforceConfig, resuming: bool):
     """The Trainer and its checkpoint callback; every checkpoint lives in the work dir."""
-    from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
-
-    # Both files are written right after a validation (never before it: a run resumed from a
-    # checkpoint taken before its step's validation would skip that validation). `best` is one
-    # fixed name, overwritten by each new best; `last` is what a rerun resumes from.
-    ckpt = ModelCheckpoint(
-        dirpath=ctx.work_dir / "checkpoints",
-        filename="best",
-        monitor="val/alpha",
-        mode="max",
-        save_top_k=1,
-        save_last=True,
-        save_on_train_epoch_end=False,
-        auto_insert_metric_name=False,
-        enable_version_counter=False,
-    )
-    callbacks = [ckpt]
-    if p.early_stop_patience is not None:
-        callbacks.append(
-            EarlyStopping(
-                "val/alpha",
-                patience=p.early_stop_patience,
-                mode="max",
-                check_on_train_epoch_end=False,
-            )
-        )
+    ckpt, callbacks = best_and_last(ctx.work_dir, "val/alpha", "max", p.early_stop_patience)
     trainer = build_trainer(
         ctx.cfg.trainer,
         max_steps=p.max_steps,
