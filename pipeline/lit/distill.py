@@ -26,14 +26,12 @@ from __future__ import annotations
 import fnmatch
 import math
 from dataclasses import dataclass
-from pathlib import Path
 
 import lightning as L
 import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, IterableDataset
 
-from pipeline.errors import LowbitError
 from pipeline.lit.lm import RandomWindows, cosine_with_warmup
 from pipeline.quant.fakequant import FakeQuantLinear, grad_scale_factor
 from pipeline.quant.losses import distill_loss
@@ -280,27 +278,6 @@ class DistillModule(L.LightningModule):
         val = checkpoint.get("distill_val", {})
         self.val_input = val.get("input", self.val_input)
         self.val_history = list(val.get("history", []))
-
-
-def load_trained(model, path, prefix: str) -> None:
-    """Put the tensors under `prefix` of a Lightning checkpoint into `model` (in place).
-
-    `path` is a checkpoint file, or the directory DeepSpeed writes (consolidated from its ZeRO
-    shards: only the trained tensors are in it, the rest comes from `model` as loaded). Every
-    parameter of `model` that requires grad must be in the checkpoint. Used by both training
-    stages to take their best checkpoint's weights.
-    """
-    if Path(path).is_dir():
-        from pipeline.lit.guards import zero_trainable_state
-
-        state = zero_trainable_state(path, prefix=prefix)
-    else:
-        saved = torch.load(path, map_location="cpu", weights_only=False)["state_dict"]
-        state = {k[len(prefix) :]: v for k, v in saved.items() if k.startswith(prefix)}
-    wanted = {n for n, t in model.named_parameters() if t.requires_grad}
-    if wanted - set(state):
-        raise LowbitError(f"{path} lacks trained tensors {sorted(wanted - set(state))[:5]}")
-    model.load_state_dict(state, strict=False)
 
 
 class DistillData(L.LightningDataModule):

@@ -260,3 +260,24 @@ def pick_best(
         log.warning("%s: the input's validation score is unknown; using the best checkpoint", stage)
         return chosen, False
     return chosen, not sign * chosen[key] < sign * before[key]
+
+
+def load_trained(model, path, prefix: str) -> None:
+    """Put the tensors under `prefix` of a Lightning checkpoint into `model` (in place).
+
+    `path` is a checkpoint file, or the directory DeepSpeed writes (consolidated from its ZeRO
+    shards: only the trained tensors are in it, the rest comes from `model` as loaded). Every
+    parameter of `model` that requires grad must be in the checkpoint. Used by both training
+    stages to take their best checkpoint's weights.
+    """
+    if Path(path).is_dir():
+        state = zero_trainable_state(path, prefix=prefix)
+    else:
+        saved = torch.load(path, map_location="cpu", weights_only=False)["state_dict"]
+        state = {k[len(prefix) :]: v for k, v in saved.items() if k.startswith(prefix)}
+    wanted = {n for n, t in model.named_parameters() if t.requires_grad}
+    if wanted - set(state):
+        from pipeline.errors import LowbitError
+
+        raise LowbitError(f"{path} lacks trained tensors {sorted(wanted - set(state))[:5]}")
+    model.load_state_dict(state, strict=False)

@@ -155,9 +155,8 @@ def run(ctx) -> dict:
         DistillHParams,
         DistillModule,
         keep_full_precision,
-        load_trained,
     )
-    from pipeline.lit.guards import NanGuard, best_and_last, pick_best, resume_path
+    from pipeline.lit.guards import NanGuard, best_and_last, load_trained, pick_best, resume_path
     from pipeline.models.hf import load_causal_lm, load_tokenizer
     from pipeline.quant.losses import layer_weights
 

@@ -44,8 +44,7 @@ from pipeline.config import data_cfg, model_cfg, parse, positive
 from pipeline.data.scenarios import SCENARIOS
 from pipeline.data.text import load_splits
 from pipeline.errors import ConfigError, LowbitError
-from pipeline.lit.distill import load_trained
-from pipeline.lit.guards import best_and_last, pick_best, resume_path
+from pipeline.lit.guards import best_and_last, load_trained, pick_best, resume_path
 from pipeline.lit.reinforce import (
     DraftReinforce,
     LossWeights,
