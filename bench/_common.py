@@ -178,3 +178,22 @@ def machine() -> str:
     except (OSError, StopIteration):
         mem = float("nan")
     return f"{cpu}, {os.cpu_count()} cores, {mem:.0f} GiB RAM, load avg {os.getloadavg()[0]:.1f}"
+
+
+def goal(name: str, value: float, want: str, met: bool) -> dict[str, Any]:
+    """One goal row: what was measured, what it had to be, and whether it was."""
+    return {"goal": name, "value": value, "want": want, "verdict": "met" if met else "MISSED"}
+
+
+def report_goals(goals: list[dict[str, Any]], out: Path | None = None) -> int:
+    """Print (and write to ``out/goals.md``) the goals table; the exit status: 1 if one missed."""
+    if not goals:
+        print("no goal could be checked: the rows it compares are missing")
+        return 1
+    table = markdown_table(goals, ("goal", "value", "want", "verdict"))
+    print("\n" + table)
+    if out is not None:
+        (out / "goals.md").write_text(table + "\n")
+    missed = [g["goal"] for g in goals if g["verdict"] != "met"]
+    print(f"goals missed: {'; '.join(missed)}" if missed else "every goal met")
+    return 1 if missed else 0

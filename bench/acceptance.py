@@ -14,8 +14,13 @@ of speculative decoding, acceptance rate, tau, CPU tokens/s of speculative and p
 the measured speed-up and beside it the theoretical one (1 - a^(g+1)) / ((1 - a)(g c + 1)), with
 c measured per pair. Timings share the machine with whatever else runs: compare within a run.
 
+Goals (the reinforced draft against the target it was trained for, on teacher-forced alpha,
+which scores every prompt position without sampling noise; on-line alpha is printed beside it):
+alpha >= the FP draft's on the FP target, and >= the FP draft's on that same target + 0.05.
+Exits 1 when one is missed.
+
 Usage:
-  python bench/acceptance.py --run-dir outputs/smoke [--prompts 4] [--new-tokens 32]
+  python bench/acceptance.py --run-dir outputs/smoke [--prompts 16] [--new-tokens 32]
       [--gamma 4] [--prompt-len 128] [--long-len 576] [--threads N] [--out DIR] [--mlflow URI]
 """
 
@@ -24,6 +29,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import sys
 from pathlib import Path
 
 import torch
@@ -34,6 +40,9 @@ from pipeline.models.hf import load_causal_lm, load_tokenizer
 from pipeline.quant.rtn import quantize_rtn
 from pipeline.spec.evaluation import acceptance_table, column, heldout_scenarios, plot_acceptance
 from pipeline.stages.reinforce import load_model
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import goal, report_goals  # noqa: E402
 
 SELF_FORMATS = {"self_int3": "int3g128", "self_int2": "int2g64"}
 COLUMNS = (
@@ -60,8 +69,8 @@ def rtn_copy(model: torch.nn.Module, fmt: str) -> torch.nn.Module:
     return out.eval()
 
 
-def collect_models(run_dir: Path) -> tuple[dict, dict, list[tuple[str, str]], Path]:
-    """(targets, drafts, pairs, FP target dir) from a run directory."""
+def collect_models(run_dir: Path) -> tuple[dict, dict, list[tuple[str, str]], Path, str | None]:
+    """(targets, drafts, pairs, FP target dir, the target the draft was reinforced against)."""
     boot = run_dir / "bootstrap"
     target_dir, draft_dir = boot / "target", boot / "draft"
     if not (target_dir / "config.json").is_file():
@@ -77,11 +86,32 @@ def collect_models(run_dir: Path) -> tuple[dict, dict, list[tuple[str, str]], Pa
         drafts["draft_fp"] = load_causal_lm(draft_dir)
         pairs = [("draft_fp", t) for t in targets if t != "target_int8"] + pairs
     report = run_dir / "reinforce" / "reinforce.json"
+    trained_on = None
     if report.is_file():
         drafts["draft_reinforced"] = load_model(run_dir / "reinforce" / "draft", allow_bin=False)
         trained_on = json.loads(report.read_text())["target"]
         pairs = [("draft_reinforced", t) for t in dict.fromkeys([trained_on, "target_fp"])] + pairs
-    return targets, drafts, pairs, target_dir
+    return targets, drafts, pairs, target_dir, trained_on
+
+
+def acceptance_goals(table: dict, trained_on: str | None, gain: float = 0.05) -> list[dict]:
+    """The module docstring's goals, on the mean over scenarios of teacher-forced alpha."""
+    mean = {pair: per["mean"]["alpha_tf"] for pair, per in table.items()}
+    ours, fp = f"draft_reinforced@{trained_on}", "draft_fp@target_fp"
+    same = f"draft_fp@{trained_on}"
+    if trained_on is None or ours not in mean:
+        return []
+    goals = []
+    if fp in mean:
+        goals.append(
+            goal(f"{ours} >= {fp}", mean[ours], f">= {mean[fp]:.4f}", mean[ours] >= mean[fp])
+        )
+    if same in mean:
+        want = mean[same] + gain
+        goals.append(
+            goal(f"{ours} >= {same} + {gain}", mean[ours], f">= {want:.4f}", mean[ours] >= want)
+        )
+    return goals
 
 
 def markdown(table: dict) -> str:
@@ -96,11 +126,11 @@ def markdown(table: dict) -> str:
     return "\n".join(rows)
 
 
-def main() -> None:
+def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--run-dir", type=Path, required=True)
     ap.add_argument("--data-path", default=None, help="the run's data.path (null = built-in)")
-    ap.add_argument("--prompts", type=int, default=4, help="held-out prompts per scenario")
+    ap.add_argument("--prompts", type=int, default=16, help="held-out prompts per scenario")
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--gamma", type=int, default=4)
     ap.add_argument("--temperature", type=float, default=1.0)
@@ -114,7 +144,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    targets, drafts, pairs, target_dir = collect_models(args.run_dir)
+    targets, drafts, pairs, target_dir, trained_on = collect_models(args.run_dir)
     data = DataConfig(path=args.data_path)
     docs = load_splits(data)
     scenarios = heldout_scenarios(
@@ -166,7 +196,8 @@ def main() -> None:
                         {f"{pair}.{scen}.{k}".replace("@", "_at_"): v for k, v in m.items()}
                     )
             mlflow.log_artifacts(str(args.out))
+    return report_goals(acceptance_goals(table, trained_on), args.out)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -36,10 +36,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (  # noqa: E402
     PeakRSS,
     compose,
+    goal,
     last_json_line,
     log_mlflow,
     machine,
     markdown_table,
+    report_goals,
     rss_mib,
     run_child,
     write_csv,
@@ -208,7 +210,7 @@ def llmc_rows(args, target: Path, data: Path, fp_ppl: float) -> list[dict]:
     return rows
 
 
-def main() -> None:
+def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("overrides", nargs="*", help="config overrides (data, quant.calib, seed)")
     p.add_argument("--model", help="FP HF checkpoint dir (default: the smoke bootstrap target)")
@@ -278,7 +280,31 @@ def main() -> None:
         args.tracking_uri, "lowbit-bench", "quality", rows, "row",
         {"target": target, "overrides": base, "calib": list(calib.shape)}, [csv_path],
     )  # fmt: skip
+    return report_goals(quality_goals(rows), out)
+
+
+def quality_goals(rows: list[dict]) -> list[dict]:
+    """lowbit GPTQ <= llmcompressor GPTQ per format; the 2.5-bit plan <= uniform GPTQ int3g128
+    (after distillation when the run has that row, which is the goal; before it, the stretch)."""
+    ppl = {r["row"]: r["ppl"] for r in rows}
+    goals = []
+    for name in [n for n in ppl if n.startswith("lowbit gptq ")]:
+        peer = name.replace("lowbit", "llmcompressor", 1)
+        if peer in ppl:
+            goals.append(goal(f"{name} <= {peer}", ppl[name], f"<= {ppl[peer]:.6g}",
+                              ppl[name] <= ppl[peer]))  # fmt: skip
+    uniform = ppl.get("lowbit gptq int3g128")
+    plan = ppl.get("lowbit mixed@2.5+distill", ppl.get("lowbit mixed@2.5"))
+    if uniform is not None and plan is not None:
+        name = "lowbit mixed@2.5" + ("+distill" if "lowbit mixed@2.5+distill" in ppl else "")
+        goals.append(goal(f"{name} <= lowbit gptq int3g128", plan, f"<= {uniform:.6g}",
+                          plan <= uniform))  # fmt: skip
+    if uniform is not None and "lowbit mixed@2.5+distill" in ppl and "lowbit mixed@2.5" in ppl:
+        before = ppl["lowbit mixed@2.5"]  # reported, not a goal
+        print(f"stretch: lowbit mixed@2.5 before distillation {before:.6g} vs int3g128 "
+              f"{uniform:.6g}: {'met' if before <= uniform else 'missed'}")  # fmt: skip
+    return goals
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

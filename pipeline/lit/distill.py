@@ -3,9 +3,13 @@
 The student is the quantized model with every quantized linear a FakeQuantLinear (straight-
 through estimator); the teacher is the FP model. Both see the same windows; the loss is
 `pipeline.quant.losses.distill_loss` (α·KL at temperature τ + β·Σ_l w_l·d_l). What trains is a
-choice (EfficientQAT's finding is that step sizes alone recover most of the gap at a fraction of
-the memory): `scales` (scale/zero of every quantized linear, codes frozen), `weights` (also the
-latent weights, codes re-derived by rounding) and `norms` (also the RMSNorm gains).
+choice (EfficientQAT trains step sizes alone end to end, at a fraction of the memory; on the
+default model that recovered a quarter of a 2-bit gap, and re-fitting the float-kept layers most
+of the rest, docs/benchmarks.md): `scales` (scale/zero of every quantized linear, codes
+frozen), `weights` (also the latent weights, codes re-derived by rounding), `norms` (also the
+RMSNorm gains) and `float` (also the layers the quantizer kept in float, `quant.keep_float`:
+embeddings and lm_head, which stay float in every export, so the model can re-fit its output
+layer to the quantized body).
 
 The teacher is a registered submodule so that DeepSpeed ZeRO-3 shards it like the student (a
 70B teacher does not fit one device); it stays frozen and in eval mode, and its tensors are
@@ -36,7 +40,7 @@ from pipeline.lit.lm import RandomWindows, cosine_with_warmup
 from pipeline.quant.fakequant import FakeQuantLinear, grad_scale_factor
 from pipeline.quant.losses import distill_loss
 
-TRAINABLE = ("scales", "weights", "norms")
+TRAINABLE = ("scales", "weights", "norms", "float")
 
 
 @dataclass(frozen=True)
@@ -46,6 +50,7 @@ class DistillHParams:
     max_steps: int
     lr: float = 1e-4
     weight_lr: float = 1e-5
+    float_lr: float = 5e-4
     warmup_steps: int = 0
     weight_decay: float = 0.0
     alpha: float = 1.0
@@ -55,11 +60,18 @@ class DistillHParams:
 
 
 # ------------------------------------------------------------------ student set-up
+def train_sets_problem(train: list[str]) -> str | None:
+    """Why `train` is not a valid choice of trainable sets, or None when it is."""
+    if set(train) - set(TRAINABLE) or "scales" not in train or len(set(train)) != len(train):
+        return f"must contain 'scales', each once, and only {', '.join(TRAINABLE)}"
+    return None
+
+
 def set_trainable(student: nn.Module, train: list[str]) -> dict[str, list[nn.Parameter]]:
     """Freeze the student except the chosen sets; returns {set: its parameters}."""
-    unknown = set(train) - set(TRAINABLE)
-    if unknown or "scales" not in train:
-        raise ValueError(f"train={train}: must contain 'scales' and only {', '.join(TRAINABLE)}")
+    problem = train_sets_problem(train)
+    if problem:
+        raise ValueError(f"train={train}: {problem}")
     student.requires_grad_(False)
     groups: dict[str, list[nn.Parameter]] = {k: [] for k in TRAINABLE}
     for module in student.modules():
@@ -69,6 +81,10 @@ def set_trainable(student: nn.Module, train: list[str]) -> dict[str, list[nn.Par
                 groups["weights"] += [p for p in (module.weight, module.bias) if p is not None]
         elif "norms" in train and "norm" in type(module).__name__.lower():
             groups["norms"] += list(module.parameters(recurse=False))
+        elif "float" in train and isinstance(module, (nn.Linear, nn.Embedding)):
+            groups["float"] += list(module.parameters(recurse=False))
+    # Tied embeddings: lm_head and embed_tokens share one tensor, which the optimizer takes once.
+    groups["float"] = list({id(p): p for p in groups["float"]}.values())
     for params in groups.values():
         for p in params:
             p.requires_grad_(True)
@@ -254,6 +270,7 @@ class DistillModule(L.LightningModule):
             ("scales", hp.lr, 0.0),
             ("weights", hp.weight_lr, hp.weight_decay),
             ("norms", hp.lr, 0.0),
+            ("float", hp.float_lr, hp.weight_decay),
         ]
         param_groups = [
             {"params": self.groups[k], "lr": lr, "weight_decay": wd, "name": k}

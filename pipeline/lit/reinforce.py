@@ -7,6 +7,7 @@ exactly as speculative decoding would (:func:`pipeline.spec.rollout.draft_rollou
 
     pg_weight * -(A * sum_k log q_T(x_k))             A = R - moving baseline,
   + tvd_weight * TVD(p, q) on the verified positions   (= 1 - expected acceptance there),
+  + context_tvd_weight * TVD(p, q) on K context positions (teacher-forced),
   + kl_weight * KL(q || q_start)                        (anchor to the starting draft),
 
 with R = w_a * accepted / gamma + w_t * (accepted + 1) / ((gamma * c + 1) * (gamma + 1)).
@@ -18,7 +19,11 @@ after the first rejection influence no reward and are left out of both terms (pu
 
 Trade-off: the TVD term alone is on-policy distillation (DistillSpec); the reward adds what it
 cannot see (acceptance compounding along the block, the draft's cost), at the price of a noisy
-gradient, hence the baseline and the small default weight of the KL anchor.
+gradient, hence the baseline and the small default weight of the KL anchor. The on-policy terms
+see at most gamma positions per context; the context term is DistillSpec's fixed-data half: the
+same TVD on K random positions of the scenario text itself, teacher-forced, whose target logits
+come from the verification forward (no extra target pass). It gives the small draft K/gamma
+times more signal per step, on the text it will be asked to continue.
 
 A quantized draft (FakeQuantLinear layers) trains only its step sizes and zero points, as the
 distill stage does; the target and the reference draft are frozen and kept out of checkpoints.
@@ -67,14 +72,21 @@ class LossWeights:
     kl: float = 0.05
     w_acceptance: float = 0.7
     w_throughput: float = 0.3
+    context_tvd: float = 0.0
+
+
+def logits_at(model: torch.nn.Module, sequences: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Logits of ``sequences`` (B, S) at the positions ``rows`` (K,) -> (B, K, V)."""
+    if "logits_to_keep" in inspect.signature(model.forward).parameters:
+        # Only these rows go through the vocabulary projection.
+        return model(input_ids=sequences, logits_to_keep=rows.to(sequences.device)).logits
+    return model(input_ids=sequences).logits[:, rows.to(sequences.device)]
 
 
 def proposal_logits(model: torch.nn.Module, sequences: torch.Tensor, gamma: int) -> torch.Tensor:
     """Logits predicting the last gamma tokens of ``sequences`` (B, T + G) -> (B, G, V)."""
-    if "logits_to_keep" in inspect.signature(model.forward).parameters:
-        # Only the last G + 1 rows go through the vocabulary projection.
-        return model(input_ids=sequences, logits_to_keep=gamma + 1).logits[:, :gamma]
-    return model(input_ids=sequences).logits[:, -gamma - 1 : -1]
+    s = sequences.shape[1]
+    return logits_at(model, sequences, torch.arange(s - gamma - 1, s - 1))
 
 
 def reinforce_loss(
@@ -90,15 +102,24 @@ def reinforce_loss(
     weights: LossWeights,
     advantages: Callable[[torch.Tensor], torch.Tensor],
     generator: torch.Generator | None = None,
+    context_positions: int = 0,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """One on-policy round on ``contexts`` (B, T) and the loss of the module docstring.
 
     Args:
         advantages: rewards (B,) -> advantages (B,), e.g. ``MovingAverageBaseline.advantages``.
+        context_positions: K, the context positions (drawn from ``generator``, the same for
+            every row) of the context TVD term; used when ``weights.context_tvd`` > 0.
 
     Returns:
         (loss with gradient into ``draft``, detached statistics for logging).
     """
+    t = contexts.shape[1]
+    rows = None  # (K,) context positions of the context term, each predicting the next token
+    if weights.context_tvd > 0 and context_positions > 0 and t > 1:
+        device = generator.device if generator is not None else "cpu"
+        perm = torch.randperm(t - 1, generator=generator, device=device)
+        rows = perm[:context_positions].sort().values.cpu()
     ro = draft_rollout(
         target,
         draft,
@@ -107,11 +128,19 @@ def reinforce_loss(
         temperature=temperature,
         draft_temperature=draft_temp,
         generator=generator,
+        context_positions=rows,
     )
     ver = ro.verification
     # (B, G) positions whose acceptance test ran: the accepted prefix and the first rejection.
     mask = torch.arange(gamma, device=ver.n_verified.device) < ver.n_verified[:, None]
-    q_logits = proposal_logits(draft, ro.sequences, gamma)  # (B, G, V_q), with grad
+    proposed = torch.arange(t - 1, t + gamma - 1)
+    if rows is None:
+        q_logits = logits_at(draft, ro.sequences, proposed)  # (B, G, V_q), with grad
+        context_tvd = torch.zeros((), device=q_logits.device)
+    else:  # one draft forward for both terms
+        q_all = logits_at(draft, ro.sequences, torch.cat([rows, proposed]))  # (B, K + G, V_q)
+        q_logits = q_all[:, -gamma:]
+        context_tvd = tvd_loss(ro.p_context.to(q_all.device), q_all[:, :-gamma], None, temperature)
     with torch.no_grad():
         ref_logits = proposal_logits(reference, ro.sequences, gamma)
     vocab = min(q_logits.shape[-1], ro.p_logits.shape[-1])  # proposals come from the shared rows
@@ -123,12 +152,13 @@ def reinforce_loss(
     pg = policy_gradient_loss(logq, adv.to(logq.device), mask)
     tvd = tvd_loss(ro.p_logits[:, :gamma].to(q_logits.device), q_logits, mask, temperature)
     kl = kl_to_reference(q_logits, ref_logits, mask)
-    loss = weights.pg * pg + weights.tvd * tvd + weights.kl * kl
+    loss = weights.pg * pg + weights.tvd * tvd + weights.kl * kl + weights.context_tvd * context_tvd
     stats = {
         "reward": reward.mean().item(),
         "acceptance": ver.n_accepted.float().mean().item() / gamma,
         "alpha": (ver.beta * mask).sum().item() / mask.sum().clamp_min(1).item(),
         "tvd": tvd.item(),
+        "context_tvd": context_tvd.item(),
         "kl": kl.item(),
         "pg": pg.item(),
         "draft_temperature": draft_temp,
@@ -242,6 +272,7 @@ class DraftReinforce(L.LightningModule):
         baseline_momentum: float = 0.9,
         monitor_window: int = 20,
         seed: int = 0,
+        context_positions: int = 0,
     ):
         super().__init__()
         self.draft = draft
@@ -249,6 +280,7 @@ class DraftReinforce(L.LightningModule):
         self._frozen = (target.eval().requires_grad_(False), reference)
         self.gamma, self.temperature, self.draft_t0 = gamma, temperature, draft_t0
         self.cost_ratio, self.weights, self.seed = cost_ratio, weights, seed
+        self.context_positions = context_positions
         self.lr, self.warmup, self.max_steps = lr, warmup, max_steps
         self.baseline = MovingAverageBaseline(baseline_momentum)
         self.window: deque[float] = deque(maxlen=monitor_window)
@@ -293,6 +325,7 @@ class DraftReinforce(L.LightningModule):
             cost_ratio=self.cost_ratio,
             weights=self.weights,
             advantages=self._advantages,
+            context_positions=self.context_positions,
             generator=gen,
         )
         self.window.append(stats["alpha"])

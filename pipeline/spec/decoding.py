@@ -53,8 +53,13 @@ class CachedLM:
         self.cache = None
         self.length = 0  # tokens held by the cache
 
-    def forward(self, tokens: torch.Tensor, keep: int | None = None) -> torch.Tensor:
-        """Feed (B, n) tokens after the cached ones; returns (B, keep or n, V) logits."""
+    def forward(self, tokens: torch.Tensor, keep: int | torch.Tensor | None = None) -> torch.Tensor:
+        """Feed (B, n) tokens after the cached ones; returns their logits (B, k, V).
+
+        Args:
+            keep: the last ``keep`` rows (int), the rows at these indices into the n fed
+                tokens (1-D tensor), or every row (None).
+        """
         n = tokens.shape[-1]
         position_ids = torch.arange(self.length, self.length + n, device=self.device)[None]
         kwargs = {} if self.cache is None else {self._cache_kw: self.cache}
@@ -72,7 +77,9 @@ class CachedLM:
             )
         self.length += n
         logits = out.logits
-        return logits if keep is None else logits[:, -keep:]
+        if keep is None or self._keep_kw:  # (the model kept the rows itself)
+            return logits
+        return logits[:, -keep:] if isinstance(keep, int) else logits[:, keep.to(logits.device)]
 
     def rollback(self, length: int) -> None:
         """Keep only the first ``length`` cached tokens."""

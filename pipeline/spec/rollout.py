@@ -36,6 +36,7 @@ class Rollout:
         q_logits: (B, G, V_q) draft logits the proposals were sampled from.
         verification: accepted counts, correction/bonus tokens and beta per position.
         context_len: T.
+        p_context: (B, K, V) target logits at the requested context positions, or None.
     """
 
     sequences: torch.Tensor
@@ -44,6 +45,7 @@ class Rollout:
     q_logits: torch.Tensor
     verification: Verification
     context_len: int
+    p_context: torch.Tensor | None = None
 
     def draft_positions(self) -> slice:
         """Positions of ``sequences`` whose logits predict the proposals (T - 1 .. T + G - 2)."""
@@ -61,6 +63,7 @@ def draft_rollout(
     temperature: float = 1.0,
     draft_temperature: float | None = None,
     generator: torch.Generator | None = None,
+    context_positions: torch.Tensor | None = None,
 ) -> Rollout:
     """Propose ``gamma`` tokens per context with the draft and verify them with the target.
 
@@ -74,6 +77,9 @@ def draft_rollout(
             training); verification stays exact because it uses the distribution each proposal
             was actually drawn from. None = ``temperature``.
         generator: randomness for proposals and verification.
+        context_positions: (K,) indices < T - 1 into the contexts whose target logits (each
+            predicting the next context token) the rollout also returns, from the same target
+            forward: what a teacher-forced loss on the contexts needs, at no extra forward.
 
     Returns:
         The :class:`Rollout`.
@@ -101,7 +107,13 @@ def draft_rollout(
     tokens_t = torch.stack(tokens, dim=1)  # (B, G)
     sequences = torch.cat([contexts.to(tokens_t.device), tokens_t], dim=1)  # (B, T + G)
     # The target reads every proposal in one forward; a fresh cache, so positions start at 0.
-    p_logits = CachedLM(target).forward(sequences, keep=gamma + 1)  # (B, G + 1, V)
+    t = contexts.shape[1]
+    keep: int | torch.Tensor = gamma + 1
+    if context_positions is not None:
+        keep = torch.cat([context_positions.cpu(), torch.arange(t - 1, t + gamma)])
+    p_all = CachedLM(target).forward(sequences, keep=keep)  # (B, K + G + 1, V)
+    p_logits = p_all[:, -gamma - 1 :]  # (B, G + 1, V)
+    p_context = None if context_positions is None else p_all[:, : -gamma - 1]
     p = logits_to_probs(p_logits, temperature)
     verification = verify_draft(
         tokens_t.to(p.device),
@@ -116,5 +128,6 @@ def draft_rollout(
         p_logits=p_logits,
         q_logits=torch.stack(q_logits, dim=1),
         verification=verification,
-        context_len=contexts.shape[1],
+        context_len=t,
+        p_context=p_context,
     )

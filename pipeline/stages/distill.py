@@ -34,6 +34,7 @@ from pipeline.config import data_cfg, model_cfg, parse, positive
 from pipeline.data.heldout import heldout
 from pipeline.data.text import Corpus
 from pipeline.errors import ConfigError, LowbitError
+from pipeline.lit.distill import train_sets_problem
 from pipeline.lit.trainer import build_trainer, trainer_kwargs
 
 NEEDS: tuple[str, ...] = ("quantize",)
@@ -43,7 +44,6 @@ DISTRIBUTED = True  # every rank trains under the Lightning strategy
 
 log = logging.getLogger("lowbit")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-_TRAIN_SETS = (["scales"], ["scales", "weights"], ["scales", "weights", "norms"])
 
 
 @dataclass(frozen=True)
@@ -51,11 +51,12 @@ class DistillConfig:
     max_steps: int = 300
     batch_size: int = 8
     seq_len: int | None = None
-    lr: float = 5e-4
+    lr: float = 2e-3
     weight_lr: float = 1e-5
+    float_lr: float = 2e-3
     warmup_steps: int = 30
     weight_decay: float = 0.0
-    train: list[str] = field(default_factory=lambda: ["scales"])
+    train: list[str] = field(default_factory=lambda: ["scales", "norms", "float"])
     alpha: float = 1.0
     beta: float = 0.1
     temperature: float = 1.0
@@ -78,6 +79,7 @@ class DistillConfig:
             batch_size=self.batch_size,
             lr=self.lr,
             weight_lr=self.weight_lr,
+            float_lr=self.float_lr,
             temperature=self.temperature,
             ckpt_every=self.ckpt_every,
             seq_len=self.seq_len,
@@ -85,12 +87,9 @@ class DistillConfig:
             val_every=self.val_every,
             early_stop_patience=self.early_stop_patience,
         )
-        if sorted(self.train) not in [sorted(t) for t in _TRAIN_SETS]:
-            raise ConfigError(
-                f"{prefix}.train",
-                f"is {self.train}",
-                " or ".join(str(t).replace("'", "") for t in _TRAIN_SETS),
-            )
+        problem = train_sets_problem(list(self.train))
+        if problem:
+            raise ConfigError(f"{prefix}.train", f"is {list(self.train)}", problem)
         if not 1.0 <= self.clip_norm <= 3.0:
             raise ConfigError(
                 f"{prefix}.clip_norm", f"is {self.clip_norm}", "1.0 <= clip_norm <= 3.0"
@@ -199,6 +198,7 @@ def run(ctx) -> dict:
         max_steps=p.max_steps,
         lr=p.lr,
         weight_lr=p.weight_lr,
+        float_lr=p.float_lr,
         warmup_steps=p.warmup_steps,
         weight_decay=p.weight_decay,
         alpha=p.alpha,

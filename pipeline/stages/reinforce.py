@@ -69,7 +69,7 @@ class ReinforceConfig:
     max_steps: int = 300
     batch_size: int = 8
     gamma: int = 4
-    lr: float = 1e-3
+    lr: float = 3e-3
     warmup_steps: int = 10
     temperature: float = 1.0
     draft_t0: float = 1.0
@@ -79,6 +79,8 @@ class ReinforceConfig:
     pg_weight: float = 0.1
     tvd_weight: float = 1.0
     kl_weight: float = 0.05
+    context_tvd_weight: float = 4.0
+    context_positions: int = 64
     grad_clip: float = 1.0
     cost_ratio: float | None = None
     quant_grad_scale: Literal["bits", "lsq", "none"] = "bits"
@@ -120,6 +122,8 @@ class ReinforceConfig:
             "pg_weight",
             "tvd_weight",
             "kl_weight",
+            "context_tvd_weight",
+            "context_positions",
             "warmup_steps",
         ):
             if getattr(self, key) < 0:
@@ -254,13 +258,21 @@ def run(ctx) -> dict:
         temperature=p.temperature,
         draft_t0=p.draft_t0,
         cost_ratio=p.cost_ratio,
-        weights=LossWeights(p.pg_weight, p.tvd_weight, p.kl_weight, p.w_acceptance, p.w_throughput),
+        weights=LossWeights(
+            pg=p.pg_weight,
+            tvd=p.tvd_weight,
+            kl=p.kl_weight,
+            w_acceptance=p.w_acceptance,
+            w_throughput=p.w_throughput,
+            context_tvd=p.context_tvd_weight,
+        ),
         lr=p.lr,
         warmup=p.warmup_steps,
         max_steps=p.max_steps,
         baseline_momentum=p.baseline_momentum,
         monitor_window=p.monitor_window,
         seed=ctx.cfg.seed,
+        context_positions=p.context_positions,
     )
     last = resume_path(ctx.work_dir)
     resume = str(last) if last.exists() else None

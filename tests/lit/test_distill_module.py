@@ -133,7 +133,14 @@ def test_lsq_factor_follows_the_layer_size():
 
 
 @pytest.mark.parametrize(
-    "train", [["scales"], ["scales", "weights"], ["scales", "weights", "norms"]]
+    "train",
+    [
+        ["scales"],
+        ["scales", "weights"],
+        ["scales", "weights", "norms"],
+        ["scales", "norms", "float"],
+        ["scales", "weights", "norms", "float"],
+    ],
 )
 def test_trainable_sets(train):
     module = make_module(train=tuple(train))
@@ -142,10 +149,18 @@ def test_trainable_sets(train):
     assert any(n.endswith(".scale") for n in names)
     assert any(n.endswith("proj.weight") for n in names) == ("weights" in train)
     assert any("norm" in n for n in names) == ("norms" in train)
-    assert not any("embed" in n or "lm_head" in n for n in names)
+    floats = {"model.embed_tokens.weight", "lm_head.weight"} & set(
+        dict(module.student.named_parameters())
+    )
+    assert (floats <= names if "float" in train else not floats & names) and floats
+    # Every trainable parameter is in exactly one optimizer group.
+    groups = module.configure_optimizers()["optimizer"].param_groups
+    grouped = [id(p) for g in groups for p in g["params"]]
+    assert len(grouped) == len(set(grouped)) == len(names)
     assert not any(p.requires_grad for p in module.teacher.parameters())
-    with pytest.raises(ValueError, match="scales"):
-        set_trainable(module.student, ["weights"])
+    for bad in (["weights"], ["scales", "scales"], ["scales", "head"]):
+        with pytest.raises(ValueError, match="scales"):
+            set_trainable(module.student, bad)
 
 
 def test_full_precision_modules_under_bf16_autocast():

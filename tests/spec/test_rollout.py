@@ -54,3 +54,15 @@ def test_rollout_drives_a_training_step(target, near_draft, perturb, contexts):
 def test_rollout_rejects_bad_contexts(target):
     with pytest.raises(ValueError, match="contexts"):
         draft_rollout(target, target, torch.zeros(3, dtype=torch.long), gamma=2)
+
+
+def test_rollout_returns_the_target_logits_at_requested_context_positions(
+    target, near_draft, contexts
+):
+    rows = torch.tensor([0, 3, 8])  # < T - 1 = 9: each predicts a context token
+    ro = draft_rollout(target, near_draft, contexts, gamma=2, temperature=0, context_positions=rows)
+    with torch.no_grad():
+        full_p = target(input_ids=ro.sequences).logits
+    assert torch.allclose(ro.p_context, full_p[:, rows], atol=1e-5)
+    assert torch.allclose(ro.p_logits, full_p[:, -3:], atol=1e-5)  # unchanged by the extra rows
+    assert draft_rollout(target, near_draft, contexts, gamma=2, temperature=0).p_context is None

@@ -164,6 +164,8 @@ def test_end_to_end_bf16_with_attention_and_hidden_matching(detuned, tmp_path):
         ("stage.distill.clip_norm=0.5", "stage.distill.clip_norm"),
         ("stage.distill.clip_norm=3.5", "stage.distill.clip_norm"),
         ("stage.distill.train=[weights]", "stage.distill.train"),
+        ("stage.distill.train=[scales,embeddings]", "stage.distill.train"),
+        ("stage.distill.float_lr=0", "stage.distill.float_lr"),
         ("stage.distill.grad_scale=sqrt", "stage.distill.grad_scale"),
         ("stage.distill.teacher_dtype=float8", "stage.distill.teacher_dtype"),
         ("stage.distill.match=logits", "stage.distill.match"),

@@ -217,6 +217,8 @@ def test_no_draft_means_self_speculation_and_a_skip(boot, tmp_path):
         ("stage.reinforce.baseline_momentum=1.0", "baseline_momentum"),
         ("stage.reinforce.quant_grad_scale=fancy", "quant_grad_scale"),
         ("stage.reinforce.tvd_weight=-1", "tvd_weight"),
+        ("stage.reinforce.context_tvd_weight=-1", "context_tvd_weight"),
+        ("stage.reinforce.context_positions=-4", "context_positions"),
         ("stage.reinforce.val_prompts=0", "val_prompts"),
         ("stage.reinforce.val_every=0", "val_every"),
         ("stage.reinforce.early_stop_patience=0", "early_stop_patience"),
