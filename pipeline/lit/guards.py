@@ -14,7 +14,6 @@ together. The cost is one copy of the trainable state (small for scale-only trai
 from __future__ import annotations
 
 import logging
-import re
 from pathlib import Path
 
 import lightning as L
@@ -173,40 +172,6 @@ def resume_path(work_dir: Path) -> Path:
     """Where `best_and_last` keeps the checkpoint a rerun resumes from (a directory under
     DeepSpeed); it exists only once a validation has run."""
     return Path(work_dir) / CKPT_DIR / "last.ckpt"
-
-
-def checkpoint_callback(work_dir: Path, every: int) -> L.Callback:
-    """Keep the latest checkpoint (`step=000123.ckpt`) every `every` steps under work_dir."""
-    from lightning.pytorch.callbacks import ModelCheckpoint
-
-    return ModelCheckpoint(
-        dirpath=str(Path(work_dir) / CKPT_DIR),
-        filename="{step:06d}",
-        every_n_train_steps=every,
-        save_top_k=1,
-        monitor="step",
-        mode="max",
-        save_last=False,
-        save_on_train_epoch_end=False,
-        enable_version_counter=False,
-    )
-
-
-_STEP_RE = re.compile(r"step=(\d+)")
-
-
-def checkpoint_step(path: Path) -> int:
-    m = _STEP_RE.search(Path(path).name)
-    return int(m.group(1)) if m else -1
-
-
-def last_checkpoint(work_dir: Path) -> Path | None:
-    """The checkpoint with the highest step under work_dir (a file, or a DeepSpeed directory)."""
-    root = Path(work_dir) / CKPT_DIR
-    if not root.is_dir():
-        return None
-    found = [p for p in root.iterdir() if p.name.endswith(".ckpt") and checkpoint_step(p) >= 0]
-    return max(found, key=checkpoint_step, default=None)
 
 
 def zero_trainable_state(ckpt_dir: Path, prefix: str) -> dict[str, Tensor]:

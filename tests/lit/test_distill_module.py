@@ -17,7 +17,7 @@ from pipeline.lit.distill import (
     keep_full_precision,
     set_trainable,
 )
-from pipeline.lit.guards import NanGuard, checkpoint_callback, checkpoint_step, last_checkpoint
+from pipeline.lit.guards import NanGuard, best_and_last, resume_path
 from pipeline.quant.fakequant import FakeQuantLinear, grad_scale_factor
 
 VOCAB, SEQ = 64, 8
@@ -204,7 +204,7 @@ class CrashAtStep3(L.Callback):
             raise RuntimeError("killed")
 
 
-def fit(module, max_steps, callbacks, ckpt_path=None):
+def fit(module, max_steps, callbacks, ckpt_path=None, val=None, val_every=None):
     trainer = L.Trainer(
         accelerator="cpu",
         devices=1,
@@ -215,9 +215,11 @@ def fit(module, max_steps, callbacks, ckpt_path=None):
         enable_model_summary=False,
         gradient_clip_val=1.0,
         callbacks=callbacks,
+        val_check_interval=val_every,
+        check_val_every_n_epoch=None if val_every else 1,
     )
     stream = torch.randint(0, VOCAB, (400,), generator=torch.Generator().manual_seed(1))
-    data = DistillData(stream, SEQ, batch_size=2, samples=2 * max_steps, seed=0)
+    data = DistillData(stream, SEQ, batch_size=2, samples=2 * max_steps, seed=0, val=val)
     trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
     return trainer
 
@@ -238,16 +240,25 @@ def test_nan_guard_skips_restores_and_halves_lr():
 
 
 def test_resume_continues_at_the_checkpointed_step(tmp_path):
+    """The stages' checkpoints (best_and_last, written after each validation) resume a killed
+    run at the step of its last validation, with that step's weights."""
+    val = torch.randint(0, VOCAB, (4, SEQ), generator=torch.Generator().manual_seed(2))
+
+    def run(callbacks, ckpt_path=None):
+        _, ckpts = best_and_last(tmp_path, "val/nll", "min", None)
+        return fit(make_module(max_steps=5), 5, [*ckpts, *callbacks], ckpt_path, val, 2)
+
+    def step_of(path) -> int:
+        return torch.load(path, map_location="cpu", weights_only=False)["global_step"]
+
     first = Recorder()
     with pytest.raises(RuntimeError, match="killed"):
-        fit(make_module(max_steps=5), 5, [checkpoint_callback(tmp_path, 2), CrashAtStep3(), first])
-    ckpt = last_checkpoint(tmp_path)
-    assert ckpt is not None and checkpoint_step(ckpt) == 2
+        run([CrashAtStep3(), first])
+    ckpt = resume_path(tmp_path)
+    assert ckpt.exists() and step_of(ckpt) == 2
     second = Recorder()
-    trainer = fit(
-        make_module(max_steps=5), 5, [checkpoint_callback(tmp_path, 2), second], ckpt_path=str(ckpt)
-    )
+    trainer = run([second], ckpt_path=str(ckpt))
     assert second.starts[0] == 2 and trainer.global_step == 5
     for a, b in zip(second.at_start, first.after[1]):  # the weights of step 2, not the init's
         assert torch.equal(a, b)
-    assert checkpoint_step(last_checkpoint(tmp_path)) == 4
+    assert step_of(resume_path(tmp_path)) == 5  # the last step is validated and checkpointed
