@@ -133,14 +133,16 @@ def reinforce_loss(
     ver = ro.verification
     # (B, G) positions whose acceptance test ran: the accepted prefix and the first rejection.
     mask = torch.arange(gamma, device=ver.n_verified.device) < ver.n_verified[:, None]
+    # One draft forward (with grad) for the context rows, if any, and the proposals.
     proposed = torch.arange(t - 1, t + gamma - 1)
-    if rows is None:
-        q_logits = logits_at(draft, ro.sequences, proposed)  # (B, G, V_q), with grad
-        context_tvd = torch.zeros((), device=q_logits.device)
-    else:  # one draft forward for both terms
-        q_all = logits_at(draft, ro.sequences, torch.cat([rows, proposed]))  # (B, K + G, V_q)
-        q_logits = q_all[:, -gamma:]
-        context_tvd = tvd_loss(ro.p_context.to(q_all.device), q_all[:, :-gamma], None, temperature)
+    keep = proposed if rows is None else torch.cat([rows, proposed])
+    q_all = logits_at(draft, ro.sequences, keep)  # (B, K + G, V_q)
+    q_logits = q_all[:, -gamma:]
+    context_tvd = (
+        torch.zeros((), device=q_all.device)
+        if rows is None
+        else tvd_loss(ro.p_context.to(q_all.device), q_all[:, :-gamma], None, temperature)
+    )
     with torch.no_grad():
         ref_logits = proposal_logits(reference, ro.sequences, gamma)
     vocab = min(q_logits.shape[-1], ro.p_logits.shape[-1])  # proposals come from the shared rows
