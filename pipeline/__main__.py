@@ -3,6 +3,8 @@
 lowbit                                   # the whole default workflow on the embedded default
 lowbit experiment=smoke run_dir=/tmp/r   # tiny, ~2 minutes
 lowbit --force stages=[quantize]         # rerun chosen stages
+lowbit --verify                          # hash every recorded output, not only changed ones
+lowbit --no-repair                       # stop at a damaged stage folder instead of rerunning it
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from pipeline import conf_dir
-from pipeline.errors import LowbitError
+from pipeline.errors import LowbitError, record_failure
 
 log = logging.getLogger("lowbit")
 
@@ -25,11 +27,17 @@ def _under_launcher() -> bool:
     return "WORLD_SIZE" in env or int(env.get("SLURM_NTASKS", "1")) > 1
 
 
+# Flags friendlier than their config keys; Hydra does not accept unknown flags.
+FLAGS = {"--force": "force=true", "--verify": "verify=true", "--no-repair": "repair=false"}
+
+
+def _with_flags(argv: list[str]) -> list[str]:
+    return [FLAGS.get(a, a) for a in argv]
+
+
 def _relaunch(nproc: int) -> None:
     """Several local ranks without a launcher: become `torchrun --nproc-per-node N` of ourselves."""
-    args = [a for a in sys.argv[1:] if a != "--force"]
-    if "--force" in sys.argv:
-        args.append("force=true")
+    args = _with_flags(sys.argv[1:])
     cmd = [
         sys.executable,
         "-m",
@@ -56,21 +64,25 @@ def _main(cfg: DictConfig) -> None:
     try:
         # Validate once, here, before starting ranks or touching any model.
         workflow.plan(cfg, Path(cfg.run_dir).resolve())
-        local_ranks = isinstance(devices, int) and devices > 1 and trainer.get("num_nodes", 1) == 1
+        # A list (`trainer.devices=[4,5]`) names which devices: one rank each.
+        count = len(devices) if OmegaConf.is_list(devices) else devices
+        local_ranks = isinstance(count, int) and count > 1 and trainer.get("num_nodes", 1) == 1
         if local_ranks and not _under_launcher():
-            _relaunch(devices)
+            _relaunch(count)
         workflow.run(cfg)
     except LowbitError as e:
         log.error("%s", e)
-        sys.exit(2)
+        sys.exit(e.exit_code)
+    except Exception as e:  # outside any stage (tracking, report): the same one-line contract
+        line = record_failure(e, Path(cfg.run_dir).resolve() / "logs" / "lowbit.log")
+        log.error("lowbit failed: %s", line)
+        sys.exit(1)
     if cfg.get("print_config"):
         print(OmegaConf.to_yaml(cfg))
 
 
 def main() -> None:
-    # `--force` is friendlier than `force=true`; Hydra does not accept unknown flags.
-    if "--force" in sys.argv:
-        sys.argv = [a for a in sys.argv if a != "--force"] + ["force=true"]
+    sys.argv = sys.argv[:1] + _with_flags(sys.argv[1:])
     _main()
 
 

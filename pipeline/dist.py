@@ -80,15 +80,18 @@ def init_from_env(backend: str | None = None) -> Dist:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
         return Dist()
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if not tdist.is_initialized():
         if backend is None:
             backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "hccl":
+            # torch_npu registers the hccl backend on import; each rank owns its local NPU, so
+            # lowbit's own collectives do not all land on npu:0.
+            import torch_npu  # noqa: F401
+
+            torch.npu.set_device(local_rank)
         tdist.init_process_group(backend=backend, timeout=BARRIER_TIMEOUT)
-    return Dist(
-        rank=tdist.get_rank(),
-        world_size=tdist.get_world_size(),
-        local_rank=int(os.environ.get("LOCAL_RANK", "0")),
-    )
+    return Dist(rank=tdist.get_rank(), world_size=tdist.get_world_size(), local_rank=local_rank)
 
 
 def current() -> Dist:

@@ -1,8 +1,13 @@
-"""The one exception type a user sees: a message that names the problem and the fix."""
+"""The exceptions a user sees: one line that names the problem and the fix, no traceback."""
+
+import traceback
+from pathlib import Path
 
 
 class LowbitError(Exception):
-    """Bad input (config, files, environment). The CLI prints its message alone, no traceback."""
+    """Bad input (config, files, environment). The CLI prints its message alone and exits 2."""
+
+    exit_code = 2
 
 
 class ConfigError(LowbitError):
@@ -14,3 +19,18 @@ class ConfigError(LowbitError):
             msg += f"; allowed: {allowed}"
         super().__init__(msg)
         self.key = key
+
+
+class StageFailed(LowbitError):
+    """A stage raised something unexpected; the message says where its traceback was written."""
+
+    exit_code = 1
+
+
+def record_failure(error: BaseException, log_path: Path) -> str:
+    """Append `error`'s traceback to `log_path`; return the one line a user is shown."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "a") as f:
+        traceback.print_exception(error, file=f)
+    first = (str(error).strip().splitlines() or [""])[0][:300]
+    return f"{type(error).__name__}: {first} (traceback in {log_path})"

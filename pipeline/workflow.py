@@ -7,6 +7,11 @@ so a crash or Ctrl-C never leaves a half-written stage folder. Work that must su
 inside a stage (Lightning checkpoints, finished quantization segments) goes to
 `<run_dir>/.work/<stage>-<fingerprint>/`, which the same fingerprint finds again on resume.
 
+Before a stage's folder is trusted (skipped as up to date, or read by a later stage) its files are
+checked against `_done.json` (`pipeline.rundir`); a damaged folder is named and its stage rerun
+(`repair=false` stops instead). A stage that raises anything but a LowbitError fails the run with
+one line; the traceback goes to `<run_dir>/logs/<stage>.log`, which holds the stage's whole log.
+
 Every rank runs this loop (torchrun/srun); rank 0 writes, the others wait at barriers.
 """
 
@@ -18,6 +23,7 @@ import logging
 import shutil
 import tempfile
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -28,12 +34,22 @@ from omegaconf import DictConfig, OmegaConf
 from pipeline import __version__, stages
 from pipeline.config import data_cfg, model_cfg, quant_cfg, to_plain, tracking_cfg
 from pipeline.dist import Dist, init_from_env
-from pipeline.errors import ConfigError, LowbitError
+from pipeline.errors import ConfigError, LowbitError, StageFailed, record_failure
+from pipeline.inputs import check_inputs
+from pipeline.lit.trainer import check_trainer
 from pipeline.report import write_report
+from pipeline.rundir import (
+    DONE,
+    RunLock,
+    commit,
+    find_damage,
+    outputs_digest,
+    read_done,
+    record_outputs,
+)
 from pipeline.tracking import StageRun, Tracker
 
 log = logging.getLogger("lowbit")
-DONE = "_done.json"
 
 
 @dataclass
@@ -53,6 +69,15 @@ class StageContext:
     def params(self) -> DictConfig:
         return self.cfg.stage[self.name]
 
+    def describe(self, path: Path | str) -> str:
+        """`path` as stage outputs record it: relative to the run dir when inside it, so an
+        output never depends on where the run dir lives (a copied run keeps its digests)."""
+        path = Path(path).resolve()
+        try:
+            return str(path.relative_to(self.run_dir.resolve()))
+        except ValueError:
+            return str(path)
+
     def target_dir(self) -> Path:
         """The FP target checkpoint: the user's, or the one bootstrap trained."""
         if self.cfg.model.target.path:
@@ -67,21 +92,6 @@ class StageContext:
             return Path(self.cfg.model.draft.path)
         if not self.cfg.model.target.path and "bootstrap" in self.inputs:
             return self.inputs["bootstrap"] / "draft"
-        return None
-
-
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def read_done(stage_dir: Path) -> dict | None:
-    try:
-        return json.loads((stage_dir / DONE).read_text())
-    except (OSError, ValueError):
         return None
 
 
@@ -110,8 +120,10 @@ def plan(cfg: DictConfig, run_dir: Path) -> list[tuple[str, ModuleType]]:
     if order != selected:
         raise ConfigError("stages", f"is out of order {selected}", f"this order: {order}")
     # The shared sections are checked whatever the stages, so a typo never waits for its stage.
-    for check in (model_cfg, data_cfg, quant_cfg, tracking_cfg):
+    for check in (model_cfg, data_cfg, quant_cfg, tracking_cfg, check_inputs):
         check(cfg)
+    check_trainer(cfg.get("trainer"))  # before any rank starts: `lowbit` relaunches after plan()
+    _check_recipe(cfg, selected, run_dir)
     for name, mod in mods:
         mod.validate(cfg)
         for need in mod.NEEDS:
@@ -127,22 +139,20 @@ def plan(cfg: DictConfig, run_dir: Path) -> list[tuple[str, ModuleType]]:
     return mods
 
 
-def _commit(tmp: Path, final: Path) -> None:
-    """Replace `final` by `tmp` with renames only (each atomic on one file system)."""
-    old = final.with_name(f".{final.name}.old")
-    shutil.rmtree(old, ignore_errors=True)
-    if final.exists():
-        final.rename(old)
-    tmp.rename(final)
-    shutil.rmtree(old, ignore_errors=True)
-
-
-def _outputs(stage_dir: Path) -> dict[str, dict]:
-    out = {}
-    for p in sorted(stage_dir.rglob("*")):
-        if p.is_file() and p.name != DONE:
-            out[str(p.relative_to(stage_dir))] = {"bytes": p.stat().st_size, "sha256": sha256(p)}
-    return out
+def _check_recipe(cfg: DictConfig, selected: list[str], run_dir: Path) -> None:
+    """A mixed recipe is only ever quantized by its bit plan, never by a silent fallback."""
+    q = quant_cfg(cfg)
+    mixed = len(q.candidates) > 1 or q.float_fallback > 0
+    if "quantize" not in selected or not mixed or "allocate" in selected:
+        return
+    if read_done(run_dir / "allocate") is None:
+        raise ConfigError(
+            "stages",
+            f"quantizes with a mixed recipe (quant.candidates={list(q.candidates)}, "
+            f"budget_bits={q.budget_bits}) but no bit plan exists in {run_dir / 'allocate'}",
+            "add sensitivity and allocate before quantize, or choose a uniform recipe "
+            "(e.g. quant=w3g128)",
+        )
 
 
 def _log_outputs(run: StageRun, stage_dir: Path) -> None:
@@ -162,33 +172,51 @@ def run(cfg: DictConfig) -> dict[str, dict]:
     dist = init_from_env((cfg.get("trainer") or {}).get("dist_backend"))
     run_dir = Path(cfg.run_dir).resolve()
     mods = plan(cfg, run_dir)
+    lock = RunLock(run_dir)
+    refused = None
+    if dist.is_main:
+        try:
+            lock.acquire()
+        except LowbitError as e:
+            refused = str(e)
+    refused = dist.broadcast(refused)
+    if refused:
+        raise LowbitError(refused)
+    try:
+        return _run_locked(cfg, mods, run_dir, dist)
+    finally:
+        lock.release()
+
+
+def _run_locked(cfg: DictConfig, mods, run_dir: Path, dist: Dist) -> dict[str, dict]:
     tracker = Tracker(tracking_cfg(cfg), run_dir, active=dist.is_main)
     if dist.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
         tracker.connect()
         tracker.start_parent(cfg.name, to_plain(cfg))
     dist.barrier()
 
     results: dict[str, dict] = {}
     known: dict[str, dict] = {}  # stage -> its _done.json, for fingerprints of readers
-    selected = set(cfg.stages)
     t_start = time.time()
     status = "FAILED"
     try:
+        damage = Damage(cfg, run_dir, dist)
+        mods = damage.add_repairs(mods)
+        running = {name for name, _ in mods}
         for name, mod in mods:
             reason = getattr(mod, "skip_reason", lambda c: None)(cfg)
             if reason:
                 log.info("%-12s not needed: %s", name, reason)
                 continue
-            wanted = set(mod.NEEDS) | set(getattr(mod, "USES", ()))
             inputs, input_done = {}, {}
-            for dep in sorted(wanted):
-                done = known.get(dep) if dep in selected else read_done(run_dir / dep)
+            for dep in sorted(_reads(mod)):
+                done = known.get(dep) if dep in running else read_done(run_dir / dep)
                 if done is not None:
                     inputs[dep], input_done[dep] = run_dir / dep, done
             fp = fingerprint(cfg, name, mod, input_done)
             done = read_done(run_dir / name)
-            if done and done.get("fingerprint") == fp and not cfg.force:
+            fresh = done and done.get("fingerprint") == fp and not cfg.force
+            if fresh and damage.of(name) is None:
                 log.info("%-12s up to date (fingerprint %s), skipped", name, fp[:12])
                 known[name] = results[name] = done
                 continue
@@ -215,6 +243,80 @@ def run(cfg: DictConfig) -> dict[str, dict]:
     return results
 
 
+def _reads(mod: ModuleType) -> set[str]:
+    return set(mod.NEEDS) | set(getattr(mod, "USES", ()))
+
+
+class Damage:
+    """Which finished stage folders no longer hold what their `_done.json` recorded.
+
+    Rank 0 reads the files; every rank gets its verdict. Each folder is checked once per run.
+    """
+
+    def __init__(self, cfg: DictConfig, run_dir: Path, dist: Dist):
+        self.cfg, self.run_dir, self.dist = cfg, run_dir, dist
+        self.found: dict[str, str | None] = {}
+
+    def of(self, name: str) -> str | None:
+        if name not in self.found:
+            problem = None
+            if self.dist.is_main:
+                done = read_done(self.run_dir / name)
+                if done is not None:
+                    problem = find_damage(self.run_dir / name, done, full=self.cfg.verify)
+            self.found[name] = self.dist.broadcast(problem)
+            if self.found[name] is not None:
+                self._report(name, self.found[name])
+        return self.found[name]
+
+    def _report(self, name: str, problem: str) -> None:
+        if not self.cfg.repair:
+            raise LowbitError(
+                f"stage {name}'s outputs are damaged: {problem}; rerun without --no-repair "
+                "(repair=true) to recompute them"
+            )
+        log.warning("%-12s outputs damaged: %s; rerunning the stage", name, problem)
+
+    def add_repairs(self, mods: list[tuple[str, ModuleType]]) -> list[tuple[str, ModuleType]]:
+        """`mods` plus every unselected stage they read whose folder is damaged, in order."""
+        chosen = dict(mods)
+        grew = True
+        while grew:
+            grew = False
+            wanted = set().union(*(_reads(m) for m in chosen.values())) - set(chosen)
+            for dep in sorted(wanted):
+                if read_done(self.run_dir / dep) is not None and self.of(dep) is not None:
+                    chosen[dep] = stages.load(dep)
+                    grew = True
+        return [(n, chosen[n]) for n in stages.ORDER if n in chosen]
+
+
+def stage_log_path(run_dir: Path, name: str, rank: int = 0) -> Path:
+    return run_dir / "logs" / (f"{name}.log" if rank == 0 else f"{name}.rank{rank}.log")
+
+
+@contextmanager
+def _stage_log(path: Path):
+    """Every log record of the stage (lowbit's, Lightning's, ...) also goes to `path`."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] %(message)s"))
+    root = logging.getLogger()
+    root.addHandler(handler)
+    try:
+        yield
+    finally:
+        root.removeHandler(handler)
+        handler.close()
+
+
+def _failure(name: str, error: BaseException, log_path: Path) -> LowbitError:
+    """A LowbitError passes as it is; anything else becomes one line, its traceback in the log."""
+    if isinstance(error, LowbitError):
+        return error
+    return StageFailed(f"stage {name} failed: {record_failure(error, log_path)}")
+
+
 def _run_stage(cfg, name, mod, fp, inputs, input_done, run_dir, dist, tracker) -> dict:
     work = run_dir / ".work" / f"{name}-{fp[:12]}"
     tmp = run_dir / f".{name}.tmp"
@@ -230,34 +332,38 @@ def _run_stage(cfg, name, mod, fp, inputs, input_done, run_dir, dist, tracker) -
         params.update({k: to_plain(OmegaConf.select(cfg, k)) for k in mod.KEYS})
         child = tracker.start_stage(name, params, {"fingerprint": fp})
     ctx = StageContext(name, cfg, out_dir, work, run_dir, inputs, dist, child)
-    log.info("%-12s running (fingerprint %s)", name, fp[:12])
+    log_path = stage_log_path(run_dir, name, dist.rank)
     t0 = time.time()
     error = None
-    try:
-        metrics = mod.run(ctx) if (mod.DISTRIBUTED or dist.is_main) else {}
-    except BaseException as e:  # KeyboardInterrupt too: the run is marked, the tmp dir dropped
-        error = e
-        metrics = {}
+    with _stage_log(log_path):
+        log.info("%-12s running (fingerprint %s)", name, fp[:12])
+        try:
+            metrics = mod.run(ctx) if (mod.DISTRIBUTED or dist.is_main) else {}
+        except BaseException as e:  # KeyboardInterrupt too: the run is marked, the tmp dir dropped
+            error = e
+            metrics = {}
     # Rank 0's outcome decides for everyone, so no rank waits forever on a failed peer.
     failed = dist.broadcast(error is not None and dist.is_main)
     if error is not None or failed:
+        if error is not None and not isinstance(error, KeyboardInterrupt):
+            error = _failure(name, error, log_path)
         if dist.is_main:
+            child.log_artifact(log_path)
             child.end("KILLED" if isinstance(error, KeyboardInterrupt) else "FAILED")
             shutil.rmtree(tmp, ignore_errors=True)
         if error is not None:
             raise error
-        raise LowbitError(f"stage {name} failed on rank 0")
+        raise StageFailed(f"stage {name} failed on rank 0 (see {stage_log_path(run_dir, name)})")
     seconds = time.time() - t0
     metrics = {k: v for k, v in (metrics or {}).items()}
     metrics["world_size"] = dist.world_size
     done: dict[str, Any] = {}
     if dist.is_main:
-        outputs = _outputs(tmp)
-        digest = hashlib.sha256(json.dumps(outputs, sort_keys=True).encode()).hexdigest()
+        outputs = record_outputs(tmp)
         done = {
             "stage": name,
             "fingerprint": fp,
-            "outputs_digest": digest,
+            "outputs_digest": outputs_digest(outputs),
             "inputs": {k: v["fingerprint"] for k, v in input_done.items()},
             "metrics": metrics,
             "outputs": outputs,
@@ -265,9 +371,10 @@ def _run_stage(cfg, name, mod, fp, inputs, input_done, run_dir, dist, tracker) -
             "version": __version__,
         }
         (tmp / DONE).write_text(json.dumps(done, indent=1))
-        _commit(tmp, run_dir / name)
+        commit(tmp, run_dir / name)
         child.log_metrics({k: v for k, v in metrics.items()} | {"stage_seconds": seconds})
         _log_outputs(child, run_dir / name)
+        child.log_artifact(log_path)
         child.end("FINISHED")
         shutil.rmtree(work, ignore_errors=True)
         log.info("%s", summary_line(name, seconds, metrics))

@@ -12,6 +12,7 @@ import types
 import pytest
 
 from pipeline import stages, workflow
+from pipeline.errors import ConfigError, LowbitError, StageFailed
 from tests.conftest import make_cfg
 
 CALLS: list[str] = []
@@ -79,7 +80,7 @@ def test_force_reruns_chosen_stages(toy_stages, tmp_path):
 
 def test_crash_keeps_earlier_stages_and_leaves_no_partial_folder(toy_stages, tmp_path):
     toy_stages["sensitivity"].run = toy("sensitivity", fail=lambda ctx: True).run
-    with pytest.raises(RuntimeError, match="sensitivity crashed"):
+    with pytest.raises(StageFailed, match="sensitivity failed: RuntimeError: sensitivity crashed"):
         workflow.run(cfg(tmp_path))
     assert (tmp_path / "bootstrap" / "_done.json").exists()
     assert not (tmp_path / "sensitivity").exists()
@@ -95,6 +96,98 @@ def test_failed_rerun_keeps_the_previous_result(toy_stages, tmp_path):
     workflow.run(cfg(tmp_path))
     before = (tmp_path / "evaluate" / "_done.json").read_text()
     toy_stages["evaluate"].run = toy("evaluate", fail=lambda ctx: True).run
-    with pytest.raises(RuntimeError):
+    with pytest.raises(StageFailed):
         workflow.run(cfg(tmp_path, "data.eval_windows=5"))
     assert (tmp_path / "evaluate" / "_done.json").read_text() == before
+
+
+def test_a_crash_is_one_line_and_its_traceback_is_in_the_stage_log(toy_stages, tmp_path, caplog):
+    caplog.set_level("INFO")  # as the CLI's logging config does
+    toy_stages["sensitivity"].run = toy("sensitivity", fail=lambda ctx: True).run
+    with pytest.raises(StageFailed) as err:
+        workflow.run(cfg(tmp_path))
+    line = str(err.value)
+    log_file = tmp_path / "logs" / "sensitivity.log"
+    assert "\n" not in line and str(log_file) in line
+    text = log_file.read_text()
+    assert "Traceback (most recent call last)" in text and "sensitivity crashed" in text
+    assert "sensitivity  running" in text  # the stage's own log records are there too
+
+
+def _damage(path):
+    """Flip one byte in place, keeping the size (and, below, the mtime) of the file."""
+    data = bytearray(path.read_bytes())
+    data[0] ^= 0xFF
+    stat = path.stat()
+    path.write_bytes(bytes(data))
+    return stat
+
+
+def test_a_damaged_stage_is_named_and_rerun_and_readers_are_not(toy_stages, tmp_path, caplog):
+    workflow.run(cfg(tmp_path))
+    _damage(tmp_path / "sensitivity" / "out.txt")
+    CALLS.clear()
+    workflow.run(cfg(tmp_path))
+    # Deterministic stage: the same bytes again, so evaluate's fingerprint did not move.
+    assert CALLS == ["sensitivity"]
+    assert "sensitivity/out.txt changed since it was written" in caplog.text
+    assert (tmp_path / "sensitivity" / "out.txt").read_text().startswith("sensitivity")
+
+
+def test_a_damaged_upstream_outside_the_run_is_repaired(toy_stages, tmp_path):
+    workflow.run(cfg(tmp_path))
+    only_evaluate = make_cfg("stages=[evaluate]", f"run_dir={tmp_path}", "tracking=none")
+    (tmp_path / "bootstrap" / "out.txt").unlink()
+    CALLS.clear()
+    workflow.run(only_evaluate)
+    assert CALLS == []  # evaluate reads sensitivity only: bootstrap is not its concern
+    (tmp_path / "sensitivity" / "out.txt").unlink()
+    workflow.run(only_evaluate)
+    # sensitivity is repaired, and first what it reads; evaluate's inputs came back the same.
+    assert CALLS == ["bootstrap", "sensitivity"]
+
+
+def test_no_repair_stops_with_one_line_naming_the_file(toy_stages, tmp_path):
+    workflow.run(cfg(tmp_path))
+    (tmp_path / "bootstrap" / "out.txt").write_text("x")
+    CALLS.clear()
+    with pytest.raises(LowbitError, match="bootstrap/out.txt has 1 bytes") as err:
+        workflow.run(cfg(tmp_path, "repair=false"))
+    assert "\n" not in str(err.value) and CALLS == []
+
+
+def test_verify_hashes_files_whose_size_and_mtime_look_unchanged(toy_stages, tmp_path):
+    import os
+
+    workflow.run(cfg(tmp_path))
+    out = tmp_path / "evaluate" / "out.txt"
+    st = _damage(out)
+    os.utime(out, ns=(st.st_atime_ns, st.st_mtime_ns))
+    CALLS.clear()
+    workflow.run(cfg(tmp_path))
+    assert CALLS == []  # the cheap check trusts size + mtime
+    workflow.run(cfg(tmp_path, "verify=true"))
+    assert CALLS == ["evaluate"]
+
+
+def test_a_second_process_on_the_run_dir_is_refused(toy_stages, tmp_path):
+    from pipeline.rundir import RunLock
+
+    holder = RunLock(tmp_path)
+    holder.acquire()
+    try:
+        with pytest.raises(LowbitError, match=r"is in use by pid \d+ on "):
+            workflow.run(cfg(tmp_path))
+        assert CALLS == []
+    finally:
+        holder.release()
+    workflow.run(cfg(tmp_path))  # released: the next run owns it
+    assert CALLS == ["bootstrap", "sensitivity", "evaluate"]
+
+
+def test_a_mixed_recipe_without_a_bit_plan_is_refused(tmp_path):
+    c = make_cfg("stages=[bootstrap,quantize,evaluate]", f"run_dir={tmp_path}", "tracking=none")
+    with pytest.raises(ConfigError, match="no bit plan exists") as err:
+        workflow.plan(c, tmp_path)
+    assert "add sensitivity and allocate" in str(err.value)
+    workflow.plan(make_cfg("stages=[bootstrap,quantize]", "quant=w3g128"), tmp_path)

@@ -82,27 +82,14 @@ def _read_splits(data: DataConfig) -> dict[str, list[str]]:
     import datasets
 
     path = Path(data.path)
-    if path.is_dir() and any(
-        (path / f).exists() for f in ("dataset_info.json", "dataset_dict.json")
-    ):
+    if is_saved_dataset(path):
         ds = datasets.load_from_disk(str(path))
         if isinstance(ds, datasets.Dataset):
             parts = {"train": [("the saved Dataset", ds)]}
         else:
             parts = _group([(k, (f"split {k!r}", ds[k])) for k in ds], data)
     else:
-        files = sorted(path.rglob("*")) if path.is_dir() else [path]
-        files = [f for f in files if f.suffix in _BUILDERS]
-        kinds = {_BUILDERS[f.suffix] for f in files}
-        if len(kinds) != 1:
-            raise LowbitError(
-                f"data.path={data.path}: expected files of one kind among "
-                f"{sorted(_BUILDERS)}, found {sorted(kinds) or 'none'}"
-            )
-        for f in files:
-            if f.stat().st_size == 0:  # `datasets` fails on it with a bare StopIteration
-                raise LowbitError(f"data.path={data.path}: {f} is empty; add text or remove it")
-        kind = kinds.pop()
+        kind, files = source_files(data)
         # One file is one undivided source whatever its name.
         groups = _group([(f.stem, f) for f in files], data) if path.is_dir() else {"train": files}
         # sample_by is the text builder's option; the other builders reject unknown options.
@@ -144,11 +131,49 @@ def _group(named: list[tuple[str, object]], data: DataConfig) -> dict[str, list]
 
 def _texts(ds, data: DataConfig, where: str) -> list[str]:
     if data.text_field not in ds.column_names:
-        raise LowbitError(
-            f"data.path={data.path} ({where}) has no column {data.text_field!r}; set "
-            f"data.text_field to one of {ds.column_names}"
-        )
+        raise missing_field(data, where, ds.column_names)
     return [t for t in ds[data.text_field] if isinstance(t, str) and t.strip()]
+
+
+def is_saved_dataset(path: Path) -> bool:
+    """Whether `path` is a `datasets.save_to_disk` directory (a Dataset or a DatasetDict)."""
+    return path.is_dir() and any(
+        (path / f).exists() for f in ("dataset_info.json", "dataset_dict.json")
+    )
+
+
+def source_files(data: DataConfig) -> tuple[str, list[Path]]:
+    """The `datasets` builder and the non-empty files data.path names (a file or a folder).
+
+    Raises:
+        LowbitError: No file of a supported kind, files of several kinds, or an empty file.
+    """
+    path = Path(data.path)
+    files = sorted(f for f in path.rglob("*") if f.is_file()) if path.is_dir() else [path]
+    files = [f for f in files if f.suffix in _BUILDERS]
+    kinds = sorted({_BUILDERS[f.suffix] for f in files})
+    if not kinds:
+        raise LowbitError(
+            f"data.path={data.path}: no {', '.join(sorted(_BUILDERS))} file there; point it at "
+            "such files (one, or a folder of them) or at a datasets.save_to_disk directory"
+        )
+    if len(kinds) > 1:
+        raise LowbitError(
+            f"data.path={data.path}: expected files of one kind among {sorted(_BUILDERS)}, found "
+            f"{kinds}; move the others out"
+        )
+    for f in files:
+        if f.stat().st_size == 0:  # `datasets` fails on it with a bare StopIteration
+            raise LowbitError(f"data.path={data.path}: {f} is empty; add text or remove it")
+    return kinds[0], files
+
+
+def missing_field(data: DataConfig, where: str, fields: list[str]) -> LowbitError:
+    """The error for a source without data.text_field, naming the fields it does have."""
+    return LowbitError(
+        f"data.path={data.path} ({where}) has no column {data.text_field!r}; set "
+        f"data.text_field to one of {list(fields)}"
+    )
 
 
 def split_documents(
@@ -199,7 +224,10 @@ def windows(stream: torch.Tensor, seq_len: int, limit: int | None = None) -> tor
 def random_windows(stream: torch.Tensor, seq_len: int, count: int, seed: int) -> torch.Tensor:
     """`count` windows at random offsets (calibration sets). # (count, seq_len)"""
     if stream.numel() <= seq_len:
-        raise LowbitError(f"the corpus has fewer than {seq_len + 1} tokens; lower seq_len")
+        raise LowbitError(
+            f"the train split has {stream.numel()} tokens, fewer than the {seq_len + 1} of one "
+            "calibration window; lower quant.calib.seq_len or add text"
+        )
     g = torch.Generator().manual_seed(seed)
     starts = torch.randint(0, stream.numel() - seq_len, (count,), generator=g)
     return torch.stack([stream[s : s + seq_len] for s in starts.tolist()])

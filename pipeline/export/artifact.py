@@ -110,7 +110,7 @@ def write_ascendv1(source: Source, out: Path, opts: ExportOptions) -> dict:
     """Write the ascendv1 / lowbit layout of ``source`` into ``out``; returns manifest info."""
     infos = plan(source, opts)
     config = copy_model_files(source.path, out, opts.float_dtype)
-    writer = ShardWriter(out, WEIGHTS_STEM, opts.shard_bytes, {"producer": "lowbit"})
+    writer = ShardWriter(out, WEIGHTS_STEM, opts.shard_bytes)
     types: dict[str, str] = {}
     fp16_bytes = 0
 
@@ -155,7 +155,11 @@ def write_ascendv1(source: Source, out: Path, opts: ExportOptions) -> dict:
 
 
 def export_artifact(
-    src: Path | str, out: Path | str, opts: ExportOptions, draft: Path | str | None = None
+    src: Path | str,
+    out: Path | str,
+    opts: ExportOptions,
+    draft: Path | str | None = None,
+    labels: dict[str, str] | None = None,
 ) -> dict:
     """Export the model directory ``src`` (quantized or FP) to the artifact directory ``out``.
 
@@ -165,6 +169,9 @@ def export_artifact(
         opts: Format and packing options.
         draft: Optional draft model directory (FP or quantized), exported into ``out/draft``
             so that ``lowbit-run`` can decode speculatively.
+        labels: How the manifest names ``src`` and ``draft`` (keys "source", "draft"), e.g.
+            paths relative to a run dir, so the artifact does not depend on where that lives;
+            the resolved paths by default.
 
     Returns:
         The manifest written to ``out/manifest.json``.
@@ -184,7 +191,8 @@ def export_artifact(
         # target writes it in the lowbit layout, which also holds a 2/3-bit or exp4 draft.
         d_opts = replace(opts, format="lowbit" if opts.format == "ascend" else opts.format)
         try:
-            d_manifest = export_artifact(draft, out / "draft", d_opts)
+            d_labels = {"source": labels["draft"]} if labels and "draft" in labels else None
+            d_manifest = export_artifact(draft, out / "draft", d_opts, labels=d_labels)
         except ascend.ExportError as e:
             raise ascend.ExportError(
                 f"the draft {draft}: {e} (or leave the draft out: stage.export.include_draft=false)"
@@ -192,6 +200,7 @@ def export_artifact(
         draft_info = {"path": "draft", "source": d_manifest["source"]}
     writer = write_compressed_tensors if opts.format == "compressed-tensors" else write_ascendv1
     info = writer(source, out, opts)
-    info["source"] = {"path": str(Path(src).resolve()), "method": source.method}
+    label = (labels or {}).get("source") or str(Path(src).resolve())
+    info["source"] = {"path": label, "method": source.method}
     info["draft"] = draft_info
     return write_manifest(out, info)

@@ -23,6 +23,7 @@ from safetensors.torch import save_file
 
 from pipeline import __version__
 from pipeline.errors import LowbitError
+from pipeline.rundir import sha256
 
 MANIFEST = "manifest.json"
 MANIFEST_VERSION = 1
@@ -30,12 +31,6 @@ MANIFEST_VERSION = 1
 
 class ArtifactError(LowbitError):
     """An artifact that is incomplete, tampered with, or not a lowbit artifact."""
-
-
-def sha256(path: Path) -> str:
-    from pipeline.workflow import sha256 as _sha256
-
-    return _sha256(path)
 
 
 class ShardWriter:
@@ -46,14 +41,12 @@ class ShardWriter:
         stem: File stem, e.g. ``"quant_model_weights"`` or ``"model"``.
         shard_bytes: Start a new shard when the current one would grow past this size
             (a single tensor larger than it gets a shard of its own).
-        metadata: safetensors header metadata written into every shard.
     """
 
-    def __init__(self, out_dir: Path, stem: str, shard_bytes: int, metadata: dict | None = None):
+    def __init__(self, out_dir: Path, stem: str, shard_bytes: int):
         if shard_bytes <= 0:
             raise ValueError(f"shard_bytes must be > 0, got {shard_bytes}")
         self.out_dir, self.stem, self.shard_bytes = Path(out_dir), stem, shard_bytes
-        self.metadata = {"format": "pt", **(metadata or {})}
         self._buf: dict[str, torch.Tensor] = {}
         self._buf_bytes = 0
         self._parts: list[tuple[Path, list[str]]] = []
@@ -74,7 +67,9 @@ class ShardWriter:
 
     def _flush(self) -> None:
         path = self.out_dir / f".{self.stem}.part{len(self._parts):05d}.safetensors"
-        save_file(self._buf, str(path), metadata=self.metadata)
+        # One metadata key only: safetensors writes a larger map in random order, and the same
+        # tensors must give the same bytes (stage digests, artifact hashes).
+        save_file(self._buf, str(path), metadata={"format": "pt"})
         self._parts.append((path, list(self._buf)))
         self._buf, self._buf_bytes = {}, 0
 

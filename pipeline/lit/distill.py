@@ -36,7 +36,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, IterableDataset
 
-from pipeline.lit.lm import RandomWindows, cosine_with_warmup
+from pipeline.lit.lm import WindowData, cosine_with_warmup
 from pipeline.quant.fakequant import FakeQuantLinear, grad_scale_factor
 from pipeline.quant.losses import distill_loss
 
@@ -297,26 +297,21 @@ class DistillModule(L.LightningModule):
         self.val_history = list(val.get("history", []))
 
 
-class DistillData(L.LightningDataModule):
-    """Random training windows of the corpus's train split (seeded, identical on every rank),
-    and optionally fixed validation windows `val` (W, T), scored whole on every rank."""
+class DistillData(WindowData):
+    """Step-indexed random training windows of the train split (`pipeline.lit.lm.RandomWindows`:
+    a resumed run reads the batches the uninterrupted one would have), and optionally fixed
+    validation windows `val` (W, T), scored whole on every rank."""
 
     def __init__(
         self,
         stream: Tensor,
         seq_len: int,
         batch_size: int,
-        samples: int,
         seed: int,
         val: Tensor | None = None,
     ) -> None:
-        super().__init__()
-        self.stream, self.seq_len, self.batch_size = stream, seq_len, batch_size
-        self.samples, self.seed, self.val = samples, seed, val
-
-    def train_dataloader(self) -> DataLoader:
-        ds = RandomWindows(self.stream, self.seq_len, self.samples, self.seed)
-        return DataLoader(ds, batch_size=self.batch_size, shuffle=False, num_workers=0)
+        super().__init__(stream, seq_len, batch_size, seed)
+        self.val = val
 
     def val_dataloader(self) -> DataLoader | list:
         if self.val is None:

@@ -1,4 +1,4 @@
-"""Training hygiene for long QAT runs: a NaN/Inf guard and checkpoint helpers.
+"""Training hygiene for long QAT runs: a NaN/Inf guard, and reading back what training kept.
 
 Low-bit training diverges now and then (a scale collapsing to 0, an exploding KL on a rare
 token, bf16 overflow). The guard keeps an in-memory copy of the last good training state and,
@@ -9,6 +9,10 @@ DDP and DeepSpeed ZeRO (whose engine steps on its own and cannot be told to skip
 state covers the module's trainable tensors, the optimizer's own parameters (ZeRO's flat fp32
 partitions) and its moments. The decision is reduced over ranks so every rank rolls back
 together. The cost is one copy of the trainable state (small for scale-only training).
+
+Checkpoints themselves (where, when, what a resume needs) are `pipeline.lit.resume`'s; here are
+the choice of the best validated one (`pick_best`) and loading its trained tensors
+(`load_trained`, with weights_only, or from DeepSpeed's ZeRO shards).
 """
 
 from __future__ import annotations
@@ -20,9 +24,9 @@ import lightning as L
 import torch
 from torch import Tensor
 
-log = logging.getLogger("lowbit")
+from pipeline.lit.resume import load_checkpoint
 
-CKPT_DIR = "checkpoints"
+log = logging.getLogger("lowbit")
 
 
 def _local(p: Tensor) -> Tensor:
@@ -137,43 +141,6 @@ class NanGuard(L.Callback):
 
 
 # ------------------------------------------------------------------ checkpoints
-def best_and_last(
-    work_dir: Path, monitor: str, mode: str, patience: int | None
-) -> tuple[L.Callback, list[L.Callback]]:
-    """A training stage's checkpoints: `best.ckpt` by the validation `monitor`, `last.ckpt` to
-    resume from, both in work_dir; and early stopping after `patience` checks (None: off).
-
-    Returns:
-        (the ModelCheckpoint, whose best_model_path the stage reads; every callback to pass).
-    """
-    from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
-
-    # Both files are written right after a validation (never before it: a run resumed from a
-    # checkpoint taken before its step's validation would skip that validation). `best` is one
-    # fixed name, overwritten by each new best; `last` is what a rerun resumes from.
-    ckpt = ModelCheckpoint(
-        dirpath=str(Path(work_dir) / CKPT_DIR),
-        filename="best",
-        monitor=monitor,
-        mode=mode,
-        save_top_k=1,
-        save_last=True,
-        save_on_train_epoch_end=False,
-        auto_insert_metric_name=False,
-        enable_version_counter=False,
-    )
-    if patience is None:
-        return ckpt, [ckpt]
-    stop = EarlyStopping(monitor, patience=patience, mode=mode, check_on_train_epoch_end=False)
-    return ckpt, [ckpt, stop]
-
-
-def resume_path(work_dir: Path) -> Path:
-    """Where `best_and_last` keeps the checkpoint a rerun resumes from (a directory under
-    DeepSpeed); it exists only once a validation has run."""
-    return Path(work_dir) / CKPT_DIR / "last.ckpt"
-
-
 def zero_trainable_state(ckpt_dir: Path, prefix: str) -> dict[str, Tensor]:
     """Consolidated fp32 values of the trainable parameters under `prefix` of a ZeRO checkpoint.
 
@@ -238,7 +205,7 @@ def load_trained(model, path, prefix: str) -> None:
     if Path(path).is_dir():
         state = zero_trainable_state(path, prefix=prefix)
     else:
-        saved = torch.load(path, map_location="cpu", weights_only=False)["state_dict"]
+        saved = load_checkpoint(path)["state_dict"]
         state = {k[len(prefix) :]: v for k, v in saved.items() if k.startswith(prefix)}
     wanted = {n for n, t in model.named_parameters() if t.requires_grad}
     if wanted - set(state):

@@ -1,32 +1,106 @@
-"""Causal-LM pre-training (the bootstrap stage's target and draft).
+"""Causal-LM pre-training (the bootstrap stage's target and draft), and step-indexed batches.
 
-Windows of the corpus are sampled at random offsets each step (an infinite, seeded stream), so
-`max_steps` alone sets the training length whatever the corpus size.
+Training batches are indexed by the step that trains on them: batch k is a pure function of
+(seed, rank, k), drawn from its own seeded generator, never from the global RNG, and the stream
+is endless, so `max_steps` alone sets the training length whatever the corpus size. A run
+resumed from a checkpoint at step k therefore sees exactly the batches k, k+1, ... that the
+uninterrupted run saw: the loader is built by `LightningDataModule.train_dataloader`, which
+Lightning calls after it restored the checkpoint, and starts at the restored step
+(`next_batch`). A loader that counts what it yielded (`state_dict`) would not do: Lightning's
+fetcher reads one batch ahead, so that count is one past the trained step when a checkpoint is
+written.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
+from collections.abc import Callable, Iterator
 
 import lightning as L
+import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, IterableDataset
+
+from pipeline.errors import LowbitError
 
 
-class RandomWindows(Dataset):
-    """`length` windows of seq_len+1 tokens at seeded random offsets of a token stream."""
+def next_batch(trainer) -> int:
+    """Index of the batch the trainer reads next: its restored step times the accumulation."""
+    return trainer.global_step * trainer.accumulate_grad_batches
 
-    def __init__(self, stream: torch.Tensor, seq_len: int, length: int, seed: int):
-        self.stream, self.seq_len = stream, seq_len
-        g = torch.Generator().manual_seed(seed)
-        self.starts = torch.randint(0, stream.numel() - seq_len - 1, (length,), generator=g)
 
-    def __len__(self) -> int:
-        return self.starts.numel()
+def batch_rows(batch: Callable[[int], torch.Tensor], start: int) -> Iterator[torch.Tensor]:
+    """The rows of batch(start), batch(start + 1), ... in order."""
+    return itertools.chain.from_iterable(map(batch, itertools.count(start)))
 
-    def __getitem__(self, i: int) -> torch.Tensor:
-        s = int(self.starts[i])
-        return self.stream[s : s + self.seq_len]
+
+def step_loader(ds: IterableDataset, batch_size: int) -> DataLoader:
+    """A loader that groups the rows of a step-indexed dataset back into its batches.
+
+    The datasets yield rows rather than whole batches so that the loader has a batch size, which
+    DeepSpeed reads from it (`batch_sampler.batch_size`).
+    """
+    return DataLoader(ds, batch_size=batch_size, num_workers=0)
+
+
+class RandomWindows(IterableDataset):
+    """Endless batches of windows of `seq_len` tokens at random offsets of a token stream.
+
+    Batch k draws `batch_size * world_size` offsets from a generator seeded with (seed, k), the
+    same on every rank, and rank r takes rows r*B..(r+1)*B of it (the rank's share of one global
+    batch, as a DistributedSampler would give). Iteration yields the rows of batches `start`,
+    `start` + 1, ... (`step_loader` groups them back).
+    """
+
+    def __init__(
+        self,
+        stream: torch.Tensor,
+        seq_len: int,
+        batch_size: int,
+        seed: int,
+        rank: int = 0,
+        world_size: int = 1,
+        start: int = 0,
+    ):
+        if stream.numel() < seq_len:
+            raise LowbitError(
+                f"the train split has {stream.numel()} tokens, fewer than one window of "
+                f"{seq_len}; lower data.seq_len or add text"
+            )
+        self.stream, self.seq_len, self.batch_size = stream, seq_len, batch_size
+        self.seed, self.rank, self.world_size, self.start = seed, rank, world_size, start
+
+    def batch(self, k: int) -> torch.Tensor:
+        """Batch k of this rank. # (B, T)"""
+        b, high = self.batch_size, self.stream.numel() - self.seq_len + 1
+        starts = np.random.default_rng([self.seed, k]).integers(0, high, b * self.world_size)
+        mine = torch.from_numpy(starts[self.rank * b : (self.rank + 1) * b])  # (B,)
+        return self.stream[mine[:, None] + torch.arange(self.seq_len)]  # (B, T)
+
+    def __iter__(self):
+        return batch_rows(self.batch, self.start)
+
+
+class WindowData(L.LightningDataModule):
+    """Random training windows of a token stream (`RandomWindows`), from the trainer's step."""
+
+    def __init__(self, stream: torch.Tensor, seq_len: int, batch_size: int, seed: int) -> None:
+        super().__init__()
+        self.stream, self.seq_len, self.batch_size, self.seed = stream, seq_len, batch_size, seed
+
+    def train_dataloader(self) -> DataLoader:
+        t = self.trainer
+        windows = RandomWindows(
+            self.stream,
+            self.seq_len,
+            self.batch_size,
+            self.seed,
+            rank=t.global_rank,
+            world_size=t.world_size,
+            start=next_batch(t),
+        )
+        return step_loader(windows, self.batch_size)
 
 
 def cosine_with_warmup(step: int, warmup: int, total: int, floor: float = 0.1) -> float:
@@ -60,7 +134,3 @@ class CausalLM(L.LightningModule):
             opt, lambda s: cosine_with_warmup(s, self.warmup, self.max_steps)
         )
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
-
-
-def loader(ds: Dataset, batch_size: int, shuffle: bool) -> DataLoader:
-    return DataLoader(ds, batch_size=batch_size, shuffle=shuffle, num_workers=0)

@@ -48,9 +48,9 @@ from dataclasses import dataclass
 import lightning as L
 import numpy as np
 import torch
-from torch.utils.data import IterableDataset
+from torch.utils.data import DataLoader, IterableDataset
 
-from pipeline.lit.lm import cosine_with_warmup
+from pipeline.lit.lm import batch_rows, cosine_with_warmup, next_batch, step_loader
 from pipeline.spec.cost import measure_cost_ratio
 from pipeline.spec.metrics import expected_acceptance
 from pipeline.spec.rewards import (
@@ -171,16 +171,17 @@ def reinforce_loss(
 class ScenarioBatches(IterableDataset):
     """Endless batches of equal-length contexts, one scenario per batch in turn.
 
-    Batch k is a pure function of (seed, rank, k), and iteration starts at ``start()`` (the
-    restored global step), so a resumed run sees the batches it would have seen. Contexts are
-    prompt prefixes cut at a random point of the prompt's second half, so a few prompts give
-    many contexts; ``long`` prompts stay whole so their contexts stay long.
+    Batch k is a pure function of (seed, rank, k). Iteration yields the rows of batches
+    ``start``, ``start`` + 1, ... (``step_loader`` groups them back), so a resumed run, whose
+    loader starts at its restored step (:class:`ReinforceData`), sees the batches it would have
+    seen. Contexts are prompt prefixes cut at a random point of the prompt's second half, so a
+    few prompts give many contexts; ``long`` prompts stay whole so their contexts stay long.
 
     Args:
         prompts: {scenario: (N, L) token ids}.
         batch_size: contexts per batch.
         seed, rank: the randomness of this rank's stream.
-        start: index of the first batch, read when iteration starts.
+        start: index of the first batch.
     """
 
     def __init__(
@@ -189,7 +190,7 @@ class ScenarioBatches(IterableDataset):
         batch_size: int,
         seed: int,
         rank: int = 0,
-        start: Callable[[], int] = lambda: 0,
+        start: int = 0,
     ):
         self.prompts = {k: torch.as_tensor(v, dtype=torch.long) for k, v in prompts.items()}
         self.names = list(self.prompts)
@@ -206,10 +207,7 @@ class ScenarioBatches(IterableDataset):
         return pool[rows, :length]
 
     def __iter__(self):
-        k = self.start()
-        while True:
-            yield self.batch(k)
-            k += 1
+        return batch_rows(self.batch, self.start)
 
 
 class ScenarioPrompts(IterableDataset):
@@ -226,6 +224,33 @@ class ScenarioPrompts(IterableDataset):
         for name, pool in self.prompts.items():
             for i in range(0, pool.shape[0], self.batch_size):
                 yield name, pool[i : i + self.batch_size]
+
+
+class ReinforceData(L.LightningDataModule):
+    """Training contexts (:class:`ScenarioBatches`, each rank its own stream, from the trainer's
+    restored step) and the fixed validation prompts (:class:`ScenarioPrompts`, None: none)."""
+
+    def __init__(
+        self,
+        train: dict[str, torch.Tensor],
+        val: dict[str, torch.Tensor] | None,
+        batch_size: int,
+        seed: int,
+    ) -> None:
+        super().__init__()
+        self.train, self.val, self.batch_size, self.seed = train, val, batch_size, seed
+
+    def train_dataloader(self):
+        t = self.trainer
+        batches = ScenarioBatches(
+            self.train, self.batch_size, self.seed, t.global_rank, start=next_batch(t)
+        )
+        return step_loader(batches, self.batch_size)
+
+    def val_dataloader(self):
+        if self.val is None:
+            return []
+        return DataLoader(ScenarioPrompts(self.val, self.batch_size), batch_size=None)
 
 
 def prepare_trainable(draft: torch.nn.Module, quant_grad_scale: str = "bits") -> list[str]:

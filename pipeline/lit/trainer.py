@@ -1,16 +1,30 @@
-"""Build a Lightning Trainer from the `trainer` config group.
+"""Build a Lightning Trainer from the `trainer` config group, and check it fits the machine.
 
 The group holds Trainer keyword arguments plus a few lowbit keys that select a strategy object
 (e.g. `strategy: deepspeed` + `deepspeed_config`). Everything else passes through unchanged, so
 any Trainer argument can be overridden on the command line (`trainer.precision=bf16-mixed`).
+
+`check_trainer` runs before any rank starts. It compares the group with what the machine has
+(torch_npu and visible NPUs, CUDA, CPU cores) and fails in one line that names the key, instead
+of N ranks each failing deep in torch.distributed.
+
+Visible devices: `visible_devices_env` names the variable that masks the accelerator's devices
+(ASCEND_RT_VISIBLE_DEVICES, CANN's CUDA_VISIBLE_DEVICES). When `devices` lists device indices
+(`trainer.devices=[4,5,6,7]`), lowbit exports the variable with them, before torch_npu
+initialises, so every rank started afterwards inherits the mask, and trains on the visible
+devices 0..n-1. When the variable is already set, an integer `devices` counts only the devices
+it lists, and a list that differs from it is refused rather than guessed at.
 """
 
 from __future__ import annotations
 
+import importlib
 import inspect
+import os
 from pathlib import Path
 from typing import Any
 
+import torch
 from omegaconf import DictConfig
 
 from pipeline import conf_dir
@@ -18,6 +32,8 @@ from pipeline.config import to_plain
 from pipeline.errors import ConfigError
 
 LOWBIT_KEYS = {"deepspeed_config", "dist_backend", "visible_devices_env"}
+ASCEND_VISIBLE_DEVICES = "ASCEND_RT_VISIBLE_DEVICES"
+DEVICES_ALLOWED = "a positive count, a list of device indices, auto or -1 (all visible)"
 
 
 def trainer_kwargs(cfg: DictConfig | dict) -> dict[str, Any]:
@@ -43,17 +59,216 @@ def deepspeed_config_path(name: str) -> Path:
     return path
 
 
+def torch_npu_problem() -> str | None:
+    """None once torch_npu is imported (it adds `torch.npu` and the `npu` device), else why not."""
+    try:
+        importlib.import_module("torch_npu")
+    except ModuleNotFoundError as e:
+        if e.name == "torch_npu":
+            return "torch_npu (Ascend's PyTorch plug-in, on the CANN toolkit) is not installed"
+        return f"torch_npu does not load ({_first_line(e)}); is the CANN toolkit installed?"
+    except (ImportError, OSError, RuntimeError) as e:
+        # Typically libascendcl/libhccl not found: CANN missing or its set_env.sh not sourced.
+        return f"torch_npu does not load ({_first_line(e)}); source CANN's set_env.sh"
+    if getattr(torch, "npu", None) is None:
+        return "torch_npu imported but did not add torch.npu"
+    return None
+
+
+def visible_npus(env: str = ASCEND_VISIBLE_DEVICES) -> int:
+    """NPUs this process may use: torch.npu's count, capped by the entries of `env` when set.
+
+    The cap matters when torch_npu initialised before the variable was set: the runtime then
+    still reports every NPU, but the ranks started from here see only the listed ones.
+    """
+    if torch_npu_problem():
+        return 0
+    try:
+        count = int(torch.npu.device_count())
+    except RuntimeError:  # driver not loaded or no device node: nothing usable
+        return 0
+    mask = _entries(os.environ.get(env, ""))
+    return min(count, len(mask)) if mask else count
+
+
+def pin_visible_devices(trainer_cfg: DictConfig | dict) -> Any:
+    """Export `visible_devices_env` for a list of device indices; returns the devices to train on.
+
+    A list becomes its length (the devices 0..n-1 under the mask); anything else is returned
+    unchanged. Idempotent, so every rank may call it.
+    """
+    plain = dict(to_plain(trainer_cfg) or {})
+    devices = plain.get("devices", "auto")
+    env = plain.get("visible_devices_env")
+    ids = _device_list(devices)
+    if not env or ids is None:
+        return devices
+    have = _entries(os.environ.get(env, ""))
+    if not have:
+        os.environ[env] = ",".join(map(str, ids))
+    elif have != [str(i) for i in ids]:
+        raise ConfigError(
+            "trainer.devices",
+            f"lists devices {ids}, but {env}={','.join(have)} is already set",
+            f"unset {env}, or a count such as trainer.devices={len(have)}",
+        )
+    return len(ids)
+
+
+def check_trainer(trainer_cfg: DictConfig | dict | None) -> None:
+    """Refuse, in one line, a trainer group this machine cannot run. Call before starting ranks.
+
+    Checks that the accelerator and `dist_backend` exist here (torch_npu and a visible NPU for
+    `npu` and `hccl`; CUDA for `gpu`, `cuda` and `nccl`) and that `devices` asks for no more
+    than the machine has: visible NPUs, CUDA devices, or CPU cores for `cpu`, where each device
+    is one process and more processes than cores only time-slice. `auto` and -1 pass. A list of
+    devices is exported to `visible_devices_env` first (`pin_visible_devices`), so nothing may
+    initialise torch_npu before this runs. A missing group is a no-op.
+
+    Raises:
+        ConfigError: naming the key, what is missing, and the trainer that runs here.
+    """
+    plain = dict(to_plain(trainer_cfg) or {})
+    if not plain:
+        return
+    accelerator = str(plain.get("accelerator", "auto")).lower()
+    backend = str(plain.get("dist_backend") or "").lower()
+    env = plain.get("visible_devices_env") or ASCEND_VISIBLE_DEVICES
+    requested = _requested(plain.get("devices", "auto"), accelerator)
+    pin_visible_devices(plain)
+
+    if accelerator == "npu" or backend == "hccl":
+        key, value = ("accelerator", "npu") if accelerator == "npu" else ("dist_backend", "hccl")
+        problem = torch_npu_problem()
+        if problem:
+            _refuse(key, f"is {value}, but {problem}")
+    if backend == "nccl" and not torch.cuda.is_available():
+        _refuse("dist_backend", f"is nccl, but {_no_cuda()}")
+    if accelerator == "npu":
+        have, what = visible_npus(env), "visible NPUs"
+        if have == 0:
+            mask = os.environ.get(env)
+            _refuse(
+                "accelerator",
+                "is npu, but torch_npu sees no NPU" + (f" ({env}={mask})" if mask else ""),
+            )
+    elif accelerator in ("gpu", "cuda"):
+        if not torch.cuda.is_available():
+            _refuse("accelerator", f"is {accelerator}, but {_no_cuda()}")
+        have, what = torch.cuda.device_count(), "CUDA devices"
+    elif accelerator == "cpu":
+        have, what = os.cpu_count() or 1, "CPU cores (on cpu each device is one process)"
+    else:
+        return  # `auto` and other accelerators: Lightning picks and checks them
+    if requested is None:
+        return
+    need = requested if isinstance(requested, int) else _list_need(requested, plain)
+    if need > have:
+        raise ConfigError(
+            "trainer.devices",
+            f"asks for {need} devices, but this machine has {have} {what}",
+            f"1..{have} or auto" + ("" if accelerator == "cpu" else " or -1"),
+        )
+
+
 def build_trainer(cfg: DictConfig | dict, **overrides):
-    """A Trainer for `cfg` (the trainer group) with stage-specific overrides (max_steps, ...)."""
+    """A Trainer for `cfg` (the trainer group) with stage-specific overrides (max_steps, ...).
+
+    `dist_backend` becomes the process-group backend of a DDP strategy named by string (and of
+    DeepSpeed); `accelerator: npu` also gets the NPU strategy and precision of `pipeline.lit.npu`.
+    """
     import lightning as L
 
     kw = trainer_kwargs(cfg)
+    kw["devices"] = pin_visible_devices(kw)
     ds_config = kw.pop("deepspeed_config", None)
+    backend = kw.pop("dist_backend", None)
     for key in LOWBIT_KEYS:
         kw.pop(key, None)
     if kw.get("strategy") == "deepspeed":
         from pipeline.lit.deepspeed_cpu import make_deepspeed_strategy
 
-        kw["strategy"] = make_deepspeed_strategy(deepspeed_config_path(ds_config or "zero2.json"))
+        extra = {"process_group_backend": backend} if backend else {}
+        path = deepspeed_config_path(ds_config or "zero2.json")
+        kw["strategy"] = make_deepspeed_strategy(path, **extra)
     kw.update(overrides)
+    if str(kw.get("accelerator", "")).lower() == "npu":
+        from pipeline.lit.npu import npu_trainer_kwargs
+
+        kw = npu_trainer_kwargs(kw, backend or "hccl")
+    elif backend:
+        kw["strategy"] = ddp_with_backend(kw.get("strategy", "auto"), backend)
     return L.Trainer(**kw)
+
+
+def ddp_with_backend(strategy: Any, backend: str, ddp_cls: type | None = None) -> Any:
+    """A DDP-family strategy name ("ddp", "ddp_spawn", ...) as a `ddp_cls` object on `backend`.
+
+    Other strategies (objects, "auto", FSDP, ...) are returned unchanged.
+    """
+    from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+
+    if isinstance(strategy, str) and strategy in StrategyRegistry:
+        entry = StrategyRegistry[strategy]
+        if entry["strategy"] is DDPStrategy:
+            cls = ddp_cls or DDPStrategy
+            return cls(**entry["init_params"], process_group_backend=backend)
+    return strategy
+
+
+def _no_cuda() -> str:
+    build = f"built for CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+    return f"torch sees no CUDA device (torch {torch.__version__}, {build})"
+
+
+def _refuse(key: str, problem: str) -> None:
+    here = "trainer=gpu or trainer=cpu run" if torch.cuda.is_available() else "trainer=cpu runs"
+    raise ConfigError(f"trainer.{key}", f"{problem}; {here} on this machine")
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0][:200] if text else type(e).__name__
+
+
+def _entries(text: str) -> list[str]:
+    """The devices a visible-devices variable lists ("4, 5" -> ["4", "5"])."""
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def _device_list(devices: Any) -> list[int] | None:
+    """The device indices when `devices` names them (a list, or "0,1,2"), else None."""
+    try:
+        if isinstance(devices, list | tuple):
+            return [int(d) for d in devices]
+        if isinstance(devices, str) and "," in devices:
+            return [int(x) for x in _entries(devices)]
+    except (TypeError, ValueError):
+        raise ConfigError("trainer.devices", f"is {devices}", DEVICES_ALLOWED) from None
+    return None
+
+
+def _requested(devices: Any, accelerator: str) -> int | list[int] | None:
+    """A count, a list of indices, or None for all visible (`auto`, -1)."""
+    ids = _device_list(devices)
+    if ids is not None:
+        if accelerator == "cpu" or not ids or len(set(ids)) != len(ids) or min(ids) < 0:
+            raise ConfigError("trainer.devices", f"is {devices}", _allowed(accelerator))
+        return ids
+    text = str(devices).strip().lower()
+    if text == "auto" or (text == "-1" and accelerator != "cpu"):
+        return None
+    if not text.isdigit() or int(text) < 1:
+        raise ConfigError("trainer.devices", f"is {devices}", _allowed(accelerator))
+    return int(text)
+
+
+def _allowed(accelerator: str) -> str:
+    if accelerator == "cpu":
+        return f"1..{os.cpu_count() or 1} (processes, at most one per core) or auto"
+    return DEVICES_ALLOWED
+
+
+def _list_need(ids: list[int], plain: dict) -> int:
+    """Devices a list needs: n under the mask lowbit set, else its highest index + 1."""
+    return len(ids) if plain.get("visible_devices_env") else max(ids) + 1

@@ -13,23 +13,77 @@ import torch
 
 from pipeline.config import ModelSpec
 from pipeline.errors import LowbitError
+from pipeline.models.adapters import UnsupportedArchitectureError, get_adapter, supported
+from pipeline.models.shards import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    read_json,
+    read_safetensors_header,
+    weight_files,
+)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # checkpoints are local directories, never hub ids
 
 
-def check_checkpoint(path: Path, allow_bin: bool = False) -> None:
-    """One clear error for a directory that is not a loadable HF checkpoint."""
+def check_checkpoint(path: Path, allow_bin: bool = False, key: str | None = None) -> None:
+    """One clear line for a directory that is not a checkpoint lowbit can load and quantize.
+
+    Reads config.json and the safetensors headers only (a few KB per shard whatever the model
+    size), so it is cheap enough to run on every user checkpoint before any compute.
+
+    Args:
+        path: The checkpoint directory.
+        allow_bin: Accept pickled ``.bin`` weights when there are no safetensors.
+        key: The config key that named ``path`` (``model.target.path``); messages then start
+            with ``key=path``, so they say which setting to change.
+
+    Raises:
+        LowbitError: The message names the directory (or key), the problem and the fix.
+    """
     path = Path(path)
-    if not (path / "config.json").exists():
-        raise LowbitError(f"{path} is not a HF checkpoint: config.json is missing")
-    if not any(path.glob("*.safetensors")):
-        if any(path.glob("*.bin")) and not allow_bin:
-            raise LowbitError(
-                f"{path} holds only .bin (pickle) weights, which can run code when loaded. Convert "
-                "them to safetensors, or set model.allow_bin=true if you trust the file."
+    where = f"{key}={path}" if key else str(path)
+    if not (path / "config.json").is_file():
+        raise CheckpointNotFoundError(
+            f"{where} is not a HF checkpoint: config.json is missing; point it at a directory "
+            "written by save_pretrained (config.json + *.safetensors + tokenizer files)"
+        )
+    try:
+        _check_architecture(read_json(path / "config.json"))
+        files, _, is_bin = weight_files(path, allow_bin=True)
+        if is_bin and not allow_bin:
+            raise CheckpointError(
+                "holds only pickled .bin weights, which can run code when loaded; convert them "
+                f"once with `python -m pipeline.models.shards {path} OUT_DIR`, or set "
+                "model.allow_bin=true if you trust them"
             )
-        if not any(path.glob("*.bin")):
-            raise LowbitError(f"{path} has no *.safetensors weights")
+        if not is_bin:  # pickles cannot be checked without unpickling them
+            for file in files:
+                read_safetensors_header(file)  # a truncated or corrupt shard fails here
+    except CheckpointNotFoundError as err:
+        raise CheckpointNotFoundError(
+            f"{where}: {err}; copy the complete checkpoint there (all its *.safetensors)"
+        ) from None
+    except LowbitError as err:
+        # The shard-level messages name the file and the fix; prefix the setting that chose it.
+        raise type(err)(f"{where}: {err}") from None
+
+
+def _check_architecture(config: dict) -> None:
+    from transformers import __version__
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    model_type = config.get("model_type") if isinstance(config, dict) else None
+    if not isinstance(model_type, str):
+        raise CheckpointError(
+            "config.json has no model_type; re-save the checkpoint with save_pretrained"
+        )
+    get_adapter(config)  # lowbit's own limit: the families its streaming quantizer addresses
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise UnsupportedArchitectureError(
+            f"model_type {model_type!r} is not a causal LM that the installed transformers "
+            f"{__version__} knows (a remote-code model?); use a checkpoint of one of: "
+            f"{', '.join(supported())}"
+        )
 
 
 def load_causal_lm(path: Path | str, dtype=torch.float32, allow_bin: bool = False):
@@ -42,12 +96,38 @@ def load_causal_lm(path: Path | str, dtype=torch.float32, allow_bin: bool = Fals
     return model.eval()
 
 
-def load_tokenizer(path: Path | str):
+# Any of these next to config.json means the tokenizer was saved; its load error then matters.
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.*")
+
+
+def load_tokenizer(path: Path | str, key: str | None = None):
+    """The checkpoint's tokenizer, with a pad token; one clear line when it does not load.
+
+    Args:
+        path: The checkpoint directory.
+        key: The config key that named ``path``, for the message (see :func:`check_checkpoint`).
+    """
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    where = f"{key}={path}" if key else str(path)
+    try:
+        tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except Exception as err:  # transformers, tokenizers, sentencepiece and json each raise theirs
+        if not any(any(Path(path).glob(p)) for p in _TOKENIZER_FILES):
+            # transformers would blame a missing sentencepiece/tiktoken, which is not the cause.
+            raise LowbitError(
+                f"{where} holds no tokenizer files (tokenizer.json, tokenizer_config.json, "
+                "tokenizer.model); save the model's tokenizer there with save_pretrained"
+            ) from None
+        lines = str(err).strip().splitlines() or [""]
+        raise LowbitError(
+            f"{where}: the tokenizer does not load ({type(err).__name__}: {lines[0]}); "
+            "re-save it with the model's tokenizer.save_pretrained"
+        ) from err
     if tok.eos_token_id is None:
-        raise LowbitError(f"the tokenizer in {path} has no EOS token")
+        raise LowbitError(
+            f"{where}: the tokenizer has no EOS token; set eos_token in tokenizer_config.json"
+        )
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return tok

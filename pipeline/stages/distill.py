@@ -9,14 +9,20 @@ work dir, so a killed run resumes from its last checkpoint.
 Selection: the student is validated on `val_windows` fixed windows of the validation split (never
 the test split that evaluate reports) before the first step (the input), every `val_every` steps
 and at the last step; the metric is its mean next-token NLL (perplexity), with KL(teacher ‖
-student) logged beside it. Checkpoints are taken right after validations, so both happen every
-min(val_every, ckpt_every) steps: `checkpoints/last.ckpt` in the work dir to resume from, and
-`checkpoints/best.ckpt`, the best by that NLL, whose parameters (consolidated from the ZeRO
-shards when DeepSpeed trained them), not the last ones, are the result; `early_stop_patience`
-optionally stops once validation stops improving. When no checkpoint beats the input, the
-quantize stage's model is handed on unchanged (copied byte for byte), with a warning and
-`kept_input: true` in `distill_report.json`. Either way the result is written in the quantize
-stage's representation (`model/`), which is all evaluate and export need to know.
+student) logged beside it. After each validation `checkpoints/best.ckpt` in the work dir keeps
+the best by that NLL, whose parameters (consolidated from the ZeRO shards when DeepSpeed trained
+them), not the last ones, are the result; `early_stop_patience` optionally stops once validation
+stops improving. When no checkpoint beats the input, the quantize stage's model is handed on
+unchanged (copied byte for byte), with a warning and `kept_input: true` in `distill_report.json`.
+Either way the result is written in the quantize stage's representation (`model/`), which is all
+evaluate and export need to know.
+
+Resume: `checkpoints/last.ckpt` in the work dir is written every `ckpt_every` steps (null: a
+tenth of max_steps, so a kill loses at most ~10% of the training) and after each validation. A
+rerun resumes from it with the batches (indexed by step), random streams, validation history and
+best checkpoint of the killed run, and writes the bytes an uninterrupted run writes
+(`pipeline.lit.resume`); checkpoints load with weights_only. The report holds nothing that
+differs between the two (whether and where the run resumed are stage metrics only).
 """
 
 from __future__ import annotations
@@ -67,7 +73,7 @@ class DistillConfig:
     grad_scale: Literal["bits", "lsq", "none"] = "bits"
     fp32_modules: list[str] = field(default_factory=lambda: ["lm_head", "norm"])
     nan_guard: bool = True
-    ckpt_every: int = 100
+    ckpt_every: int | None = None
     val_windows: int = 128
     val_every: int = 50
     early_stop_patience: int | None = None
@@ -155,7 +161,8 @@ def run(ctx) -> dict:
         DistillModule,
         keep_full_precision,
     )
-    from pipeline.lit.guards import NanGuard, best_and_last, load_trained, pick_best, resume_path
+    from pipeline.lit.guards import NanGuard, load_trained, pick_best
+    from pipeline.lit.resume import ResumeCheckpoint, best_and_last, ckpt_interval, resume_path
     from pipeline.models.hf import load_causal_lm, load_tokenizer
     from pipeline.quant.losses import layer_weights
 
@@ -207,14 +214,21 @@ def run(ctx) -> dict:
         match=p.match,
     )
     module = DistillModule(student, teacher, hp, weights, p.train)
-    samples = p.max_steps * p.batch_size * ctx.dist.world_size
     datamodule = DistillData(
-        corpus.stream("train"), seq_len, p.batch_size, samples, ctx.cfg.seed, val=val.windows
+        corpus.stream("train"), seq_len, p.batch_size, ctx.cfg.seed, val=val.windows
     )
     last = resume_path(ctx.work_dir)
     resume = ctx.dist.broadcast(str(last) if ctx.dist.is_main and last.exists() else None)
     guard = NanGuard() if p.nan_guard else None
-    best, callbacks = best_and_last(ctx.work_dir, "val/nll", "min", p.early_stop_patience)
+    val_every = min(p.val_every, p.max_steps)
+    best, callbacks = best_and_last(
+        ctx.work_dir,
+        "val/nll",
+        "min",
+        p.early_stop_patience,
+        every=ckpt_interval(p.ckpt_every, p.max_steps),
+        val_every=val_every,
+    )
     callbacks = [guard, *callbacks] if guard else callbacks
     trainer = build_trainer(
         ctx.cfg.trainer,
@@ -224,8 +238,7 @@ def run(ctx) -> dict:
         logger=ctx.log.lightning_logger() or False,
         callbacks=callbacks,
         default_root_dir=str(ctx.work_dir),
-        # Checkpoints follow validations, so both happen every min(val_every, ckpt_every) steps.
-        val_check_interval=min(p.val_every, p.ckpt_every, p.max_steps),
+        val_check_interval=val_every,
         check_val_every_n_epoch=None,  # count steps across epochs, as max_steps does
         limit_val_batches=1.0,
         # The sanity check scores the input model on every window (step 0); a resumed run
@@ -238,7 +251,7 @@ def run(ctx) -> dict:
         trainer.strategy.exclude_frozen_parameters = True
     if resume:
         log.info("distill: resuming from %s", resume)
-    trainer.fit(module, datamodule=datamodule, ckpt_path=resume)
+    trainer.fit(module, datamodule=datamodule, ckpt_path=resume, weights_only=True)
 
     before = module.val_input
     chosen, kept = pick_best("distill", before, module.val_history, "nll", larger_is_better=False)
@@ -271,7 +284,6 @@ def run(ctx) -> dict:
     )
     metrics.update(
         steps=trainer.global_step,
-        resumed=float(resume is not None),
         nan_skipped=float(guard.skipped if guard else 0),
         lr_scale=guard.lr_scale if guard else 1.0,
     )
@@ -292,7 +304,10 @@ def run(ctx) -> dict:
     }
     (ctx.out_dir / "distill_report.json").write_text(json.dumps(report, indent=1))
     log.info("distill: %s", "  ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
-    return metrics
+    # How this run got there differs between a resumed and an uninterrupted run, so it is kept
+    # out of the report file (hashed) and only goes to the stage metrics.
+    resumed_step = next(c for c in callbacks if isinstance(c, ResumeCheckpoint)).resumed_step
+    return metrics | {"resumed": float(resume is not None), "resumed_step": resumed_step}
 
 
 def _metrics(before: dict | None, best: dict, kept: bool, val) -> dict[str, float]:

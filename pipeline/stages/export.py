@@ -111,14 +111,15 @@ def run(ctx) -> dict:
     draft = draft_dir(ctx) if p.include_draft else None
     art = ctx.out_dir / "artifact"
     t0 = time.time()
-    manifest = export_artifact(src, art, p.options(), draft=draft)
+    labels = {"source": ctx.describe(src)} | ({"draft": ctx.describe(draft)} if draft else {})
+    manifest = export_artifact(src, art, p.options(), draft=draft, labels=labels)
     seconds = time.time() - t0
     files = manifest["files"]
     draft_bytes = sum(f["bytes"] for k, f in files.items() if k.startswith("draft/"))
     summary = {
         "format": p.format,
-        "source": str(src),
-        "draft": str(draft) if draft else None,
+        "source": labels["source"],
+        "draft": labels.get("draft"),
         "artifact_bytes": sum(f["bytes"] for f in files.values()) - draft_bytes,
         "draft_bytes": draft_bytes,
         "weights_bytes": manifest["weights_bytes"],

@@ -8,12 +8,21 @@ Selection: the draft is validated on `val_prompts` prompts per scenario cut from
 split (never the test split the report's before/after numbers come from) before the first step
 (the starting draft), every `val_every` steps and at the last step; the metric is the
 teacher-forced expected acceptance alpha = mean sum_x min(p, q) against the target, per
-scenario, then averaged over the scenarios. Checkpoints are taken right after validations, so
-both happen every min(val_every, checkpoint_every) steps: `checkpoints/last.ckpt` in the work
-dir, which a rerun resumes from, and `checkpoints/best.ckpt`, the best by that alpha, whose
-weights, not the last ones, are the result; `early_stop_patience` optionally stops once it no
-longer improves. When no checkpoint beats the starting draft, the starting draft is handed on
-unchanged, with a warning and `kept_input: true` in `reinforce.json`.
+scenario, then averaged over the scenarios. After each validation `checkpoints/best.ckpt` in the
+work dir keeps the best by that alpha, whose weights, not the last ones, are the result;
+`early_stop_patience` optionally stops once it no longer improves. When no checkpoint beats the
+starting draft, the starting draft is handed on unchanged, with a warning and `kept_input: true`
+in `reinforce.json`.
+
+Reproducibility and resume: the throughput term of the reward uses c = draft/target step time.
+With `cost_ratio` set, a run is reproducible run to run, bit for bit. With `cost_ratio: null` c
+is measured (a timing, so it differs between runs) once, before training, and recorded in the
+work dir (`cost_ratio.json`) and in every checkpoint: a rerun after a kill reuses it.
+`checkpoints/last.ckpt` in the work dir is written every `checkpoint_every` steps (null: a tenth
+of max_steps, so a kill loses at most ~10% of the training) and after each validation; a rerun
+resumes from it with the batches (indexed by step), reward baseline, random streams and
+validation history of the killed run, reuses the starting draft's scores (`before.json`), and
+writes the bytes an uninterrupted run with the same c writes (`pipeline.lit.resume`).
 
 Which target: the one the run will deploy. The distilled model when the run has one, else the
 quantized one, else the FP target: a low-bit target's distribution moves, and the draft's
@@ -26,13 +35,14 @@ Outputs: `draft/` (HF dir, or a lowbit quantized dir for a quantized draft, copi
 when the input is kept) and `reinforce.json`: the validation numbers (split, prompts, step-0,
 best and every check), and on-line acceptance per scenario on held-out prompts of the test split
 before and after, plus the FP draft on the FP target as the reference when the target is
-quantized, and a plot.
+quantized, and a plot. Paths in it are relative to the run dir, so a moved run dir reads alike.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,16 +54,12 @@ from pipeline.config import data_cfg, model_cfg, parse, positive
 from pipeline.data.scenarios import SCENARIOS
 from pipeline.data.text import load_splits
 from pipeline.errors import ConfigError, LowbitError
-from pipeline.lit.guards import best_and_last, load_trained, pick_best, resume_path
-from pipeline.lit.reinforce import (
-    DraftReinforce,
-    LossWeights,
-    ScenarioBatches,
-    ScenarioPrompts,
-    prepare_trainable,
-)
+from pipeline.lit.guards import load_trained, pick_best
+from pipeline.lit.reinforce import DraftReinforce, LossWeights, ReinforceData, prepare_trainable
+from pipeline.lit.resume import ResumeCheckpoint, best_and_last, ckpt_interval, resume_path
 from pipeline.lit.trainer import build_trainer, trainer_kwargs
 from pipeline.models.hf import load_causal_lm, load_tokenizer, save_hf
+from pipeline.spec.cost import measure_cost_ratio
 from pipeline.spec.evaluation import acceptance_table, column, heldout_scenarios, plot_acceptance
 
 NEEDS: tuple[str, ...] = ("bootstrap",)
@@ -84,7 +90,7 @@ class ReinforceConfig:
     grad_clip: float = 1.0
     cost_ratio: float | None = None
     quant_grad_scale: Literal["bits", "lsq", "none"] = "bits"
-    checkpoint_every: int = 50
+    checkpoint_every: int | None = None
     monitor_window: int = 20
     scenarios: list[str] = field(default_factory=lambda: list(SCENARIOS))
     train_prompts: int = 64
@@ -248,16 +254,20 @@ def run(ctx) -> dict:
             table = json.loads(before_file.read_text())
         else:
             table = _measure(ctx, p, target_name, target, {start_name: draft.eval()}, eval_sets)
-            before_file.write_text(json.dumps(table))
+            _write_json(before_file, table)
     ctx.dist.barrier()
 
+    last = resume_path(ctx.work_dir)
+    resume = ctx.dist.broadcast(str(last) if ctx.dist.is_main and last.exists() else None)
+    trainer, best = _trainer(ctx, p, resume is not None)
+    cost_ratio = _cost_ratio(ctx, p, target, draft, trainer.strategy.root_device)
     module = DraftReinforce(
         draft,
         target,
         gamma=p.gamma,
         temperature=p.temperature,
         draft_t0=p.draft_t0,
-        cost_ratio=p.cost_ratio,
+        cost_ratio=cost_ratio,
         weights=LossWeights(
             pg=p.pg_weight,
             tvd=p.tvd_weight,
@@ -274,22 +284,16 @@ def run(ctx) -> dict:
         seed=ctx.cfg.seed,
         context_positions=p.context_positions,
     )
-    last = resume_path(ctx.work_dir)
-    resume = str(last) if last.exists() else None
-    trainer, best = _trainer(ctx, p, resume is not None)
-    batches = ScenarioBatches(
+    data = ReinforceData(
         {s: torch.tensor(v) for s, v in train_sets.items()},
+        {s: torch.tensor(v) for s, v in val_sets.items()},
         p.batch_size,
         ctx.cfg.seed,
-        ctx.dist.rank,
-        start=lambda: module.global_step,
     )
-    loader = torch.utils.data.DataLoader(batches, batch_size=None, num_workers=0)
-    val_loader = torch.utils.data.DataLoader(
-        ScenarioPrompts(val_sets, p.batch_size), batch_size=None, num_workers=0
-    )
+    if resume:
+        log.info("reinforce: resuming from %s", resume)
     module.draft.train()
-    trainer.fit(module, loader, val_loader, ckpt_path=resume)
+    trainer.fit(module, datamodule=data, ckpt_path=resume, weights_only=True)
 
     before = module.val_input
     history = module.val_history
@@ -337,8 +341,8 @@ def run(ctx) -> dict:
         save_hf(draft.cpu(), tokenizer, out)
     report = {
         "target": target_name,
-        "target_dir": str(target_dir),
-        "draft_dir": str(draft_dir),
+        "target_dir": _shown(target_dir, ctx.run_dir),
+        "draft_dir": _shown(draft_dir, ctx.run_dir),
         "draft_quantized": draft_quantized,
         "steps": module.global_step,
         "gamma": p.gamma,
@@ -359,12 +363,55 @@ def run(ctx) -> dict:
         "eval_new_tokens": p.eval_new_tokens,
         "pairs": pairs,
     }
-    return _report(ctx, report, table)
+    metrics = _report(ctx, report, table)
+    resumed = next(c for c in trainer.callbacks if isinstance(c, ResumeCheckpoint))
+    return metrics | {"resumed": float(resume is not None), "resumed_step": resumed.resumed_step}
+
+
+def _write_json(path: Path, obj) -> None:
+    """Write through a temporary name: a kill mid-write must not leave a file a rerun trusts."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj))
+    os.replace(tmp, path)
+
+
+def _shown(path: Path, run_dir: Path) -> str:
+    """`path` relative to the run dir when inside it (the report must not depend on where the
+    run dir lives), else as given."""
+    try:
+        return str(Path(path).resolve().relative_to(Path(run_dir).resolve()))
+    except ValueError:
+        return str(path)
+
+
+def _cost_ratio(ctx, p: ReinforceConfig, target, draft, device) -> float:
+    """c of the reward: the configured one, else the one this work dir recorded, else measured
+    once on the training device by rank 0 (and recorded: a rerun after a kill reuses it)."""
+    if p.cost_ratio is not None:
+        return p.cost_ratio
+    record = ctx.work_dir / "cost_ratio.json"
+    c = None
+    if ctx.dist.is_main:
+        if record.is_file():
+            c = json.loads(record.read_text())["cost_ratio"]
+        else:
+            c = measure_cost_ratio(target.to(device), draft.to(device), n_iters=30)
+            _write_json(record, {"cost_ratio": c, "device": str(device)})
+            log.info("reinforce: measured cost ratio c = %.4f on %s", c, device)
+    return float(ctx.dist.broadcast(c))
 
 
 def _trainer(ctx, p: ReinforceConfig, resuming: bool):
     """The Trainer and its checkpoint callback; every checkpoint lives in the work dir."""
-    ckpt, callbacks = best_and_last(ctx.work_dir, "val/alpha", "max", p.early_stop_patience)
+    val_every = min(p.val_every, p.max_steps)
+    ckpt, callbacks = best_and_last(
+        ctx.work_dir,
+        "val/alpha",
+        "max",
+        p.early_stop_patience,
+        every=ckpt_interval(p.checkpoint_every, p.max_steps),
+        val_every=val_every,
+    )
     trainer = build_trainer(
         ctx.cfg.trainer,
         max_steps=p.max_steps,
@@ -372,14 +419,13 @@ def _trainer(ctx, p: ReinforceConfig, resuming: bool):
         callbacks=callbacks,
         default_root_dir=str(ctx.work_dir),
         gradient_clip_val=p.grad_clip,
-        # Checkpoints follow validations, so both happen every min(val_every, checkpoint_every).
-        val_check_interval=min(p.val_every, p.checkpoint_every, p.max_steps),
+        val_check_interval=val_every,
         check_val_every_n_epoch=None,
         limit_val_batches=1.0,
         # The sanity check scores the starting draft on every prompt (step 0); a resumed run
         # restores that score from its checkpoint instead.
         num_sanity_val_steps=0 if resuming else -1,
-        use_distributed_sampler=False,  # each rank draws its own batches (ScenarioBatches)
+        use_distributed_sampler=False,  # each rank draws its own batches (ReinforceData)
     )
     return trainer, ckpt
 

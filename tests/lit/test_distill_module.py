@@ -17,7 +17,8 @@ from pipeline.lit.distill import (
     keep_full_precision,
     set_trainable,
 )
-from pipeline.lit.guards import NanGuard, best_and_last, resume_path
+from pipeline.lit.guards import NanGuard
+from pipeline.lit.resume import best_and_last, resume_path
 from pipeline.quant.fakequant import FakeQuantLinear, grad_scale_factor
 
 VOCAB, SEQ = 64, 8
@@ -219,7 +220,7 @@ def fit(module, max_steps, callbacks, ckpt_path=None, val=None, val_every=None):
         check_val_every_n_epoch=None if val_every else 1,
     )
     stream = torch.randint(0, VOCAB, (400,), generator=torch.Generator().manual_seed(1))
-    data = DistillData(stream, SEQ, batch_size=2, samples=2 * max_steps, seed=0, val=val)
+    data = DistillData(stream, SEQ, batch_size=2, seed=0, val=val)
     trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
     return trainer
 
@@ -249,7 +250,7 @@ def test_resume_continues_at_the_checkpointed_step(tmp_path):
         return fit(make_module(max_steps=5), 5, [*ckpts, *callbacks], ckpt_path, val, 2)
 
     def step_of(path) -> int:
-        return torch.load(path, map_location="cpu", weights_only=False)["global_step"]
+        return torch.load(path, map_location="cpu", weights_only=True)["global_step"]
 
     first = Recorder()
     with pytest.raises(RuntimeError, match="killed"):

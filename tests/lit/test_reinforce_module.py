@@ -7,9 +7,11 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+from pipeline.lit.lm import step_loader
 from pipeline.lit.reinforce import (
     DraftReinforce,
     LossWeights,
+    ReinforceData,
     ScenarioBatches,
     prepare_trainable,
     proposal_logits,
@@ -138,8 +140,8 @@ def test_proposal_logits_match_the_rollout(target):
 def test_batches_are_deterministic_equal_length_and_resume():
     prompts = _prompts()
     a = ScenarioBatches(prompts, batch_size=3, seed=1)
-    b = ScenarioBatches(prompts, batch_size=3, seed=1, start=lambda: 4)
-    first_b = next(iter(b))
+    b = ScenarioBatches(prompts, batch_size=3, seed=1, start=4)
+    first_b = next(iter(step_loader(b, 3)))
     assert torch.equal(first_b, a.batch(4))  # resumed streams continue where they left off
     assert not torch.equal(a.batch(0), ScenarioBatches(prompts, 3, seed=1, rank=1).batch(0))
     long, mix = a.batch(0), a.batch(1)  # scenarios take turns
@@ -201,7 +203,7 @@ def _fit(tmp_path, target, draft, max_steps, ckpt=None):
         max_steps=5,
         seed=0,
     )
-    data = ScenarioBatches(_prompts(), 2, seed=0, start=lambda: module.global_step)
+    data = ReinforceData(_prompts(), None, 2, seed=0)
     record = _Record()
     trainer = L.Trainer(
         accelerator="cpu",
@@ -216,27 +218,25 @@ def _fit(tmp_path, target, draft, max_steps, ckpt=None):
             ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=1, save_last=True),
         ],
     )
-    trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=None), ckpt_path=ckpt)
-    return module, record, data
+    trainer.fit(module, datamodule=data, ckpt_path=ckpt, weights_only=True)
+    return module, record
 
 
 def test_lightning_module_trains_checkpoints_and_resumes(tmp_path, target):
     draft = _draft(target, 4)
     start = copy.deepcopy(draft)
-    first, _, _ = _fit(tmp_path, target, draft, max_steps=3)
+    first, _ = _fit(tmp_path, target, draft, max_steps=3)
     assert first.global_step == 3 and first.cost_ratio > 0
     assert any(not torch.equal(a, b) for a, b in zip(draft.parameters(), start.parameters()))
-    saved = torch.load(tmp_path / "last.ckpt", weights_only=False)
+    saved = torch.load(tmp_path / "last.ckpt", weights_only=True)  # plain values only
     assert saved["global_step"] == 3
     assert saved["reinforce"]["baseline"]["value"] == first.baseline.value
     assert all(not k.startswith(("target", "reference")) for k in saved["state_dict"])
 
-    resumed, record, data = _fit(
-        tmp_path, target, _draft(target, 9), 5, ckpt=str(tmp_path / "last.ckpt")
-    )
+    resumed, record = _fit(tmp_path, target, _draft(target, 9), 5, ckpt=str(tmp_path / "last.ckpt"))
     assert resumed.global_step == 5
     assert [s for s, _ in record.seen] == [3, 4]  # the two missing steps, not a fresh start
-    assert torch.equal(record.seen[0][1], data.batch(3))
+    assert torch.equal(record.seen[0][1], ScenarioBatches(_prompts(), 2, seed=0).batch(3))
     assert resumed.cost_ratio == first.cost_ratio  # c is measured once per run
     assert len(resumed.window) == 5
     loaded = {k.removeprefix("draft."): v for k, v in saved["state_dict"].items()}

@@ -1,0 +1,186 @@
+"""Start checks on the user's own checkpoints and corpus: one line per problem, before compute.
+
+`model.target.path`, `model.draft.path` and `data.path` are first read stages into a run, so an
+empty directory, a truncated shard or a Latin-1 corpus would otherwise surface minutes later as a
+traceback from deep inside transformers or `datasets`. Every check here reads metadata only:
+config.json, safetensors headers, the tokenizer files, the first MiB of each text file, parquet
+schemas and `save_to_disk` descriptors. The cost does not grow with the model or the corpus;
+loading the tokenizer (about a second) is the largest part.
+
+The rules shared with loading live next to the loaders (`check_checkpoint` and `load_tokenizer`
+in pipeline/models/hf.py, `source_files` and `missing_field` in pipeline/data/text.py), so a start
+check and a stage say the same thing. This module adds what only a start check needs: looking
+inside the data files without loading them.
+"""
+
+from __future__ import annotations
+
+import codecs
+import csv
+import json
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from pipeline.config import DataConfig, data_cfg, model_cfg
+from pipeline.data.text import is_saved_dataset, missing_field, source_files
+from pipeline.errors import LowbitError
+from pipeline.models.hf import check_checkpoint, load_tokenizer
+
+_BINARY_PROBE = 64 << 10  # a NUL byte here means binary or UTF-16: UTF-8 text never holds one
+_TEXT_PROBE = 1 << 20  # decoded as UTF-8; a bad byte further on is left to the loader
+
+
+def check_inputs(cfg: DictConfig) -> None:
+    """Check the checkpoints and the corpus the whole composed config `cfg` points at.
+
+    Does nothing when `model.*.path` and `data.path` are null (the bootstrap models and the
+    built-in corpus, both made by lowbit itself).
+
+    Raises:
+        LowbitError: One line naming the key (e.g. ``model.target.path=/x``) and the fix.
+    """
+    models, data = model_cfg(cfg), data_cfg(cfg)
+    for role in ("target", "draft"):
+        path = getattr(models, role).path
+        if path is not None:
+            check_checkpoint(Path(path), models.allow_bin, key=f"model.{role}.path")
+    if models.target.path is not None:  # the target's tokenizer is the one lowbit uses
+        load_tokenizer(models.target.path, key="model.target.path")
+    if data.path is not None:
+        check_data(data)
+
+
+def check_data(data: DataConfig) -> None:
+    """One line for data a run could not read, or too short for a single window."""
+    path = Path(data.path)
+    if is_saved_dataset(path):
+        room = _check_saved(data, path)
+    else:
+        kind, files = source_files(data)
+        room = sum(_check_file(data, kind, f, data.seq_len + 1) for f in files)
+    # The heuristic: a token of a byte-level BPE (GPT-2, Llama 3, Qwen2) covers at least one
+    # byte, and each document's EOS stands in for at least its separator (a newline, JSON
+    # punctuation, a parquet row's length), so `room` bounds the token count from above and a
+    # corpus refused here is too short for any such tokenizer. Its limits: SentencePiece
+    # (Llama 2, Mistral) adds a "▁" to each document's start and may split it off as a token of
+    # its own, so a corpus right at the limit could still fill one window there; and passing
+    # does not promise a window in every split, or one of quant.calib.seq_len tokens. The
+    # windowing in pipeline/data/text.py keeps its own exact check on the real tokens.
+    if room < data.seq_len + 1:
+        raise LowbitError(
+            f"data.path={data.path} holds at most {room} bytes of text, too few for one window "
+            f"of data.seq_len={data.seq_len} tokens plus its next-token target; add text or lower "
+            "data.seq_len"
+        )
+
+
+def _check_file(data: DataConfig, kind: str, file: Path, need: int) -> int:
+    """Check one source file; returns an upper bound on its tokens (up to `need` for parquet)."""
+    if kind == "parquet":
+        import pyarrow.parquet as pq
+
+        names = pq.read_schema(file).names  # the footer only
+        if data.text_field not in names:
+            raise missing_field(data, file.name, names)
+        return _parquet_room(file, data.text_field, need)
+    head = _read_text_head(data, file)
+    if kind == "text":
+        fields = ["text"]  # the text builder names its one column so
+    elif kind == "csv":
+        fields = next(csv.reader(head.splitlines()[:1]), [])
+    else:
+        fields = _json_fields(data, file, head)
+    if fields is not None and data.text_field not in fields:
+        where = f"the first record of {file.name}" if kind == "json" else file.name
+        raise missing_field(data, where, fields)
+    return file.stat().st_size + 1  # + the EOS of a last document without a newline
+
+
+def _read_text_head(data: DataConfig, file: Path) -> str:
+    """The first MiB of `file` decoded; one line for a binary or non-UTF-8 file."""
+    with open(file, "rb") as f:
+        head = f.read(_TEXT_PROBE)
+    nul = head.find(b"\0", 0, _BINARY_PROBE)
+    if nul >= 0:
+        raise LowbitError(
+            f"{_subject(data, file)} is not text (a NUL byte at byte {nul}: binary, or UTF-16); "
+            "save it as UTF-8 text or move it out"
+        )
+    try:  # incremental, so a character cut at the probe's end is not an error
+        return codecs.getincrementaldecoder("utf-8")().decode(head, final=len(head) < _TEXT_PROBE)
+    except UnicodeDecodeError as err:
+        raise LowbitError(
+            f"{_subject(data, file)} is not UTF-8 (byte {err.start} is "
+            f"{head[err.start : err.start + 1]!r}); re-encode it, e.g. "
+            f"`iconv -f latin1 -t utf-8 {file.name}`"
+        ) from None
+
+
+def _subject(data: DataConfig, file: Path) -> str:
+    """`data.path=DIR: FILE`, or `data.path=FILE` when the setting names the file itself."""
+    return f"data.path={data.path}" + ("" if file == Path(data.path) else f": {file}")
+
+
+def _json_fields(data: DataConfig, file: Path, head: str) -> list[str] | None:
+    """Keys of the first record of a JSON Lines file or a JSON array; None if not a record."""
+    text = head.lstrip("\ufeff \t\r\n")
+    text = text[1:] if text.startswith("[") else text
+    try:
+        record, _ = json.JSONDecoder().raw_decode(text.lstrip())
+    except json.JSONDecodeError as err:
+        if len(head) >= _TEXT_PROBE and "\n" not in text:
+            return None  # a first record longer than the probe: the loader will read it whole
+        raise LowbitError(
+            f"{_subject(data, file)}: its first record is not JSON ({err.msg}); fix the file or "
+            "move it out"
+        ) from None
+    return list(record) if isinstance(record, dict) else None
+
+
+def _parquet_room(file: Path, field: str, need: int) -> int:
+    """Bytes + rows of the text column, read batch by batch until `need` is reached."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    pf = pq.ParquetFile(file)
+    kind = pf.schema_arrow.field(field).type
+    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+        return need  # not text at all: the loader says so, naming the split
+    room = 0
+    # Compression and dictionary encoding hide the text's size, so it is measured; stopping at
+    # `need` keeps this to the first batch for any usable corpus.
+    for batch in pf.iter_batches(batch_size=1024, columns=[field]):
+        col = batch.column(0)
+        room += len(col) + (pc.sum(pc.binary_length(col)).as_py() or 0)
+        if room >= need:
+            break
+    return room
+
+
+def _check_saved(data: DataConfig, path: Path) -> int:
+    """Check a save_to_disk Dataset or DatasetDict from its descriptors; returns its room."""
+    import pyarrow as pa
+
+    try:
+        if (path / "dataset_dict.json").is_file():
+            splits = json.loads((path / "dataset_dict.json").read_text())["splits"]
+            parts = [(f"split {s!r}", path / s) for s in splits]
+        else:
+            parts = [("the saved Dataset", path)]
+        room = 0
+        for where, part in parts:
+            fields = list(json.loads((part / "dataset_info.json").read_text())["features"])
+            if data.text_field not in fields:
+                raise missing_field(data, where, fields)
+            for entry in json.loads((part / "state.json").read_text())["_data_files"]:
+                # Memory-mapped Arrow: the column's buffer sizes, no string is read.
+                with pa.memory_map(str(part / entry["filename"])) as src:
+                    room += pa.ipc.open_stream(src).read_all().column(data.text_field).nbytes
+    except (OSError, KeyError, TypeError, ValueError, pa.ArrowException) as err:
+        raise LowbitError(
+            f"data.path={data.path}: the saved dataset is unreadable ({type(err).__name__}: "
+            f"{err}); write it again with save_to_disk"
+        ) from None
+    return room

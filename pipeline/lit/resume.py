@@ -1,0 +1,239 @@
+"""Exact resume of a training stage: checkpoints a rerun restarts from as if never killed.
+
+A rerun of a killed stage (same fingerprint, same work dir) resumes from `last.ckpt` and must end
+with the bytes an uninterrupted run writes. That takes three things:
+
+- the same batches: the stages' loaders index batches by step (`pipeline.lit.lm`);
+- the same state: Lightning's checkpoint (weights, optimizer, scheduler, loop counters, callback
+  and module state) plus the global random streams (torch CPU and CUDA, Python's `random`,
+  NumPy), which `ResumeCheckpoint` saves and puts back when training restarts;
+- checkpoints in the right place: every `every` steps (a tenth of the run by default, so a kill
+  loses at most ~10% of it), at the last step, and after each validation. A step that validates
+  is checkpointed after its validation, never before: Lightning resumes a checkpoint taken at the
+  end of a training batch past that batch's validation.
+
+`last.ckpt` is written to a temporary name and renamed, so a kill mid-write leaves the previous
+one. Everything in a checkpoint is a tensor or a plain Python value, so it loads with
+`torch.load(weights_only=True)` (`load_checkpoint`; `Trainer.fit(..., weights_only=True)`): a
+checkpoint is data, never code. Not under DeepSpeed: its sharded checkpoint directories are read
+by DeepSpeed itself, which unpickles them in full (trust them as the run's own files only).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import shutil
+from pathlib import Path
+
+import lightning as L
+import numpy as np
+import torch
+from lightning.pytorch.callbacks import Checkpoint
+
+CKPT_DIR = "checkpoints"
+
+
+def ckpt_interval(every: int | None, max_steps: int) -> int:
+    """Steps between resume checkpoints: `every`, or a tenth of the run when None."""
+    return every or max(1, math.ceil(max_steps / 10))
+
+
+def resume_path(work_dir: Path) -> Path:
+    """The checkpoint a rerun resumes from (a directory under DeepSpeed). When a kill hit the
+    swap of two DeepSpeed directories, the previous one, set aside, is returned."""
+    last = Path(work_dir) / CKPT_DIR / "last.ckpt"
+    old = last.with_name(last.name + ".old")
+    return old if old.exists() and not last.exists() else last
+
+
+def load_checkpoint(path: Path | str) -> dict:
+    """A Lightning checkpoint file, unpickled with weights_only (tensors and plain values)."""
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+# ------------------------------------------------------------------ random streams
+def rng_states() -> dict:
+    """The global random streams of this process, as tensors and plain values."""
+    np_state = np.random.get_state(legacy=False)
+    state = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": {
+            "key": torch.from_numpy(np_state["state"]["key"].astype(np.int64)),
+            "pos": int(np_state["state"]["pos"]),
+            "has_gauss": int(np_state["has_gauss"]),
+            "gauss": float(np_state["gauss"]),
+        },
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_states(state: dict) -> None:
+    """Put back what `rng_states` returned."""
+    torch.set_rng_state(state["torch"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    n = state["numpy"]
+    np.random.set_state(
+        {
+            "bit_generator": "MT19937",
+            "state": {"key": n["key"].numpy().astype(np.uint32), "pos": n["pos"]},
+            "has_gauss": n["has_gauss"],
+            "gauss": n["gauss"],
+        }
+    )
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _rank_and_world() -> tuple[int, int]:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
+
+
+# ------------------------------------------------------------------ the resume checkpoint
+class ResumeCheckpoint(Checkpoint):
+    """`last.ckpt` in `dirpath`, the checkpoint a rerun resumes from (see the module docstring).
+
+    Args:
+        dirpath: the stage's checkpoint directory (in its work dir).
+        every: steps between checkpoints (`ckpt_interval`); None: after validations only.
+        val_every: the stage validates every `val_every` steps and at the last step (None: it
+            does not validate); those steps are checkpointed after their validation.
+    """
+
+    def __init__(
+        self, dirpath: Path | str, every: int | None, val_every: int | None = None
+    ) -> None:
+        self.dirpath, self.every, self.val_every = Path(dirpath), every, val_every
+        self.resumed_step = 0  # the step training (re)started at: > 0 when resumed
+        self._rng: dict | None = None
+        self._stopping = False  # early stopping decided at the checkpointed validation
+
+    @property
+    def path(self) -> Path:
+        return self.dirpath / "last.ckpt"
+
+    def _validates(self, step: int, max_steps: int) -> bool:
+        return self.val_every is not None and (step % self.val_every == 0 or step >= max_steps)
+
+    def on_load_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
+        self.resumed_step = checkpoint["global_step"]
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        # Lightning does not keep `should_stop`: without this a run killed after its early stop
+        # was checkpointed would train on.
+        trainer.should_stop = trainer.should_stop or self._stopping
+        # The loaders were built and the sanity check ran (under its own RNG) before this hook:
+        # from here on the streams must be those of the checkpointed run.
+        if self._rng is not None:
+            set_rng_states(self._rng)
+            self._rng = None
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if (batch_idx + 1) % trainer.accumulate_grad_batches:
+            return  # between micro-batches: not a step boundary
+        step = trainer.global_step
+        last = 0 < trainer.max_steps <= step
+        due = (self.every is not None and step % self.every == 0) or last
+        if due and not self._validates(step, trainer.max_steps):
+            self.save(trainer)
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if not trainer.sanity_checking and trainer.state.fn == "fit":
+            self._stopping = trainer.should_stop  # EarlyStopping ran before (not a Checkpoint)
+            self.save(trainer)
+
+    def save(self, trainer: L.Trainer) -> None:
+        """Write `last.ckpt` through a temporary name (every rank takes part)."""
+        tmp = self.path.with_name("last.tmp")
+        if trainer.is_global_zero:
+            _remove(tmp)  # a kill mid-write leaves one; DeepSpeed would write into it
+        trainer.strategy.barrier("ResumeCheckpoint.clean")
+        trainer.save_checkpoint(tmp)
+        if trainer.is_global_zero:
+            _replace(tmp, self.path)
+        trainer.strategy.barrier("ResumeCheckpoint.saved")
+
+    def state_dict(self) -> dict:
+        # Every rank's streams (this runs on every rank while a checkpoint is dumped).
+        mine = rng_states()
+        _, world = _rank_and_world()
+        every = [mine]
+        if world > 1:
+            every = [None] * world
+            torch.distributed.all_gather_object(every, mine)
+        return {"rng": every, "stopping": self._stopping}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self._stopping = bool(state_dict.get("stopping", False))
+        every = state_dict.get("rng") or []
+        rank, world = _rank_and_world()
+        # Another world size: the streams do not map onto the ranks, and the data shards differ
+        # too; the run continues, only not identically.
+        self._rng = every[rank] if len(every) == world else None
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path)
+    elif path.exists():
+        path.unlink()
+
+
+def _replace(tmp: Path, final: Path) -> None:
+    if not tmp.is_dir():
+        os.replace(tmp, final)  # atomic
+        return
+    # DeepSpeed writes a directory, which cannot replace another in one rename: the old one is
+    # set aside until the new one is in place (`resume_path` falls back to it).
+    old = final.with_name(final.name + ".old")
+    _remove(old)
+    if final.exists():
+        final.rename(old)
+    tmp.rename(final)
+    _remove(old)
+
+
+def best_and_last(
+    work_dir: Path,
+    monitor: str,
+    mode: str,
+    patience: int | None,
+    every: int | None = None,
+    val_every: int | None = None,
+) -> tuple[L.Callback, list[L.Callback]]:
+    """A training stage's checkpoints: `best.ckpt` by the validation `monitor`, `last.ckpt` to
+    resume from (after each validation, and every `every` steps when given), both in work_dir;
+    and early stopping after `patience` checks (None: off).
+
+    Returns:
+        (the ModelCheckpoint, whose best_model_path the stage reads; every callback to pass).
+    """
+    from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
+
+    dirpath = Path(work_dir) / CKPT_DIR
+    # `best` is one fixed name, overwritten by each new best, right after a validation.
+    best = ModelCheckpoint(
+        dirpath=str(dirpath),
+        filename="best",
+        monitor=monitor,
+        mode=mode,
+        save_top_k=1,
+        save_last=False,
+        save_on_train_epoch_end=False,
+        auto_insert_metric_name=False,
+        enable_version_counter=False,
+    )
+    # After `best` in the list (Lightning keeps the order of checkpoint callbacks), so the
+    # `last.ckpt` of a validation step records that step's best.
+    last = ResumeCheckpoint(dirpath, every, val_every)
+    if patience is None:
+        return best, [best, last]
+    stop = EarlyStopping(monitor, patience=patience, mode=mode, check_on_train_epoch_end=False)
+    return best, [best, last, stop]
