@@ -83,6 +83,11 @@ def _main(cfg: DictConfig) -> None:
 
 def main() -> None:
     sys.argv = sys.argv[:1] + _with_flags(sys.argv[1:])
+    if not sys.stderr.isatty():
+        # Read when huggingface_hub and datasets are imported (by the stages, later): their
+        # bars, written to a log file or a pipe, are one line growing with every refresh.
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+        os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
     _main()
 
 

@@ -78,3 +78,12 @@ def test_a_flipped_byte_in_quantized_weights_is_found_and_repaired(smoke_run, tm
     assert after["outputs_digest"] == before["outputs_digest"]
     for stage in ("distill", "reinforce", "evaluate", "export"):
         assert f"{stage:<12} up to date" in log
+
+
+def test_the_log_is_lowbits_lines_and_lightnings_once(smoke_run):
+    lines = smoke_run["log"].splitlines()
+    assert not [ln for ln in lines if ln.startswith("INFO: ")]  # Lightning's second handler
+    assert "litlogger" not in smoke_run["log"] and "FLOPs" not in smoke_run["log"]
+    # Progress bars are off without a terminal: no line of glued-together refreshes.
+    assert max(len(ln) for ln in lines) < 1000
+    assert not [ln for ln in lines if "site-packages/lightning" in ln]  # expected warnings

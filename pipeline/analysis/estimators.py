@@ -52,7 +52,7 @@ def sampled_sequence_loss(model: nn.Module, x: Tensor, gen: torch.Generator) -> 
 
 
 def _bar(dist: Dist, items, desc: str, progress: bool):
-    return tqdm(items, desc=desc, disable=not (progress and dist.is_main), leave=False)
+    return tqdm(items, desc=desc, disable=dist.bar_disable(progress), leave=False)
 
 
 def fisher_diagonal(

@@ -72,7 +72,7 @@ def analyze_streamed(
     del table
 
     bar = tqdm(range(ckpt.num_layers), desc="sensitivity blocks", unit="block",
-               disable=not (progress and dist.is_main))  # fmt: skip
+               disable=dist.bar_disable(progress))  # fmt: skip
     for i in bar:
         block, prefix = ckpt.load_block(i), a.block_prefix(i)
         linears = {prefix + n: block.get_submodule(n) for n in a.linears}

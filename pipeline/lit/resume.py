@@ -155,7 +155,7 @@ class ResumeCheckpoint(Checkpoint):
         if trainer.is_global_zero:
             _remove(tmp)  # a kill mid-write leaves one; DeepSpeed would write into it
         trainer.strategy.barrier("ResumeCheckpoint.clean")
-        trainer.save_checkpoint(tmp)
+        trainer.save_checkpoint(tmp, weights_only=False)  # the whole state: a resume needs it
         if trainer.is_global_zero:
             _replace(tmp, self.path)
         trainer.strategy.barrier("ResumeCheckpoint.saved")

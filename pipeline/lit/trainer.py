@@ -20,7 +20,10 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import logging
 import os
+import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -171,6 +174,39 @@ def check_trainer(trainer_cfg: DictConfig | dict | None) -> None:
         )
 
 
+# Lightning records that say nothing about the run: an advertisement, and absent hardware.
+_NOISE = ("💡 Tip:", "TPU available: False", "GPU available: False")
+
+
+# Lightning warnings about what lowbit does on purpose (regexes matched at the message start).
+_EXPECTED_WARNINGS = (
+    "The `srun` command is available",  # lowbit starts its ranks itself, or under srun
+    "You defined a `validation_step` but have no `val_dataloader`",  # bootstrap validates later
+    "Found .* module\\(s\\) in eval mode",  # frozen teachers and targets stay in eval mode
+    "`isinstance\\(treespec, LeafSpec\\)` is deprecated",  # inside Lightning, not fixable here
+)
+
+
+def _drop_noise(record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith(_NOISE)
+
+
+def _route_lightning_logs() -> None:
+    """Lightning's records once, in the run's format: `lightning` adds a console handler of its
+    own at import although its records also reach the root handlers (the CLI's console and log
+    file, the stage log), so each line was printed twice. Idempotent."""
+    if not logging.getLogger().hasHandlers():
+        return  # no root handlers (a bare script): Lightning's own handler is the only output
+    lightning_log = logging.getLogger("lightning")
+    for handler in list(lightning_log.handlers):
+        lightning_log.removeHandler(handler)
+    rank_zero = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    if _drop_noise not in rank_zero.filters:
+        rank_zero.addFilter(_drop_noise)
+    for message in _EXPECTED_WARNINGS:
+        warnings.filterwarnings("ignore", message=message)
+
+
 def build_trainer(cfg: DictConfig | dict, **overrides):
     """A Trainer for `cfg` (the trainer group) with stage-specific overrides (max_steps, ...).
 
@@ -179,8 +215,11 @@ def build_trainer(cfg: DictConfig | dict, **overrides):
     """
     import lightning as L
 
+    _route_lightning_logs()
     kw = trainer_kwargs(cfg)
     kw["devices"] = pin_visible_devices(kw)
+    if kw.get("enable_progress_bar") is None:  # a bar in a log file is one ever-growing line
+        kw["enable_progress_bar"] = sys.stderr.isatty()
     ds_config = kw.pop("deepspeed_config", None)
     backend = kw.pop("dist_backend", None)
     for key in LOWBIT_KEYS:

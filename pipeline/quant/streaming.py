@@ -231,7 +231,7 @@ def quantize_checkpoint(
         range(start, n_seg),
         desc="quantize segments",
         unit="seg",
-        disable=not (progress and dist.is_main),
+        disable=dist.bar_disable(progress),
         initial=start,
         total=n_seg,
     )
