@@ -14,9 +14,10 @@ import os
 import sys
 
 import hydra
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from pipeline import conf_dir
+from pipeline import __version__, conf_dir
 from pipeline.errors import LowbitError, record_failure
 
 log = logging.getLogger("lowbit")
@@ -69,6 +70,9 @@ def _main(cfg: DictConfig) -> None:
         local_ranks = isinstance(count, int) and count > 1 and trainer.get("num_nodes", 1) == 1
         if local_ranks and not _under_launcher():
             _relaunch(count)
+        if os.environ.get("RANK", "0") == "0":
+            given = HydraConfig.get().overrides.task
+            log.info("lowbit %s; overrides: %s", __version__, " ".join(given) or "none")
         workflow.run(cfg)
     except LowbitError as e:
         log.error("%s", e)

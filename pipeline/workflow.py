@@ -193,6 +193,10 @@ def _run_locked(cfg: DictConfig, mods, run_dir: Path, dist: Dist) -> dict[str, d
     if dist.is_main:
         tracker.connect()
         tracker.start_parent(cfg.name, to_plain(cfg))
+        # What a user looks for first, before hours of stages scroll by.
+        log.info("workflow %s in %s; stages %s", cfg.name, run_dir, ", ".join(n for n, _ in mods))
+        if tracker.active:
+            log.info("MLflow run %s: %s", tracker.parent.run_id, tracker.ui_command())
     dist.barrier()
 
     results: dict[str, dict] = {}

@@ -87,3 +87,8 @@ def test_the_log_is_lowbits_lines_and_lightnings_once(smoke_run):
     # Progress bars are off without a terminal: no line of glued-together refreshes.
     assert max(len(ln) for ln in lines) < 1000
     assert not [ln for ln in lines if "site-packages/lightning" in ln]  # expected warnings
+    # The run's where and what come first, before any stage.
+    first = next(i for i, ln in enumerate(lines) if "running (fingerprint" in ln)
+    head = "\n".join(lines[:first])
+    assert "overrides: experiment=smoke" in head and str(smoke_run["run_dir"]) in head
+    assert "MLflow run " in head
