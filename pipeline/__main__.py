@@ -5,6 +5,7 @@ lowbit experiment=smoke run_dir=/tmp/r   # tiny, ~2 minutes
 lowbit --force stages=[quantize]         # rerun chosen stages
 lowbit --verify                          # hash every recorded output, not only changed ones
 lowbit --no-repair                       # stop at a damaged stage folder instead of rerunning it
+lowbit --version                         # lowbit's version (Hydra's `--cfg job` prints the config)
 """
 
 from __future__ import annotations
@@ -73,6 +74,8 @@ def _main(cfg: DictConfig) -> None:
         if os.environ.get("RANK", "0") == "0":
             given = HydraConfig.get().overrides.task
             log.info("lowbit %s; overrides: %s", __version__, " ".join(given) or "none")
+            if cfg.print_config:
+                print(OmegaConf.to_yaml(cfg), flush=True)
         workflow.run(cfg)
     except LowbitError as e:
         log.error("%s", e)
@@ -81,11 +84,12 @@ def _main(cfg: DictConfig) -> None:
         line = record_failure(e, Path(cfg.run_dir).resolve() / "logs" / "lowbit.log")
         log.error("lowbit failed: %s", line)
         sys.exit(1)
-    if cfg.get("print_config"):
-        print(OmegaConf.to_yaml(cfg))
 
 
 def main() -> None:
+    if "--version" in sys.argv[1:]:  # Hydra's own flag would print Hydra's version
+        print(f"lowbit {__version__}")
+        return
     sys.argv = sys.argv[:1] + _with_flags(sys.argv[1:])
     if not sys.stderr.isatty():
         # Read when huggingface_hub and datasets are imported (by the stages, later): their

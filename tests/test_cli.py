@@ -72,3 +72,19 @@ def test_an_npu_trainer_without_an_npu_is_one_line_before_any_rank(tmp_path):
     assert proc.returncode == 2
     assert len(errors) == 1 and "trainer.accelerator" in errors[0] and "trainer=cpu" in errors[0]
     assert "starting" not in proc.stdout + proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_version_help_and_log_file_say_lowbit(tmp_path):
+    version = subprocess.run(lowbit_cmd("--version"), capture_output=True, text=True)
+    assert version.returncode == 0 and version.stdout.strip().startswith("lowbit ")
+    helped = subprocess.run(lowbit_cmd("--help"), capture_output=True, text=True)
+    assert helped.stdout.startswith("lowbit is powered by Hydra")
+    run_dir = tmp_path / "r"
+    proc, errors = lowbit(
+        tmp_path, "experiment=smoke", "stages=[bootstrap]", f"run_dir={run_dir}",
+        "stage.bootstrap.max_steps=2", "stage.bootstrap.draft_max_steps=2", "print_config=true",
+    )  # fmt: skip
+    assert proc.returncode == 0 and not errors
+    out = proc.stdout + proc.stderr
+    assert -1 < out.index("print_config: true") < out.index("bootstrap    running")
+    assert [p.name for p in (run_dir / ".hydra").glob("*/*.log")] == ["lowbit.log"]
