@@ -65,7 +65,7 @@ def _main(cfg: DictConfig) -> None:
     devices = trainer.get("devices", 1)
     try:
         # Validate once, here, before starting ranks or touching any model.
-        workflow.plan(cfg, Path(cfg.run_dir).resolve())
+        mods = workflow.plan(cfg, Path(cfg.run_dir).resolve())
         # A list (`trainer.devices=[4,5]`) names which devices: one rank each.
         count = len(devices) if OmegaConf.is_list(devices) else devices
         local_ranks = isinstance(count, int) and count > 1 and trainer.get("num_nodes", 1) == 1
@@ -76,7 +76,7 @@ def _main(cfg: DictConfig) -> None:
             log.info("lowbit %s; overrides: %s", __version__, " ".join(given) or "none")
             if cfg.print_config:
                 print(OmegaConf.to_yaml(cfg), flush=True)
-        workflow.run(cfg)
+        workflow.run(cfg, mods)
     except LowbitError as e:
         log.error("%s", e)
         sys.exit(e.exit_code)

@@ -27,10 +27,14 @@ class StageFailed(LowbitError):
     exit_code = 1
 
 
+def first_line(error: BaseException, limit: int = 300) -> str:
+    """The first line of `error`'s message, at most `limit` characters ("" when it has none)."""
+    return (str(error).strip().splitlines() or [""])[0][:limit]
+
+
 def record_failure(error: BaseException, log_path: Path) -> str:
     """Append `error`'s traceback to `log_path`; return the one line a user is shown."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "a") as f:
         traceback.print_exception(error, file=f)
-    first = (str(error).strip().splitlines() or [""])[0][:300]
-    return f"{type(error).__name__}: {first} (traceback in {log_path})"
+    return f"{type(error).__name__}: {first_line(error)} (traceback in {log_path})"

@@ -42,9 +42,22 @@ def read_done(stage_dir: Path) -> dict | None:
         return None
 
 
+def set_aside(final: Path) -> Path:
+    """Where `commit` keeps the previous `final` while the new one moves in."""
+    return final.with_name(f".{final.name}.old")
+
+
 def commit(tmp: Path, final: Path) -> None:
-    """Replace `final` by `tmp` with renames only (each atomic on one file system)."""
-    old = final.with_name(f".{final.name}.old")
+    """Replace `final` by `tmp` with renames only (each atomic on one file system).
+
+    A file replaces a file in one rename. A directory cannot replace another in one: the old
+    one is set aside (`set_aside`) until the new one is in place, so a crash between the two
+    renames leaves the previous directory there, under the set-aside name.
+    """
+    if tmp.is_file():
+        os.replace(tmp, final)
+        return
+    old = set_aside(final)
     shutil.rmtree(old, ignore_errors=True)
     if final.exists():
         final.rename(old)

@@ -167,11 +167,16 @@ def summary_line(name: str, seconds: float, metrics: dict[str, Any]) -> str:
     return f"{name:<12} done in {seconds:7.1f}s  " + "  ".join(shown)
 
 
-def run(cfg: DictConfig) -> dict[str, dict]:
-    """Run the workflow; returns {stage: its _done.json} for the stages of this run."""
+def run(cfg: DictConfig, mods: list[tuple[str, ModuleType]] | None = None) -> dict[str, dict]:
+    """Run the workflow; returns {stage: its _done.json} for the stages of this run.
+
+    `mods` is `plan(cfg, run_dir)` when the caller already made it (the CLI validates before it
+    starts ranks; the start checks load tokenizers and import torch_npu, not worth twice).
+    """
     dist = init_from_env((cfg.get("trainer") or {}).get("dist_backend"))
     run_dir = Path(cfg.run_dir).resolve()
-    mods = plan(cfg, run_dir)
+    if mods is None:
+        mods = plan(cfg, run_dir)
     lock = RunLock(run_dir)
     refused = None
     if dist.is_main:

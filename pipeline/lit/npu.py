@@ -37,6 +37,7 @@ from pipeline.errors import ConfigError, LowbitError
 from pipeline.lit.trainer import (
     ASCEND_VISIBLE_DEVICES,
     ddp_with_backend,
+    device_list,
     torch_npu_problem,
     visible_npus,
 )
@@ -83,16 +84,11 @@ class NPUAccelerator(Accelerator):
     def parse_devices(devices: int | str | list[int]) -> list[int]:
         """-1 → every visible NPU, n → the first n, a list → those indices (of the visible ones)."""
         visible = visible_npus()
-        if isinstance(devices, str):
-            text = devices.strip().lower()
-            if "," in text:
-                devices = [int(d) for d in text.split(",") if d]
-            else:
-                devices = -1 if text == "auto" else int(text)
-        if isinstance(devices, int):
-            ids = list(range(visible if devices == -1 else devices))
-        else:
-            ids = [int(d) for d in devices]
+        ids = device_list(devices)
+        if ids is None:
+            text = str(devices).strip().lower()
+            count = -1 if text == "auto" else int(text)
+            ids = list(range(visible if count == -1 else count))
         if len(set(ids)) != len(ids) or not all(0 <= i < visible for i in ids):
             raise ConfigError(
                 "trainer.devices",

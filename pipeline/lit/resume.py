@@ -22,7 +22,6 @@ by DeepSpeed itself, which unpickles them in full (trust them as the run's own f
 from __future__ import annotations
 
 import math
-import os
 import random
 import shutil
 from pathlib import Path
@@ -31,6 +30,8 @@ import lightning as L
 import numpy as np
 import torch
 from lightning.pytorch.callbacks import Checkpoint
+
+from pipeline.rundir import commit, set_aside
 
 CKPT_DIR = "checkpoints"
 
@@ -44,8 +45,15 @@ def resume_path(work_dir: Path) -> Path:
     """The checkpoint a rerun resumes from (a directory under DeepSpeed). When a kill hit the
     swap of two DeepSpeed directories, the previous one, set aside, is returned."""
     last = Path(work_dir) / CKPT_DIR / "last.ckpt"
-    old = last.with_name(last.name + ".old")
+    old = set_aside(last)
     return old if old.exists() and not last.exists() else last
+
+
+def resume_from(work_dir: Path, dist) -> str | None:
+    """The checkpoint a rerun resumes from, or None; rank 0 looks and every rank gets its answer
+    (`dist`: the workflow's `pipeline.dist.Dist`), so no rank resumes alone."""
+    last = resume_path(work_dir)
+    return dist.broadcast(str(last) if dist.is_main and last.exists() else None)
 
 
 def load_checkpoint(path: Path | str) -> dict:
@@ -157,7 +165,7 @@ class ResumeCheckpoint(Checkpoint):
         trainer.strategy.barrier("ResumeCheckpoint.clean")
         trainer.save_checkpoint(tmp, weights_only=False)  # the whole state: a resume needs it
         if trainer.is_global_zero:
-            _replace(tmp, self.path)
+            commit(tmp, self.path)
         trainer.strategy.barrier("ResumeCheckpoint.saved")
 
     def state_dict(self) -> dict:
@@ -184,20 +192,6 @@ def _remove(path: Path) -> None:
         shutil.rmtree(path)
     elif path.exists():
         path.unlink()
-
-
-def _replace(tmp: Path, final: Path) -> None:
-    if not tmp.is_dir():
-        os.replace(tmp, final)  # atomic
-        return
-    # DeepSpeed writes a directory, which cannot replace another in one rename: the old one is
-    # set aside until the new one is in place (`resume_path` falls back to it).
-    old = final.with_name(final.name + ".old")
-    _remove(old)
-    if final.exists():
-        final.rename(old)
-    tmp.rename(final)
-    _remove(old)
 
 
 def best_and_last(

@@ -32,7 +32,7 @@ from omegaconf import DictConfig
 
 from pipeline import conf_dir
 from pipeline.config import to_plain
-from pipeline.errors import ConfigError
+from pipeline.errors import ConfigError, first_line
 
 LOWBIT_KEYS = {"deepspeed_config", "dist_backend", "visible_devices_env"}
 ASCEND_VISIBLE_DEVICES = "ASCEND_RT_VISIBLE_DEVICES"
@@ -69,10 +69,12 @@ def torch_npu_problem() -> str | None:
     except ModuleNotFoundError as e:
         if e.name == "torch_npu":
             return "torch_npu (Ascend's PyTorch plug-in, on the CANN toolkit) is not installed"
-        return f"torch_npu does not load ({_first_line(e)}); is the CANN toolkit installed?"
+        why = first_line(e) or type(e).__name__
+        return f"torch_npu does not load ({why}); is the CANN toolkit installed?"
     except (ImportError, OSError, RuntimeError) as e:
         # Typically libascendcl/libhccl not found: CANN missing or its set_env.sh not sourced.
-        return f"torch_npu does not load ({_first_line(e)}); source CANN's set_env.sh"
+        why = first_line(e) or type(e).__name__
+        return f"torch_npu does not load ({why}); source CANN's set_env.sh"
     if getattr(torch, "npu", None) is None:
         return "torch_npu imported but did not add torch.npu"
     return None
@@ -103,7 +105,7 @@ def pin_visible_devices(trainer_cfg: DictConfig | dict) -> Any:
     plain = dict(to_plain(trainer_cfg) or {})
     devices = plain.get("devices", "auto")
     env = plain.get("visible_devices_env")
-    ids = _device_list(devices)
+    ids = device_list(devices)
     if not env or ids is None:
         return devices
     have = _entries(os.environ.get(env, ""))
@@ -265,17 +267,12 @@ def _refuse(key: str, problem: str) -> None:
     raise ConfigError(f"trainer.{key}", f"{problem}; {here} on this machine")
 
 
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0][:200] if text else type(e).__name__
-
-
 def _entries(text: str) -> list[str]:
     """The devices a visible-devices variable lists ("4, 5" -> ["4", "5"])."""
     return [x.strip() for x in text.split(",") if x.strip()]
 
 
-def _device_list(devices: Any) -> list[int] | None:
+def device_list(devices: Any) -> list[int] | None:
     """The device indices when `devices` names them (a list, or "0,1,2"), else None."""
     try:
         if isinstance(devices, list | tuple):
@@ -289,7 +286,7 @@ def _device_list(devices: Any) -> list[int] | None:
 
 def _requested(devices: Any, accelerator: str) -> int | list[int] | None:
     """A count, a list of indices, or None for all visible (`auto`, -1)."""
-    ids = _device_list(devices)
+    ids = device_list(devices)
     if ids is not None:
         if accelerator == "cpu" or not ids or len(set(ids)) != len(ids) or min(ids) < 0:
             raise ConfigError("trainer.devices", f"is {devices}", _allowed(accelerator))

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from pipeline.config import ModelSpec
-from pipeline.errors import LowbitError
+from pipeline.errors import LowbitError, first_line
 from pipeline.models.adapters import UnsupportedArchitectureError, get_adapter, supported
 from pipeline.models.shards import (
     CheckpointError,
@@ -119,9 +119,8 @@ def load_tokenizer(path: Path | str, key: str | None = None):
                 f"{where} holds no tokenizer files (tokenizer.json, tokenizer_config.json, "
                 "tokenizer.model); save the model's tokenizer there with save_pretrained"
             ) from None
-        lines = str(err).strip().splitlines() or [""]
         raise LowbitError(
-            f"{where}: the tokenizer does not load ({type(err).__name__}: {lines[0]}); "
+            f"{where}: the tokenizer does not load ({type(err).__name__}: {first_line(err)}); "
             "re-save it with the model's tokenizer.save_pretrained"
         ) from err
     if tok.eos_token_id is None:

@@ -23,7 +23,7 @@ from pipeline.config import data_cfg, model_cfg, parse, positive
 from pipeline.data.heldout import heldout
 from pipeline.data.text import Corpus
 from pipeline.lit.lm import CausalLM, WindowData
-from pipeline.lit.resume import ResumeCheckpoint, ckpt_interval, resume_path
+from pipeline.lit.resume import CKPT_DIR, ResumeCheckpoint, ckpt_interval, resume_from
 from pipeline.lit.trainer import build_trainer, trainer_kwargs
 from pipeline.models.hf import new_llama, perplexity, save_hf, train_tokenizer
 
@@ -74,9 +74,8 @@ def _train(ctx, model, corpus: Corpus, steps: int, p: BootstrapConfig, tag: str)
     work = ctx.work_dir / tag
     data = WindowData(corpus.stream("train"), corpus.data.seq_len, p.batch_size, ctx.cfg.seed)
     module = CausalLM(model, lr=p.lr, warmup=p.warmup_steps, max_steps=steps)
-    last = resume_path(work)
-    resume = ctx.dist.broadcast(str(last) if ctx.dist.is_main and last.exists() else None)
-    checkpoints = ResumeCheckpoint(last.parent, ckpt_interval(p.ckpt_every, steps))
+    resume = resume_from(work, ctx.dist)
+    checkpoints = ResumeCheckpoint(work / CKPT_DIR, ckpt_interval(p.ckpt_every, steps))
     logger = ctx.log.lightning_logger()
     if logger is not None:
         logger._prefix = tag  # metrics appear as target-train_loss / draft-train_loss

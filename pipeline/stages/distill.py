@@ -162,7 +162,7 @@ def run(ctx) -> dict:
         keep_full_precision,
     )
     from pipeline.lit.guards import NanGuard, load_trained, pick_best
-    from pipeline.lit.resume import ResumeCheckpoint, best_and_last, ckpt_interval, resume_path
+    from pipeline.lit.resume import ResumeCheckpoint, best_and_last, ckpt_interval, resume_from
     from pipeline.models.hf import load_causal_lm, load_tokenizer
     from pipeline.quant.losses import layer_weights
 
@@ -217,8 +217,7 @@ def run(ctx) -> dict:
     datamodule = DistillData(
         corpus.stream("train"), seq_len, p.batch_size, ctx.cfg.seed, val=val.windows
     )
-    last = resume_path(ctx.work_dir)
-    resume = ctx.dist.broadcast(str(last) if ctx.dist.is_main and last.exists() else None)
+    resume = resume_from(ctx.work_dir, ctx.dist)
     guard = NanGuard() if p.nan_guard else None
     val_every = min(p.val_every, p.max_steps)
     best, callbacks = best_and_last(

@@ -56,7 +56,7 @@ from pipeline.data.text import load_splits
 from pipeline.errors import ConfigError, LowbitError
 from pipeline.lit.guards import load_trained, pick_best
 from pipeline.lit.reinforce import DraftReinforce, LossWeights, ReinforceData, prepare_trainable
-from pipeline.lit.resume import ResumeCheckpoint, best_and_last, ckpt_interval, resume_path
+from pipeline.lit.resume import ResumeCheckpoint, best_and_last, ckpt_interval, resume_from
 from pipeline.lit.trainer import build_trainer, trainer_kwargs
 from pipeline.models.hf import load_causal_lm, load_tokenizer, save_hf
 from pipeline.spec.cost import measure_cost_ratio
@@ -257,8 +257,7 @@ def run(ctx) -> dict:
             _write_json(before_file, table)
     ctx.dist.barrier()
 
-    last = resume_path(ctx.work_dir)
-    resume = ctx.dist.broadcast(str(last) if ctx.dist.is_main and last.exists() else None)
+    resume = resume_from(ctx.work_dir, ctx.dist)
     trainer, best = _trainer(ctx, p, resume is not None)
     cost_ratio = _cost_ratio(ctx, p, target, draft, trainer.strategy.root_device)
     module = DraftReinforce(
@@ -341,8 +340,8 @@ def run(ctx) -> dict:
         save_hf(draft.cpu(), tokenizer, out)
     report = {
         "target": target_name,
-        "target_dir": _shown(target_dir, ctx.run_dir),
-        "draft_dir": _shown(draft_dir, ctx.run_dir),
+        "target_dir": ctx.describe(target_dir),
+        "draft_dir": ctx.describe(draft_dir),
         "draft_quantized": draft_quantized,
         "steps": module.global_step,
         "gamma": p.gamma,
@@ -373,15 +372,6 @@ def _write_json(path: Path, obj) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(obj))
     os.replace(tmp, path)
-
-
-def _shown(path: Path, run_dir: Path) -> str:
-    """`path` relative to the run dir when inside it (the report must not depend on where the
-    run dir lives), else as given."""
-    try:
-        return str(Path(path).resolve().relative_to(Path(run_dir).resolve()))
-    except ValueError:
-        return str(path)
 
 
 def _cost_ratio(ctx, p: ReinforceConfig, target, draft, device) -> float:
