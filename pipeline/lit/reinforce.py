@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import logging
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -63,6 +64,8 @@ from pipeline.spec.rewards import (
     tvd_loss,
 )
 from pipeline.spec.rollout import draft_rollout
+
+log = logging.getLogger("lowbit")
 
 
 @dataclass(frozen=True)
@@ -328,6 +331,7 @@ class DraftReinforce(L.LightningModule):
                 else None
             )
             self.cost_ratio = float(self.trainer.strategy.broadcast(c, src=0))
+            log.info("reinforce: measured cost ratio c = %.4f on %s", self.cost_ratio, self.device)
 
     def _advantages(self, reward: torch.Tensor) -> torch.Tensor:
         """Advantages against one baseline shared by all ranks (the mean over every rank)."""

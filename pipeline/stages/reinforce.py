@@ -16,8 +16,8 @@ in `reinforce.json`.
 
 Reproducibility and resume: the throughput term of the reward uses c = draft/target step time.
 With `cost_ratio` set, a run is reproducible run to run, bit for bit. With `cost_ratio: null` c
-is measured (a timing, so it differs between runs) once, before training, and recorded in the
-work dir (`cost_ratio.json`) and in every checkpoint: a rerun after a kill reuses it.
+is measured (a timing, so it differs between runs) once, when training starts, and recorded in
+every checkpoint: a rerun after a kill reuses it (`DraftReinforce`).
 `checkpoints/last.ckpt` in the work dir is written every `checkpoint_every` steps (null: a tenth
 of max_steps, so a kill loses at most ~10% of the training) and after each validation; a rerun
 resumes from it with the batches (indexed by step), reward baseline, random streams and
@@ -59,7 +59,6 @@ from pipeline.lit.reinforce import DraftReinforce, LossWeights, ReinforceData, p
 from pipeline.lit.resume import ResumeCheckpoint, best_and_last, ckpt_interval, resume_from
 from pipeline.lit.trainer import build_trainer, trainer_kwargs
 from pipeline.models.hf import load_causal_lm, load_tokenizer, save_hf
-from pipeline.spec.cost import measure_cost_ratio
 from pipeline.spec.evaluation import acceptance_table, column, heldout_scenarios, plot_acceptance
 
 NEEDS: tuple[str, ...] = ("bootstrap",)
@@ -259,14 +258,13 @@ def run(ctx) -> dict:
 
     resume = resume_from(ctx.work_dir, ctx.dist)
     trainer, best = _trainer(ctx, p, resume is not None)
-    cost_ratio = _cost_ratio(ctx, p, target, draft, trainer.strategy.root_device)
     module = DraftReinforce(
         draft,
         target,
         gamma=p.gamma,
         temperature=p.temperature,
         draft_t0=p.draft_t0,
-        cost_ratio=cost_ratio,
+        cost_ratio=p.cost_ratio,
         weights=LossWeights(
             pg=p.pg_weight,
             tvd=p.tvd_weight,
@@ -372,23 +370,6 @@ def _write_json(path: Path, obj) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(obj))
     os.replace(tmp, path)
-
-
-def _cost_ratio(ctx, p: ReinforceConfig, target, draft, device) -> float:
-    """c of the reward: the configured one, else the one this work dir recorded, else measured
-    once on the training device by rank 0 (and recorded: a rerun after a kill reuses it)."""
-    if p.cost_ratio is not None:
-        return p.cost_ratio
-    record = ctx.work_dir / "cost_ratio.json"
-    c = None
-    if ctx.dist.is_main:
-        if record.is_file():
-            c = json.loads(record.read_text())["cost_ratio"]
-        else:
-            c = measure_cost_ratio(target.to(device), draft.to(device), n_iters=30)
-            _write_json(record, {"cost_ratio": c, "device": str(device)})
-            log.info("reinforce: measured cost ratio c = %.4f on %s", c, device)
-    return float(ctx.dist.broadcast(c))
 
 
 def _trainer(ctx, p: ReinforceConfig, resuming: bool):
