@@ -54,6 +54,11 @@ def _eval_tables(ev: dict) -> list[str]:
         for pair, per in acc.items():
             cells = [f"{per[s]:.3f}" if s in per else "" for s in scenarios]
             out.append(f"| {pair} | " + " | ".join(cells) + " |")
+    if ev.get("speed"):
+        from pipeline.runtime.speed import format_speed
+
+        out += ["", "## Decode speed (batch 1, as the runtime runs each model)", ""]
+        out += format_speed(ev["speed"])
     return out + _lm_eval_table(ev.get("lm_eval", {}))
 
 

@@ -23,6 +23,13 @@ def test_smoke_workflow_writes_every_stage(smoke_run):
     assert proto["split"] == "test" and proto["window"] == 64
     assert proto["windows"] > 100 and proto["tokens"] == proto["windows"] * 63
     assert 0 < ev["acceptance"]["draft_fp@target_fp"]["mix"] <= 1
+    # Speed as the runtime decodes: the low-bit target on packed kernels, every pair vs theory.
+    speed = ev["speed"]
+    assert speed["plain"]["target_fp"]["kernels"] == "float (F.linear)"
+    assert "pack" in speed["plain"]["target_distilled"]["kernels"]
+    assert set(speed["speculative"]) == set(ev["acceptance"])
+    assert all(r["theoretical_speedup"] > 0 for r in speed["speculative"].values())
+    assert "## Decode speed" in (smoke_run["run_dir"] / "report.md").read_text()
 
 
 def test_smoke_mlflow_has_a_child_per_stage(smoke_run):

@@ -5,10 +5,10 @@ int8 codes + float32 scale/offset per group, or exponential codes + base/ratio),
 the same unpacking code the export tests check, so the only backend-specific code is the last
 step:
 
-* ``torch`` (reference; CPU or CUDA): keeps the int8 codes (1 byte per weight; 2/3/4-bit
-  layers are unpacked once at load, not on every call) and computes each forward
-  ``W = (q - offset) * scale`` per group, then ``x @ W.T``. Exponential codes are gathered
-  from their per-group lookup table. Bit-exact with the fake-quant model in float32.
+* ``torch`` (CPU or CUDA): each layer gets the packed kernel measured fastest for its format
+  (``pipeline.runtime.kernels``: torch's int4 and int8 weight-only matmuls, exponential codes
+  decoded once to bf16), or the reference, which dequantizes ``W = (q - offset) * scale`` per
+  group on every call and is bit-exact with the fake-quant model in float32.
 * ``npu`` (Ascend, when ``torch_npu`` imports): ``torch_npu.npu_weight_quant_batchmatmul``,
   which computes ``x @ ((w + antiquant_offset) * antiquant_scale)`` with ``w`` logically
   (K, N): lowbit's offset is *subtracted*, so ``-offset`` is passed; scale/offset are
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+from collections import Counter
 
 import torch
 import torch.nn.functional as F
@@ -33,8 +34,8 @@ from torch import Tensor, nn
 
 from pipeline.errors import LowbitError
 from pipeline.export.lowbit_format import LinearCodes
-from pipeline.quant.codec import expand_groups
 from pipeline.quant.packing import pack_int4_npu_int32
+from pipeline.runtime import kernels
 
 BACKENDS = ("auto", "torch", "npu")
 
@@ -68,46 +69,54 @@ def quantize_tokens_int8(x: Tensor) -> Tensor:
 
 
 class TorchQuantLinear(nn.Module):
-    """Reference quantized linear: dequantize per group, then matmul."""
+    """Quantized linear of the torch backend: a packed kernel (``pipeline.runtime.kernels``)
+    chosen per format and device, or the reference dequantize-then-matmul."""
 
-    def __init__(self, codes: LinearCodes, bias: Tensor | None = None) -> None:
+    def __init__(
+        self,
+        codes: LinearCodes,
+        bias: Tensor | None = None,
+        *,
+        kernel: str = "reference",
+        device: torch.device | str = "cpu",
+        name: str = "",
+    ) -> None:
         super().__init__()
         info = codes.info
         self.out_features, self.in_features = info.shape
         self.kind, self.group = info.type, codes.group_len
         self.dynamic_act = info.type == "W8A8_DYNAMIC"
-        self.register_buffer("q", codes.q.contiguous())  # (n, k) int8 / uint8 exp codes
-        if info.type == "W4A16_EXP":
-            self.register_buffer("lut", codes.lut())  # (n, n_groups, 16) float32
-        else:
-            self.register_buffer("scale", codes.scale)  # (n, n_groups) float32
-            self.register_buffer("offset", codes.offset)
-        self.register_buffer("bias", None if bias is None else bias.detach().clone())
+        self.impl = kernels.build(codes, device, kernel, name=name)
+        self.register_buffer("bias", None if bias is None else bias.detach().to(device))
+
+    @property
+    def kernel(self) -> str:
+        """The kernel this layer runs: "int4pack", "int8pack", "dense-bf16" or "reference"."""
+        return self.impl.name
 
     def weight_matrix(self) -> Tensor:
-        """The dequantized (n, k) float32 weight."""
-        n, k, g = self.out_features, self.in_features, self.group
-        if self.kind == "W4A16_EXP":
-            idx = F.pad(self.q.long(), (0, (-k) % g))  # (n, n_groups * g)
-            return torch.gather(self.lut, -1, idx.view(n, -1, g)).view(n, -1)[:, :k]
-        if k % g == 0:  # whole groups: broadcast instead of materialising expanded params
-            qg = self.q.view(n, k // g, g).float()
-            return ((qg - self.offset[..., None]) * self.scale[..., None]).view(n, k)
-        scale = expand_groups(self.scale, g, k)
-        return (self.q.float() - expand_groups(self.offset, g, k)) * scale
+        """The dequantized (n, k) float32 weight (reference layers only)."""
+        if not isinstance(self.impl, kernels.Reference):
+            raise TypeError(f"a {self.kernel} layer keeps packed codes; build it as reference")
+        return self.impl.weight_matrix()
 
     def forward(self, x: Tensor) -> Tensor:
         if self.dynamic_act:
             x = quantize_tokens_int8(x)
-        bias = None if self.bias is None else self.bias.to(x.dtype)
-        return F.linear(x, self.weight_matrix().to(x.dtype), bias)
+        y = self.impl(x.reshape(-1, self.in_features)).view(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def extra_repr(self) -> str:
-        return f"{self.in_features}, {self.out_features}, type={self.kind}, group={self.group}"
+        return (
+            f"{self.in_features}, {self.out_features}, type={self.kind}, group={self.group}, "
+            f"kernel={self.kernel}"
+        )
 
 
 class NpuQuantLinear(nn.Module):
     """Ascend quantized linear through ``torch_npu.npu_weight_quant_batchmatmul``."""
+
+    kernel = "npu_weight_quant_batchmatmul"
 
     def __init__(self, codes: LinearCodes, bias: Tensor | None, dtype: torch.dtype) -> None:
         super().__init__()
@@ -118,6 +127,7 @@ class NpuQuantLinear(nn.Module):
         self.group = info.group_size  # 0 = per channel, as the kernel's antiquant_group_size
         self.register_buffer("bias", None if bias is None else bias.detach().to(dtype))
         if info.type == "W4A16_EXP":  # no LUT kernel: decode once to a dense fp16 weight
+            self.kernel = "dense"
             self.register_buffer("weight", codes.dequantize(dtype))  # (n, k)
             return
         qt = codes.q.t().contiguous()  # (k, n): the kernel's logical weight layout
@@ -144,9 +154,26 @@ class NpuQuantLinear(nn.Module):
         return y.view(*x.shape[:-1], self.out_features)
 
 
+QUANT_LINEARS = (TorchQuantLinear, NpuQuantLinear)
+
+
 def make_linear(
-    backend: str, codes: LinearCodes, bias: Tensor | None, dtype: torch.dtype
+    backend: str,
+    codes: LinearCodes,
+    bias: Tensor | None,
+    dtype: torch.dtype,
+    *,
+    kernel: str = "auto",
+    device: torch.device | str = "cpu",
+    name: str = "",
 ) -> nn.Module:
+    """The backend's quantized linear for one layer, built on ``device``."""
     if backend == "npu":
         return NpuQuantLinear(codes, bias, dtype)
-    return TorchQuantLinear(codes, bias)
+    return TorchQuantLinear(codes, bias, kernel=kernel, device=device, name=name)
+
+
+def kernel_summary(model: nn.Module) -> str:
+    """What the model's quantized linears run, e.g. "int4pack x12, reference x2"."""
+    counts = Counter(m.kernel for m in model.modules() if isinstance(m, QUANT_LINEARS))
+    return ", ".join(f"{k} x{n}" for k, n in counts.most_common())

@@ -2,7 +2,7 @@
 
     lowbit-run outputs/default/export/artifact --prompt "Once upon a time" --max-new-tokens 64
     lowbit-run ARTIFACT --prompt "..." --draft OTHER_ARTIFACT --temperature 0.7
-    lowbit-run ARTIFACT --prompt "..." --no-draft --stats
+    lowbit-run ARTIFACT --prompt "..." --no-draft --stats --kernel reference
 
 The artifact's own draft (``ARTIFACT/draft``, exported with the reinforced draft) is used for
 speculative decoding unless ``--draft`` names another one or ``--no-draft`` is given.
@@ -33,7 +33,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--gamma", type=int, default=None, help="fixed draft length (default: adaptive)")
     p.add_argument("--backend", choices=("auto", "torch", "npu"), default="auto")
+    p.add_argument(
+        "--kernel",
+        choices=("auto", "reference"),
+        default="auto",
+        help="torch backend: packed kernels (auto) or dequantize-per-call reference",
+    )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--pipelined",
+        action="store_true",
+        help="draft the next block while the target verifies (CUDA stream; CPU thread if faster)",
+    )
     p.add_argument(
         "--no-verify",
         action="store_true",
@@ -57,10 +68,23 @@ def main(argv: list[str] | None = None) -> int:
 
     draft = None if args.no_draft else (args.draft or "auto")
     try:
-        rt = load(args.artifact, args.backend, draft=draft, verify_hashes=not args.no_verify)
+        rt = load(
+            args.artifact,
+            args.backend,
+            draft=draft,
+            verify_hashes=not args.no_verify,
+            kernel=args.kernel,
+        )
+        if args.stats:
+            print(f"[kernels: {rt.kernel_summary() or 'no quantized layers'}]", file=sys.stderr)
         for prompt in args.prompt:
             out = rt.generate(
-                prompt, args.max_new_tokens, args.temperature, gamma=args.gamma, seed=args.seed
+                prompt,
+                args.max_new_tokens,
+                args.temperature,
+                gamma=args.gamma,
+                seed=args.seed,
+                pipelined=args.pipelined,
             )
             print(prompt + out.text, flush=True)
             if args.stats:

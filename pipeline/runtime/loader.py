@@ -25,11 +25,14 @@ from torch import nn
 
 from pipeline.export.lowbit_format import LayerInfo, unpack_linear
 from pipeline.export.manifest import ArtifactError, read_manifest, safe_relpath, verify
-from pipeline.runtime.backends import make_linear, resolve
+from pipeline.runtime.backends import kernel_summary, make_linear, resolve
 from pipeline.spec.adaptive import AdaptiveGamma
+from pipeline.spec.cost import measure_cost_ratio, measure_verify_cost
 from pipeline.spec.decoding import SpecStats, plain_generate, speculative_generate
+from pipeline.spec.pipelined import pipelined_generate
 
 log = logging.getLogger("lowbit")
+GAMMAS = (2, 3, 4, 5)  # the adaptive draft lengths
 
 
 @dataclass
@@ -53,6 +56,13 @@ class Runtime:
     device: torch.device
     draft: Runtime | None = None
     layers: dict[str, LayerInfo] = field(default_factory=dict)
+    kernels: dict[str, str] = field(default_factory=dict)  # layer -> the kernel it runs
+    cost_ratio: float | None = None  # draft step / target step, measured at the first use
+    verify_cost: dict[int, float] = field(default_factory=dict)  # gamma -> v, likewise
+
+    def kernel_summary(self) -> str:
+        """e.g. "int4pack x12, reference x2": what the quantized linears run."""
+        return kernel_summary(self.model)
 
     @torch.no_grad()
     def generate(
@@ -64,6 +74,7 @@ class Runtime:
         speculative: bool = True,
         gamma: int | None = None,
         seed: int = 0,
+        pipelined: bool = False,
     ) -> Generation:
         """Continue ``prompt``.
 
@@ -72,16 +83,42 @@ class Runtime:
             max_new_tokens: Generation budget.
             temperature: 0 = greedy.
             speculative: Use the draft (when one is loaded) to propose tokens.
-            gamma: Fixed draft length; None = adaptive (2..5 from recent acceptance).
+            gamma: Fixed draft length; None = adaptive (2..5 from recent acceptance, the cost
+                ratio c and the verification cost v(gamma), measured on the first adaptive call
+                and kept in ``cost_ratio`` and ``verify_cost``).
             seed: Sampling seed (temperature > 0).
+            pipelined: Draft the next block while the target verifies this one
+                (``pipeline.spec.pipelined``: a CUDA side stream, on a CPU a second thread only
+                where it measures faster); fixed ``gamma`` (default 4). Off by default: on
+                this project's CPU the overlap does not pay (docs/benchmarks.md).
         """
         ids = self.tokenizer(prompt, return_tensors="pt").input_ids.to(self.device)
         if ids.shape[1] == 0:
             ids = torch.tensor([[self.tokenizer.bos_token_id or 0]], device=self.device)
         gen = torch.Generator(device=self.device).manual_seed(seed)
         eos = self.tokenizer.eos_token_id
-        if speculative and self.draft is not None:
-            adaptive = AdaptiveGamma() if gamma is None else None
+        if speculative and self.draft is not None and pipelined:
+            seq, stats = pipelined_generate(
+                self.model,
+                self.draft.model,
+                ids,
+                max_new_tokens,
+                gamma=gamma or 4,
+                temperature=temperature,
+                generator=gen,
+                eos_token_id=eos,
+            )
+        elif speculative and self.draft is not None:
+            adaptive = None
+            if gamma is None:  # the best draft length depends on c and v: measure them here
+                if self.cost_ratio is None:
+                    self.cost_ratio = measure_cost_ratio(
+                        self.model, self.draft.model, input_ids=ids
+                    )
+                    self.verify_cost = measure_verify_cost(self.model, GAMMAS, input_ids=ids)
+                adaptive = AdaptiveGamma(
+                    GAMMAS[0], GAMMAS[-1], cost_ratio=self.cost_ratio, verify_cost=self.verify_cost
+                )
             seq, stats = speculative_generate(
                 self.model,
                 self.draft.model,
@@ -136,6 +173,7 @@ def load(
     device: str | torch.device | None = None,
     dtype: torch.dtype | None = None,
     verify_hashes: bool = True,
+    kernel: str = "auto",
 ) -> Runtime:
     """Load an ascend / lowbit artifact.
 
@@ -147,6 +185,9 @@ def load(
         device: Override the backend's device (torch backend: cuda when available, else cpu).
         dtype: Float dtype of activations and float weights (default float32 on CPU, else fp16).
         verify_hashes: Check every file's sha256 first (paths are always checked).
+        kernel: torch backend: "auto" (each layer's measured-fastest packed kernel, see
+            ``pipeline.runtime.kernels``) or "reference" (dequantize per call; bit-exact with
+            the fake-quant model in float32).
 
     Returns:
         The Runtime.
@@ -179,7 +220,8 @@ def load(
         bias = local.pop("bias", None)
         codes = unpack_linear(local, info)
         bias = None if bias is None else bias.to(dtype)
-        model.set_submodule(lname, make_linear(name, codes, bias, dtype))
+        layer = make_linear(name, codes, bias, dtype, kernel=kernel, device=dev, name=lname)
+        model.set_submodule(lname, layer)
     state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
     result = model.load_state_dict(state, strict=False, assign=True)
     if result.unexpected_keys:
@@ -195,6 +237,7 @@ def load(
     model = model.to(dev).eval()
     tokenizer = AutoTokenizer.from_pretrained(root, local_files_only=True)
     rt = Runtime(root, model, tokenizer, manifest, name, dev, layers=layers)
+    rt.kernels = {n: getattr(model.get_submodule(n), "kernel", name) for n in layers}
     if draft == "auto":
         draft = safe_relpath(root, manifest["draft"]["path"]) if manifest.get("draft") else None
         # The parent manifest already hashed the draft's files.
@@ -203,12 +246,19 @@ def load(
         verify_draft = verify_hashes
     if draft is not None:
         rt.draft = load(
-            draft, backend, draft=None, device=dev, dtype=dtype, verify_hashes=verify_draft
+            draft,
+            backend,
+            draft=None,
+            device=dev,
+            dtype=dtype,
+            verify_hashes=verify_draft,
+            kernel=kernel,
         )
     log.info(
-        "runtime: loaded %s (%d quantized linears, backend %s on %s)%s",
+        "runtime: loaded %s (%d quantized linears: %s; backend %s on %s)%s",
         root,
         len(layers),
+        rt.kernel_summary() or "none",
         name,
         dev,
         " with a draft" if rt.draft else "",

@@ -10,6 +10,7 @@ from pipeline.spec.metrics import (
     theoretical_tau,
     tvd,
 )
+from pipeline.spec.pipelined import pipelined_generate
 from pipeline.spec.rollout import Rollout, draft_rollout
 from pipeline.spec.sampling import Verification, logits_to_probs, sample_tokens, verify_draft
 from pipeline.spec.stats import SpecStats
@@ -23,6 +24,7 @@ __all__ = [
     "expected_acceptance",
     "logits_to_probs",
     "measure_cost_ratio",
+    "pipelined_generate",
     "plain_generate",
     "sample_tokens",
     "speculative_generate",

@@ -6,11 +6,14 @@ After every verification round we re-estimate alpha over the last ``window`` rou
 the gamma in [gamma_min, gamma_max] that maximises the expected wall-time speed-up of
 Leviathan et al. (2023):
 
-    S(gamma) = (1 - alpha^(gamma+1)) / ((1 - alpha) * (gamma * c + 1)),
+    S(gamma) = (1 - alpha^(gamma+1)) / ((1 - alpha) * (gamma * c + v(gamma))),
 
-with c = draft cost / target cost. This is preferred over an up/down rule because it has no
-thresholds to tune: the only inputs are the measured alpha and c, and it reduces to
-"as long as allowed" when drafting is free (c = 0) and to gamma_min when alpha is low.
+with c = draft cost / target cost and v(gamma) the cost of verifying gamma + 1 tokens in target
+steps (1 where decoding is memory-bound; measured by ``pipeline.spec.cost.measure_verify_cost``
+where it is not, e.g. CPU kernels that process 4 rows at a time). This is preferred over an
+up/down rule because it has no thresholds to tune: the only inputs are the measured alpha, c
+and v, and it reduces to "as long as allowed" when drafting and verifying are free and to
+gamma_min when alpha is low.
 
 Estimator: each round contributes its accepted count and the number of positions whose test
 actually ran (accepted + the first rejection). accepted / verified is the maximum-likelihood
@@ -22,6 +25,7 @@ the window is nearly empty.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Mapping
 
 from pipeline.spec.metrics import theoretical_speedup
 
@@ -39,6 +43,8 @@ class AdaptiveGamma:
             :func:`pipeline.spec.rewards.measure_cost_ratio`); 0.2 is typical of a draft a few
             times smaller than the target, or of a 2-bit self-draft on memory-bound hardware.
         initial_gamma: draft length before any round was seen (default: the midpoint).
+        verify_cost: {gamma: v} verification costs in target steps; a gamma not listed
+            costs 1.
     """
 
     def __init__(
@@ -48,6 +54,7 @@ class AdaptiveGamma:
         window: int = 16,
         cost_ratio: float = 0.2,
         initial_gamma: int | None = None,
+        verify_cost: Mapping[int, float] | None = None,
     ) -> None:
         if not 1 <= gamma_min <= gamma_max:
             raise ValueError(
@@ -61,6 +68,7 @@ class AdaptiveGamma:
         self.gamma_min = gamma_min
         self.gamma_max = gamma_max
         self.cost_ratio = cost_ratio
+        self.verify_cost = dict(verify_cost or {})
         start = (gamma_min + gamma_max) // 2 if initial_gamma is None else initial_gamma
         self.gamma = min(max(start, gamma_min), gamma_max)
         self._rounds: deque[tuple[int, int]] = deque(maxlen=window)
@@ -88,7 +96,9 @@ class AdaptiveGamma:
         alpha = self.alpha
         self.gamma = max(
             range(self.gamma_min, self.gamma_max + 1),
-            key=lambda g: theoretical_speedup(alpha, g, self.cost_ratio),
+            key=lambda g: theoretical_speedup(
+                alpha, g, self.cost_ratio, self.verify_cost.get(g, 1.0)
+            ),
         )
         return self.gamma
 

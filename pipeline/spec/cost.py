@@ -1,13 +1,20 @@
-"""Measured cost ratio c = draft forward time / target forward time.
+"""Measured costs of speculative decoding: the cost ratio c and the verification cost v.
 
-c enters the speed-up tau / (gamma * c + 1), the adaptive draft length and the throughput
-reward. It is measured, not derived from parameter counts: a 2-bit self-draft has the target's
-FLOPs but a quarter of its weight bytes, and whether that matters depends on the hardware
-(memory-bound decoding on GPUs/NPUs, compute- or overhead-bound on small CPU models).
+c = draft step time / target step time enters the speed-up tau / (gamma * c + v), the
+adaptive draft length and the throughput reward. It is measured, not derived from parameter
+counts: a 2-bit self-draft has the target's FLOPs but a quarter of its weight bytes, and
+whether that matters depends on the hardware (memory-bound decoding on GPUs/NPUs, compute- or
+overhead-bound on small CPU models).
 
-What is timed is one cached single-token decode step after a prompt of ``context_len`` tokens,
-the step the draft repeats gamma times per round; the median over ``n_iters`` steps resists
-scheduler noise. The cache is cropped back after every step so each step sees the same context.
+v(gamma) = time of the target's verification forward (gamma + 1 tokens) / its single-token
+step. Leviathan et al. take v = 1, true where decoding is memory-bound (the weights are read
+once for all the tokens). On a CPU it is not: torch's int4 kernel processes 4 rows at a time
+(4 tokens cost ~1.8 steps, 5 tokens ~3.5), fp32 GEMM with 5 rows ~3 steps; so the best gamma
+and the speed-up to expect depend on v, and both are measured here.
+
+What is timed is one cached decode forward (``tokens`` tokens) after a prompt of
+``context_len`` tokens; the median over ``n_iters`` forwards resists scheduler noise. The cache
+is cropped back after every forward so each sees the same context.
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ import torch
 
 from pipeline.spec.decoding import CachedLM, vocab_size
 
-__all__ = ["measure_cost_ratio"]
+__all__ = ["forward_seconds", "measure_cost_ratio", "measure_verify_cost"]
 
 
 def _synchronize(device: torch.device) -> None:
@@ -30,23 +37,35 @@ def _synchronize(device: torch.device) -> None:
 
 
 @torch.no_grad()
-def _step_seconds(
-    model: torch.nn.Module, prompt: torch.Tensor, n_warmup: int, n_iters: int
+def forward_seconds(
+    model: torch.nn.Module,
+    prompt: torch.Tensor,
+    tokens: int = 1,
+    n_warmup: int = 2,
+    n_iters: int = 10,
 ) -> float:
+    """Median seconds of one cached forward of ``tokens`` tokens after ``prompt`` (1, T)."""
     lm = CachedLM(model)
     lm.forward(prompt, keep=1)
     length = lm.length
-    token = prompt[:, -1:]
+    feed = prompt[:, -1:].repeat(1, tokens)
     times = []
     for i in range(n_warmup + n_iters):
         _synchronize(lm.device)
         start = time.perf_counter()
-        lm.forward(token, keep=1)
+        lm.forward(feed, keep=tokens)
         _synchronize(lm.device)
         if i >= n_warmup:
             times.append(time.perf_counter() - start)
         lm.rollback(length)
     return statistics.median(times)
+
+
+def _context(model: torch.nn.Module, input_ids, context_len: int, seed: int) -> torch.Tensor:
+    if input_ids is None:
+        gen = torch.Generator().manual_seed(seed)
+        input_ids = torch.randint(0, vocab_size(model), (1, context_len), generator=gen)
+    return torch.as_tensor(input_ids, dtype=torch.long).reshape(1, -1)
 
 
 def measure_cost_ratio(
@@ -75,11 +94,37 @@ def measure_cost_ratio(
     """
     if n_iters < 1:
         raise ValueError(f"n_iters must be >= 1, got {n_iters}")
-    if input_ids is None:
-        vocab = min(vocab_size(target), vocab_size(draft))
-        gen = torch.Generator().manual_seed(seed)
-        input_ids = torch.randint(0, vocab, (1, context_len), generator=gen)
-    input_ids = torch.as_tensor(input_ids, dtype=torch.long).reshape(1, -1)
-    t_target = _step_seconds(target, input_ids, n_warmup, n_iters)
-    t_draft = _step_seconds(draft, input_ids, n_warmup, n_iters)
+    # the smaller vocabulary's ids are valid for both models
+    smaller = target if vocab_size(target) <= vocab_size(draft) else draft
+    input_ids = _context(smaller, input_ids, context_len, seed)
+    t_target = forward_seconds(target, input_ids, 1, n_warmup, n_iters)
+    t_draft = forward_seconds(draft, input_ids, 1, n_warmup, n_iters)
     return t_draft / max(t_target, 1e-9)
+
+
+def measure_verify_cost(
+    target: torch.nn.Module,
+    gammas,
+    *,
+    input_ids: torch.Tensor | None = None,
+    context_len: int = 128,
+    n_warmup: int = 2,
+    n_iters: int = 10,
+    seed: int = 0,
+) -> dict[int, float]:
+    """v(gamma) = time of a (gamma + 1)-token target forward / a single-token one.
+
+    Args:
+        target: the verifying model.
+        gammas: the draft lengths to price (e.g. ``range(2, 6)``).
+        input_ids, context_len, n_warmup, n_iters, seed: as :func:`measure_cost_ratio`.
+
+    Returns:
+        {gamma: v}, v > 0.
+    """
+    input_ids = _context(target, input_ids, context_len, seed)
+    step = forward_seconds(target, input_ids, 1, n_warmup, n_iters)
+    return {
+        g: forward_seconds(target, input_ids, g + 1, n_warmup, n_iters) / max(step, 1e-9)
+        for g in gammas
+    }

@@ -33,6 +33,7 @@ from pipeline.spec.stats import SpecStats
 __all__ = [
     "CachedLM",
     "SpecStats",
+    "draft_block",
     "draft_probs",
     "plain_generate",
     "speculative_generate",
@@ -128,6 +129,45 @@ def draft_probs(logits: torch.Tensor, vocab: int, temperature: float) -> torch.T
     return q
 
 
+def draft_block(
+    drf: CachedLM,
+    pending: torch.Tensor,
+    g: int,
+    vocab: int,
+    temperature: float,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample ``g`` draft tokens autoregressively, one cached forward each.
+
+    The draft reads ``pending`` and then every draft but the last, which stays unread: the
+    next call feeds it (as its ``pending``) if it is kept, and nothing needs cropping if not.
+
+    Args:
+        drf: the draft and its cache.
+        pending: (1, m) tokens after the cached ones, m >= 1 when g >= 1.
+        g: number of tokens to propose (may be 0: nothing is fed).
+        vocab: the target's vocabulary size (see :func:`draft_probs`).
+        temperature: sampling temperature; 0 = greedy.
+        generator: randomness of the draft samples.
+
+    Returns:
+        (tokens, q): (1, g) int64 proposals on the draft's device, and (1, g, vocab) the
+        probabilities each was sampled from.
+    """
+    tokens, q_rows = [], []
+    for _ in range(g):
+        q_logits = drf.forward(pending, keep=1)[:, -1]  # (1, V_q)
+        q = draft_probs(q_logits, vocab, temperature)  # (1, V)
+        tok = sample_tokens(q, generator, temperature == 0)  # (1,)
+        tokens.append(tok)
+        q_rows.append(q)
+        pending = tok.view(1, 1)
+    if not g:
+        empty = torch.zeros(1, 0, dtype=torch.long, device=drf.device)
+        return empty, torch.zeros(1, 0, vocab, device=drf.device)
+    return torch.stack(tokens, 1), torch.stack(q_rows, 1)
+
+
 @torch.no_grad()
 def speculative_generate(
     target: torch.nn.Module,
@@ -176,20 +216,11 @@ def speculative_generate(
         g = min(adaptive.gamma if adaptive is not None else gamma, max_new_tokens - produced - 1)
         # Committed tokens the draft has not read yet: (1, 1), or (1, 2) after a full accept.
         pending = torch.tensor([seq[drf.length :]], dtype=torch.long)
-        drafts, q_rows = [], []
-        for _ in range(g):
-            q_logits = drf.forward(pending, keep=1)[:, -1]  # (1, V_q)
-            q = draft_probs(q_logits, vocab, temperature)  # (1, V)
-            tok = sample_tokens(q, generator, greedy)  # (1,)
-            drafts.append(tok)
-            q_rows.append(q)
-            pending = tok.view(1, 1)
-        draft_t = torch.stack(drafts, 1) if g else torch.zeros(1, 0, dtype=torch.long)  # (1, g)
-        draft_t = draft_t.to(tgt.device)
+        draft_t, q_probs = draft_block(drf, pending, g, vocab, temperature, generator)
+        draft_t = draft_t.to(tgt.device)  # (1, g)
         feed = torch.cat([torch.tensor([seq[tgt.length :]], device=tgt.device), draft_t], dim=1)
         p = logits_to_probs(tgt.forward(feed, keep=g + 1), temperature)  # (1, g+1, V)
-        q_probs = torch.stack(q_rows, 1).to(p.device) if g else p.new_zeros(1, 0, p.shape[-1])
-        ver = verify_draft(draft_t, q_probs, p, greedy=greedy, generator=generator)
+        ver = verify_draft(draft_t, q_probs.to(p.device), p, greedy=greedy, generator=generator)
 
         n = int(ver.n_accepted.item())
         n_verified = min(n + 1, g)

@@ -10,10 +10,8 @@ held-out prompts (see :mod:`pipeline.spec.metrics` for the definitions):
   continuations as context, Rao-Blackwellised so a few prompts suffice);
 - ``acceptance_rate`` (accepted / drafted) and ``tau`` (tokens per target call, bonus included).
 
-With ``timing=True`` the same prompts are also decoded plainly by the target, so tokens/s of
-both and the measured speed-up sit beside the theoretical one, tau(alpha) / (gamma * c + 1) with
-c measured once per pair. Timings are wall-clock on whatever device the models are on; they are
-indicative only on a loaded machine, while the acceptance numbers do not depend on speed.
+Speed is measured apart, on the models as the runtime runs them (``pipeline.runtime.speed``):
+acceptance is a property of the distributions, speed of the kernels.
 """
 
 from __future__ import annotations
@@ -22,12 +20,18 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
-from pipeline.spec.cost import measure_cost_ratio
-from pipeline.spec.decoding import plain_generate, speculative_generate
-from pipeline.spec.metrics import teacher_forced_acceptance, theoretical_speedup
+from pipeline.spec.decoding import speculative_generate
+from pipeline.spec.metrics import teacher_forced_acceptance
 from pipeline.spec.stats import SpecStats
 
-__all__ = ["acceptance_table", "column", "heldout_scenarios", "pair_name", "plot_acceptance"]
+__all__ = [
+    "acceptance_table",
+    "column",
+    "decode_prompts",
+    "heldout_scenarios",
+    "pair_name",
+    "plot_acceptance",
+]
 
 Table = dict[str, dict[str, dict[str, float]]]  # "draft@target" -> scenario -> metric -> value
 
@@ -61,7 +65,8 @@ def heldout_scenarios(
     )
 
 
-def _decode_all(fn, prompts: list[torch.Tensor], seed: int) -> SpecStats:
+def decode_prompts(fn, prompts: list[torch.Tensor], seed: int) -> SpecStats:
+    """Merged stats of ``fn(prompt, generator)`` over the prompts, prompt i seeded seed + i."""
     total = SpecStats()
     for i, prompt in enumerate(prompts):
         # The same seed per prompt for every model, so plain and speculative runs draw alike.
@@ -87,7 +92,6 @@ def acceptance_table(
     new_tokens: int = 32,
     max_prompts: int | None = None,
     batch_size: int = 8,
-    timing: bool = True,
     seed: int = 0,
 ) -> Table:
     """Acceptance (and optionally speed) of every (draft, target) pair on every scenario.
@@ -102,21 +106,16 @@ def acceptance_table(
         new_tokens: tokens generated after each prompt.
         max_prompts: prompts per scenario used for decoding (all of them for alpha_tf).
         batch_size: prompts per teacher-forced forward.
-        timing: also decode plainly with the target and report tokens/s and speed-ups.
         seed: sampling seed (prompt i uses seed + i).
 
     Returns:
-        {"draft@target": {scenario: {"alpha_tf", "alpha", "acceptance_rate", "tau", ...}}}; with
-        timing also "tokens_per_s", "plain_tokens_per_s", "speedup", "cost_ratio",
-        "theoretical_speedup".
+        {"draft@target": {scenario: {"alpha_tf", "alpha", "acceptance_rate", "tau"}}}.
     """
     pairs = list(pairs) if pairs is not None else [(d, t) for t in targets for d in drafts]
-    plain: dict[tuple[str, str], SpecStats] = {}
     table: Table = {}
     for draft_name, target_name in pairs:
         target, draft = targets[target_name], drafts[draft_name]
         dev = _device(target)
-        cost = None
         row: dict[str, dict[str, float]] = {}
         for scen, prompts in scenarios.items():
             ids = torch.as_tensor(prompts, dtype=torch.long)  # (N, L)
@@ -129,27 +128,8 @@ def acceptance_table(
                     target, draft, x, new_tokens, gamma=gamma, temperature=temperature, generator=g
                 )
 
-            stats = _decode_all(spec, decode, seed)
+            stats = decode_prompts(spec, decode, seed)
             m.update(alpha=stats.alpha_hat, acceptance_rate=stats.acceptance_rate, tau=stats.tau)
-            if timing:
-                if (target_name, scen) not in plain:
-                    plain[target_name, scen] = _decode_all(
-                        lambda x, g, target=target: plain_generate(
-                            target, x, new_tokens, temperature, g
-                        ),
-                        decode,
-                        seed,
-                    )
-                base = plain[target_name, scen]
-                if cost is None:  # c depends on the models, not the scenario: measure once
-                    cost = measure_cost_ratio(target, draft, input_ids=decode[0][:, :128])
-                m.update(
-                    tokens_per_s=stats.tokens_per_s,
-                    plain_tokens_per_s=base.tokens_per_s,
-                    speedup=stats.tokens_per_s / max(base.tokens_per_s, 1e-9),
-                    cost_ratio=cost,
-                    theoretical_speedup=float(theoretical_speedup(stats.alpha_hat, gamma, cost)),
-                )
             row[scen] = m
         table[pair_name(draft_name, target_name)] = row
     return table

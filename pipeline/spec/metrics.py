@@ -86,11 +86,19 @@ def theoretical_tau(alpha: float | torch.Tensor, gamma: int) -> float | torch.Te
     return sum(alpha**k for k in range(gamma + 1))
 
 
-def theoretical_speedup(alpha: float | torch.Tensor, gamma: int, c: float) -> float | torch.Tensor:
-    """Expected wall-time speed-up over plain decoding: tau / (gamma * c + 1)."""
+def theoretical_speedup(
+    alpha: float | torch.Tensor, gamma: int, c: float, v: float = 1.0
+) -> float | torch.Tensor:
+    """Expected wall-time speed-up over plain decoding: tau / (gamma * c + v).
+
+    ``v`` is the verification forward's cost in target steps (``measure_verify_cost``); 1 is
+    Leviathan et al.'s memory-bound assumption.
+    """
     if c < 0:
         raise ValueError(f"cost ratio c must be >= 0, got {c}")
-    return theoretical_tau(alpha, gamma) / (gamma * c + 1)
+    if v <= 0:
+        raise ValueError(f"verification cost v must be > 0, got {v}")
+    return theoretical_tau(alpha, gamma) / (gamma * c + v)
 
 
 @torch.no_grad()

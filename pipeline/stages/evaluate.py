@@ -6,9 +6,12 @@ standard protocol (pipeline/data/heldout.py): the whole test split in non-overla
 `data.eval_seq_len` tokens; eval.json's `ppl_protocol` records the split, window and tokens.
 Acceptance is measured per scenario (long contexts, repetition, rare words, mix) on held-out
 prompts: the on-line α of real speculative decoding (mean Σ_x min(p, q) over verified positions),
-the teacher-forced α on the prompts, acceptance rate, τ, and tokens/s against plain decoding.
+the teacher-forced α on the prompts, acceptance rate and τ.
 Pairs: FP draft vs FP target, FP and reinforced draft vs the final low-bit target, and
 self-speculation (the low-bit target drafting for its FP self).
+Speed (``timing``) is measured as the runtime decodes: the low-bit targets converted to the
+runtime's packed kernels (``pipeline.runtime.inmemory``), plain tokens/s of every model and
+speculative tokens/s of every pair beside the theoretical speed-up (``pipeline.runtime.speed``).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import logging
 from dataclasses import dataclass, field
 
 import matplotlib
+import torch
 
 matplotlib.use("Agg")
 
@@ -53,7 +57,7 @@ class EvaluateConfig:
     spec_prompts: int = 4  # of those, prompts decoded speculatively per scenario
     spec_new_tokens: int = 32
     gamma: int = 4
-    timing: bool = True  # also decode plainly and report tokens/s and speed-up
+    timing: bool = True  # decode speed on the runtime's kernels (plain, speculative, theory)
     error_flow_windows: int = 32  # test windows the per-layer drift diagnostic runs on
     lm_eval: LmEvalConfig = field(default_factory=LmEvalConfig)  # downstream tasks (off)
 
@@ -106,6 +110,27 @@ def _pairs(targets: dict, drafts: dict) -> list[tuple[str, str]]:
         pairs += [(d, final) for d in ("draft_fp", "draft_reinforced") if d in drafts]
         pairs.append((final, "target_fp"))  # self-speculation: low-bit self drafts for FP self
     return pairs
+
+
+def _speed(p: EvaluateConfig, targets, drafts, pairs, prompts, seed: int) -> dict:
+    """Decode speed of every model as the runtime runs it (low-bit targets on packed kernels)."""
+    from pipeline.runtime.inmemory import to_runtime
+    from pipeline.runtime.speed import decode_speed, format_speed
+
+    models = {n: m if n == "target_fp" else to_runtime(m) for n, m in targets.items()}
+    ids = [torch.as_tensor([x], dtype=torch.long) for x in prompts[: p.spec_prompts]]
+    speed = decode_speed(
+        {**models, **drafts},
+        pairs,
+        ids,
+        new_tokens=p.spec_new_tokens,
+        gamma=p.gamma,
+        temperature=p.temperature,  # the acceptance tables' temperature: the same α regime
+        seed=seed,
+    )
+    for line in format_speed(speed):
+        log.info("evaluate: %s", line)
+    return speed
 
 
 def run(ctx) -> dict:
@@ -165,7 +190,6 @@ def run(ctx) -> dict:
             new_tokens=p.spec_new_tokens,
             max_prompts=p.spec_prompts,
             batch_size=p.batch_size,
-            timing=p.timing,
             seed=ctx.cfg.seed,
         )
         result["speculative"] = table
@@ -178,6 +202,9 @@ def run(ctx) -> dict:
             log.info(
                 "evaluate: α %-36s %s", pair, "  ".join(f"{s} {v:.3f}" for s, v in per.items())
             )
+        if p.timing:
+            prompts = sets["mix"] if "mix" in sets else next(iter(sets.values()))
+            result["speed"] = _speed(p, targets, drafts, pairs, prompts, ctx.cfg.seed)
     (ctx.out_dir / "eval.json").write_text(json.dumps(result, indent=1))
     metrics = {f"ppl_{k}": v for k, v in result["ppl"].items()}
     for k, v in result.get("error_flow", {}).items():
@@ -185,4 +212,8 @@ def run(ctx) -> dict:
     metrics.update(lm_eval_metrics(result.get("lm_eval", {})))
     for pair, per in result["acceptance"].items():
         metrics.update({f"alpha_{pair.replace('@', '-vs-')}_{s}": v for s, v in per.items()})
+    speed = result.get("speed", {"plain": {}, "speculative": {}})
+    metrics.update({f"tok_s_{k}": v["tokens_per_s"] for k, v in speed["plain"].items()})
+    for pair, v in speed["speculative"].items():
+        metrics[f"speedup_{pair.replace('@', '-vs-')}"] = v["speedup"]
     return metrics

@@ -215,7 +215,6 @@ def _measure(ctx, p, target_name, target, drafts: dict, scenarios: dict) -> dict
         gamma=p.gamma,
         temperature=p.temperature,
         new_tokens=p.eval_new_tokens,
-        timing=False,
         seed=ctx.cfg.seed,
     )
 

@@ -111,7 +111,11 @@ def run(ctx) -> dict:
     )
     t0 = time.time()
     if p.stream:
-        ckpt = StreamingCheckpoint(target, ctx.cfg.model.allow_bin, device=device)
+        # fp32 like the loaded path and quantize: the stored dtype (often fp16) would score in
+        # another precision, and fp16 matmuls run ~4x slower than fp32 on CPUs.
+        ckpt = StreamingCheckpoint(
+            target, ctx.cfg.model.allow_bin, dtype=torch.float32, device=device
+        )
         report = analyze_streamed(
             ckpt, windows, candidates, ctx.dist, spill_dir=ctx.work_dir,
             act_budget_gb=q.activation_budget_gb, **common,

@@ -121,7 +121,7 @@ def test_whole_model_on_the_npu_path(fake_torch_npu, qmodels, tmp_path):
         ExportOptions(float_dtype="keep"),
     )
     npu = load(art, "npu", device="cpu", dtype=torch.float32)
-    ref = load(art, "torch", device="cpu")
+    ref = load(art, "torch", device="cpu", kernel="reference")
     assert npu.backend == "npu"
     assert any(isinstance(m, NpuQuantLinear) for m in npu.model.modules())
     x = tokens()

@@ -38,6 +38,7 @@ def test_prints_prompt_and_continuation(artifact, capsys):
     expected = load(artifact, "torch").generate("the quick", 6, speculative=False).text
     assert lines[0] == "the quick" + expected
     assert "tok/s" in err and "drafted tokens accepted" in err  # the artifact's draft was used
+    assert "[kernels: " in err and "x7" in err  # what the quantized layers ran
     assert (
         main([str(artifact), "--prompt", "x", "--no-draft", "--max-new-tokens", "2", "--stats"])
         == 0

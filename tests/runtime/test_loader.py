@@ -1,4 +1,5 @@
-"""Runtime loading: logits equal the fake-quant model's; generation plain and speculative."""
+"""Runtime loading: logits equal the fake-quant model's (reference kernels) or are close to them
+(packed kernels); generation plain and speculative."""
 
 from __future__ import annotations
 
@@ -9,10 +10,12 @@ from pipeline.export import ArtifactError, ExportOptions, export_artifact
 from pipeline.models.quantized import load_quantized
 from pipeline.runtime import load
 from pipeline.runtime.backends import TorchQuantLinear
+from pipeline.runtime.kernels import relative_error
 from pipeline.spec.decoding import plain_generate
 from tests.export.models import tokens
 
 FORMATS = ["int2g64", "int3g128", "int4g128", "int4g128-sym", "int8", "exp4g128"]
+PACKED = {f: "int4pack" for f in FORMATS} | {"int8": "int8pack", "exp4g128": "dense-bf16"}
 
 
 def _logits(model, x):
@@ -25,13 +28,18 @@ def test_logits_equal_fake_quant(qmodels, tmp_path, fmt):
     src = qmodels.get(fmt)
     art = tmp_path / "a"
     export_artifact(src, art, ExportOptions(format="lowbit", float_dtype="keep"))
-    rt = load(art, "torch", draft=None)
+    rt = load(art, "torch", draft=None, kernel="reference")
     quantized = [m for m in rt.model.modules() if isinstance(m, TorchQuantLinear)]
     assert len(quantized) == 7 and rt.backend == "torch"
+    assert set(rt.kernels.values()) == {"reference"}
     x = tokens()
-    torch.testing.assert_close(
-        _logits(rt.model, x), _logits(load_quantized(src), x), atol=1e-5, rtol=1e-5
-    )
+    ref = _logits(load_quantized(src), x)
+    torch.testing.assert_close(_logits(rt.model, x), ref, atol=1e-5, rtol=1e-5)
+    # The default packed kernels (bf16 activations): close, and each layer says what it ran.
+    fast = load(art, "torch", draft=None)
+    assert set(fast.kernels.values()) == {PACKED[fmt]}
+    assert fast.kernel_summary() == f"{PACKED[fmt]} x7"
+    assert relative_error(_logits(fast.model, x), ref) < 2e-2
 
 
 def test_mixed_model_ascend_widened_and_fp16(qmodels, tmp_path):
@@ -39,13 +47,13 @@ def test_mixed_model_ascend_widened_and_fp16(qmodels, tmp_path):
     ref = _logits(load_quantized(src), tokens())
     art = tmp_path / "a"
     export_artifact(src, art, ExportOptions(format="ascend", widen=True, float_dtype="keep"))
-    rt = load(art, "torch", draft=None)
+    rt = load(art, "torch", draft=None, kernel="reference")
     assert {i.type for i in rt.layers.values()} == {"W4A16", "W8A16"}
     torch.testing.assert_close(_logits(rt.model, tokens()), ref, atol=1e-5, rtol=1e-5)
     # default float16 storage of embeddings/norms/lm_head: close, not exact
     art16 = tmp_path / "b"
     export_artifact(src, art16, ExportOptions(format="lowbit"))
-    got = _logits(load(art16, "torch", draft=None).model, tokens())
+    got = _logits(load(art16, "torch", draft=None, kernel="reference").model, tokens())
     torch.testing.assert_close(got, ref, atol=2e-2, rtol=2e-2)
 
 
@@ -53,13 +61,17 @@ def test_speculative_from_artifacts_equals_greedy_target(qmodels, tmp_path):
     src = qmodels.get(("int4g128", "int3g128"))
     art = tmp_path / "a"
     export_artifact(src, art, ExportOptions(float_dtype="keep"), draft=qmodels.get("int2g64"))
-    rt = load(art, "torch")
+    rt = load(art, "torch", kernel="reference")
     assert rt.draft is not None and len(rt.draft.layers) == 7  # the artifact's own draft
+    assert set(rt.draft.kernels.values()) == {"reference"}  # the draft follows the target
     prompt = "the quick brown fox"
     spec = rt.generate(prompt, max_new_tokens=24, temperature=0.0)
     plain = rt.generate(prompt, max_new_tokens=24, temperature=0.0, speculative=False)
     assert spec.stats.drafted > 0 and plain.stats.drafted == 0
     assert spec.tokens == plain.tokens and len(spec.tokens) > 0
+    assert rt.cost_ratio is not None and rt.cost_ratio > 0  # measured for the adaptive gamma
+    piped = rt.generate(prompt, max_new_tokens=24, temperature=0.0, pipelined=True)
+    assert piped.tokens == plain.tokens and piped.stats.drafted > 0
     # ... and equal greedy decoding of the fake-quant model the artifact came from
     ids = rt.tokenizer(prompt, return_tensors="pt").input_ids
     seq, _ = plain_generate(
@@ -69,7 +81,7 @@ def test_speculative_from_artifacts_equals_greedy_target(qmodels, tmp_path):
     # a separately given draft artifact works too, and sampling runs
     other = tmp_path / "d"
     export_artifact(qmodels.fp, other, ExportOptions())
-    rt2 = load(art, "torch", draft=other)
+    rt2 = load(art, "torch", draft=other, kernel="reference")
     assert rt2.generate(prompt, 24, 0.0).tokens == plain.tokens
     assert len(rt2.generate(prompt, 8, temperature=1.0, seed=3).tokens) <= 8
 

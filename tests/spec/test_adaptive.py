@@ -38,6 +38,17 @@ def test_chosen_gamma_maximises_expected_speedup():
     assert 1 < best < 8
 
 
+def test_a_costly_verification_shortens_the_block():
+    # All accepted: with v = 1 the longest block wins; when 5+ tokens cost twice what 4 do
+    # (a CPU kernel working 4 rows at a time), gamma 3 (4 tokens verified) wins instead.
+    steps = {2: 1.6, 3: 1.8, 4: 3.5, 5: 3.6}
+    for verify_cost, want in (({}, 5), (steps, 3)):
+        adaptive = AdaptiveGamma(2, 5, cost_ratio=0.1, verify_cost=verify_cost)
+        for _ in range(10):
+            adaptive.update(adaptive.gamma, adaptive.gamma)
+        assert adaptive.gamma == want
+
+
 def test_free_drafting_always_uses_the_longest_block():
     adaptive = AdaptiveGamma(gamma_min=2, gamma_max=5, cost_ratio=0.0)
     for _ in range(5):

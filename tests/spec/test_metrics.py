@@ -46,6 +46,9 @@ def test_theoretical_tau_and_speedup():
     assert theoretical_tau(0.7, 3) == pytest.approx((1 - 0.7**4) / (1 - 0.7))
     assert theoretical_speedup(0.7, 3, 0.1) == pytest.approx(theoretical_tau(0.7, 3) / 1.3)
     assert theoretical_speedup(0.9, 4, 0.0) > theoretical_speedup(0.9, 4, 0.5)
+    assert theoretical_speedup(0.7, 3, 0.1, v=2.0) == pytest.approx(theoretical_tau(0.7, 3) / 2.3)
+    with pytest.raises(ValueError, match="verification cost"):
+        theoretical_speedup(0.5, 2, 0.1, v=0.0)
     with pytest.raises(ValueError):
         theoretical_speedup(0.5, 2, -1.0)
 

@@ -100,3 +100,12 @@ def test_measure_cost_ratio_ranks_a_small_draft_below_a_large_target(make_llama)
     small = make_llama(1, layers=1, hidden=16)
     c = measure_cost_ratio(big, small, context_len=32, n_iters=7)
     assert 0.0 < c < 1.0
+
+
+def test_measure_verify_cost_prices_each_gamma(make_llama):
+    from pipeline.spec.cost import measure_verify_cost
+
+    big = make_llama(0, layers=2, hidden=256)
+    v = measure_verify_cost(big, [1, 4, 63], context_len=16, n_iters=3)
+    assert set(v) == {1, 4, 63} and all(x > 0 for x in v.values())
+    assert v[63] > v[1]  # 64 tokens through 2 layers of 256: more work than 2 tokens

@@ -1,0 +1,426 @@
+"""Batch-1 decode speed of the torch runtime's packed kernels against FP32, per weight format.
+
+A random-weight Llama (TinyLlama-1.1B's shape by default; speed does not depend on the
+weights' values) is built in memory, and each row runs it one way, one row at a time:
+
+* ``FP32`` as built; ``BF16``: the whole model cast to bfloat16;
+* ``W8``, ``W4g128``, ``W3``, ``W2``, ``exp4``: every decoder-layer linear quantized by RTN
+  (int8, int4g128, int3g128, int2g64, exp4g128) and replaced by the runtime's layer
+  (``runtime_linear``: the export's packing, the kernel ``load`` picks); embeddings, norms and
+  lm_head stay float32, as the quantize stage keeps them. exp4 codes are fitted once per weight
+  shape (RTN's exp grid search would take most of the run) and copied to every layer.
+
+Per row: decode tokens/s (greedy ``plain_generate``, prompt excluded: (n - 1) / (t(n) - t(1)),
+medians of ``--repeats`` runs after a warm-up), the kernels the layers run, the bytes one
+decode step reads (every parameter and buffer of the forward, one embedding row, and the KV
+cache at the mean context of the timed steps), and the bandwidth limit: copy bandwidth / bytes
+per token, with the copy bandwidth measured in the same run (STREAM-like ``dst.copy_(src)``,
+which reads and writes: 2 x bytes / time, best of 5). ``of limit`` is how close a format
+comes to what memory bandwidth allows.
+
+Crossover: FP32 against W4g128 at the ``--crossover-widths`` (``--crossover-layers`` layers,
+intermediate 3 x width and the ``--crossover-vocab`` of the embedded default model): on tiny
+models per-call overhead hides what the packed weights save, and the table shows from which
+width they pay.
+
+Speculative decoding with the W4g128 model as target: a draft made of the target's own first
+``--draft-layers`` layers (shared, no extra memory) and an ``--draft-head`` copy of its
+lm_head. So that this draft agrees with the target (alpha high by construction, which random
+weights never give two independent models), the layers after the draft's write to the residual
+stream scaled by ``--tail-scale`` (their o_proj and down_proj; values only, their cost is
+unchanged; 0.01 gave alpha ~0.8 on 22-layer models, 0 gives ~0.93, what the int8 head and bf16
+activations leave). Reported, as ``pipeline.runtime.speed.decode_speed`` times a run's pairs:
+alpha, tau, the measured cost ratio c, the measured speed-up (speculative / plain tokens/s of
+the target over ``--repeats`` decodes, prompt included), the theoretical one
+tau / (gamma c + 1); and ``v``: what one verification (a gamma + 1 token forward of the target)
+costs in single-token steps. The theory takes v = 1, as on memory-bound hardware; where
+v > 1 (CPU kernels whose time grows with the tokens) ``theory at v`` = tau / (gamma c + v)
+is the speed-up to expect.
+
+Goals (exit 1 when one is missed): W4g128 >= 1.8 x FP32 tokens/s; W8 >= 1.5 x FP32;
+speculative measured speed-up >= 0.8 x theoretical, at the fastest of the ``--gammas``.
+
+Usage:
+  python bench/decode_speed.py                                  # ~1.1B, the full measurement
+  python bench/decode_speed.py --hidden 512 --layers 2 --intermediate 1408 --vocab 4096 \\
+      --new-tokens 16 --crossover-widths 256,512                # smoke
+  [--rows FP32,W4g128,...] [--threads N] [--repeats 3] [--gammas 2,3,4] [--temperature 0]
+  [--out bench-out/decode_speed] [--mlflow URI]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import statistics
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import goal, hwm_mib, log_mlflow, machine, markdown_table, report_goals, write_csv  # noqa: E402
+
+ROWS = {  # row: the decoder linears' format (None: float, in the dtype the row casts to)
+    "FP32": None,
+    "BF16": None,
+    "W8": "int8",
+    "W4g128": "int4g128",
+    "W3": "int3g128",
+    "W2": "int2g64",
+    "exp4": "exp4g128",
+}
+SPEC_TARGET = "W4g128"
+GOALS = {"W4g128": 1.8, "W8": 1.5}  # row: tokens/s it must reach, as a multiple of FP32
+SPEC_GOAL = 0.8  # measured speed-up / theoretical
+COLUMNS = ("row", "kernels", "MB/token", "tok/s", "limit tok/s", "of limit", "x FP32")
+CROSS_COLUMNS = ("width", "params M", "FP32 tok/s", "W4g128 tok/s", "W4g128 / FP32", "kernels")
+SPEC_COLUMNS = (
+    "target", "draft", "gamma", "alpha", "tau", "c", "spec tok/s", "plain tok/s",
+    "measured", "theoretical", "measured / theoretical", "v", "theory at v",
+)  # fmt: skip
+
+
+def llama(
+    hidden: int, layers: int, intermediate: int, vocab: int, kv_heads: int, *, meta=False
+) -> nn.Module:
+    """A random float32 Llama (HF init: std 0.02, so activations stay finite), in eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    from pipeline.models.synthetic import synthetic_config
+
+    heads = max(1, hidden // 64)
+    config = synthetic_config(
+        hidden=hidden, layers=layers, intermediate=intermediate, heads=heads,
+        kv_heads=math.gcd(kv_heads, heads), vocab=vocab, dtype=torch.float32,
+        initializer_range=0.02,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    with torch.device("meta") if meta else contextlib.nullcontext():
+        return AutoModelForCausalLM.from_config(config).eval()
+
+
+@contextlib.contextmanager
+def run_as(model: nn.Module, row: str) -> Iterator[nn.Module]:
+    """``model`` as ``row`` runs it (decoder linears swapped or the model cast), restored after."""
+    fmt = ROWS[row]
+    if row == "BF16":
+        # An in-place cast: no second copy of the model. Casting back leaves the weights
+        # rounded to bf16, which no later row's speed depends on.
+        model.to(torch.bfloat16)
+        try:
+            yield model
+        finally:
+            model.float()
+        return
+    if fmt is None:
+        yield model
+        return
+    from pipeline.models.adapters import linear_names
+    from pipeline.quant.formats import parse_format
+    from pipeline.quant.rtn import quantize_rtn
+    from pipeline.runtime.inmemory import runtime_linear
+
+    # RTN's exp grid search takes minutes per 1B-model layer type; speed does not depend on
+    # the codes' values, so exp codes are fitted once per weight shape (each layer still gets
+    # its own packed copy, read from memory like any other).
+    per_shape = parse_format(fmt).kind == "exp"
+    fitted = {}  # weight shape -> its codes (exp formats only)
+    saved: dict[str, nn.Module] = {}  # the float layers, put back on exit
+    try:
+        for name in linear_names(model.config, include_lm_head=False):
+            lin = model.get_submodule(name)
+            shape = tuple(lin.weight.shape)
+            qt = fitted[shape] if shape in fitted else quantize_rtn(lin.weight, fmt)
+            if per_shape:
+                fitted[shape] = qt
+            saved[name] = lin
+            model.set_submodule(name, runtime_linear(name, qt, lin.bias))
+        yield model
+    finally:
+        for name, lin in saved.items():
+            model.set_submodule(name, lin)
+
+
+def copy_bandwidth(mib: int, repeats: int = 5) -> float:
+    """Memory bandwidth in bytes/s: 2 x bytes / time of ``dst.copy_(src)``, best of ``repeats``."""
+    src = torch.ones(mib * 2**20 // 4)  # written, so no first-touch page faults are timed
+    dst = torch.zeros_like(src)
+    best = float("inf")
+    for _ in range(repeats + 1):  # the first copy warms up the threads
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * src.nbytes / best
+
+
+def bytes_per_token(model: nn.Module, context: float) -> int:
+    """Bytes one decode step reads: parameters and buffers, one embedding row, the KV cache.
+
+    Args:
+        context: Mean number of cached positions each step's attention reads.
+    """
+    embed = model.get_input_embeddings().weight
+    tensors = {t.data_ptr(): t for t in (*model.parameters(), *model.buffers())}
+    total = sum(t.nbytes for t in tensors.values())
+    if model.get_output_embeddings().weight.data_ptr() != embed.data_ptr():
+        total -= embed.nbytes - embed[0].nbytes  # an untied embedding is read one row a step
+    cfg = model.config
+    kv_width = cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads)
+    kv = 2 * cfg.num_hidden_layers * kv_width * context * embed.element_size()  # keys + values
+    return int(total + kv)
+
+
+def median_seconds(model: nn.Module, prompt: torch.Tensor, n: int, repeats: int) -> float:
+    """Median wall time of greedy ``plain_generate`` of ``n`` tokens (prompt included)."""
+    from pipeline.spec.decoding import plain_generate
+
+    runs = [plain_generate(model, prompt, n, temperature=0.0)[1] for _ in range(repeats)]
+    return statistics.median(s.seconds for s in runs)
+
+
+def decode_rate(model: nn.Module, prompt: torch.Tensor, n: int, repeats: int) -> float:
+    """Decode tokens/s without the prompt: (n - 1) / (t(n) - t(1)); t(1) is the prompt forward."""
+    median_seconds(model, prompt, n, 1)  # warm-up: allocator, kernels' first calls
+    decode = median_seconds(model, prompt, n, repeats) - median_seconds(model, prompt, 1, repeats)
+    return (n - 1) / max(decode, 1e-9)
+
+
+def measure_rows(
+    model: nn.Module, args: argparse.Namespace, prompt: torch.Tensor, bandwidth: float
+) -> tuple[list[dict], dict | None]:
+    """One row per ``--rows`` entry, and a speculative row per ``--gammas`` entry (while the
+    W4g128 model exists)."""
+    from pipeline.runtime.backends import kernel_summary
+
+    rows, spec = [], []
+    context = args.prompt_len + args.new_tokens / 2
+    for row in args.rows.split(","):
+        t0 = time.perf_counter()
+        with run_as(model, row) as m:
+            built = time.perf_counter() - t0
+            rate = decode_rate(m, prompt, args.new_tokens, args.repeats)
+            nbytes = bytes_per_token(m, context)
+            limit = bandwidth / nbytes
+            rows.append({
+                "row": row, "kernels": kernel_summary(m) or str(m.dtype).removeprefix("torch."),
+                "MB/token": nbytes / 1e6, "tok/s": rate, "limit tok/s": limit,
+                "of limit": rate / limit, "build s": built,
+            })  # fmt: skip
+            print(rows[-1], flush=True)
+            if row == SPEC_TARGET and args.gammas:
+                spec = [speculative_row(m, args, prompt, g) for g in args.gammas]
+                for r in spec:
+                    print(r, flush=True)
+    fp = next((r["tok/s"] for r in rows if r["row"] == "FP32"), None)
+    for r in rows:
+        r["x FP32"] = r["tok/s"] / fp if fp else None
+    return rows, spec
+
+
+def damp_tail(model: nn.Module, first: int, scale: float) -> None:
+    """Scale what layers ``first``.. write to the residual stream (o_proj, down_proj) by ``scale``.
+
+    The first ``first`` layers then decide the output, so a draft made of them agrees with the
+    target: alpha is high by construction. Weight values do not change any layer's cost.
+    """
+    with torch.no_grad():
+        for layer in model.model.layers[first:]:
+            layer.self_attn.o_proj.weight.mul_(scale)
+            layer.mlp.down_proj.weight.mul_(scale)
+
+
+def shallow_draft(target: nn.Module, args: argparse.Namespace) -> nn.Module:
+    """The target's embedding, first ``--draft-layers`` layers and norm (shared, not copied),
+    and an ``--draft-head`` copy of its lm_head: a self-draft costing a fraction of a step."""
+    from pipeline.quant.rtn import quantize_rtn
+    from pipeline.runtime.inmemory import runtime_linear
+
+    cfg = target.config
+    draft = llama(cfg.hidden_size, args.draft_layers, cfg.intermediate_size, cfg.vocab_size,
+                  cfg.num_key_value_heads, meta=True)  # fmt: skip
+    for name in ("embed_tokens", "norm", "rotary_emb"):
+        setattr(draft.model, name, getattr(target.model, name))
+    draft.model.layers = nn.ModuleList(target.model.layers[: args.draft_layers])
+    head = target.get_output_embeddings().weight.float()
+    draft.lm_head = runtime_linear("lm_head", quantize_rtn(head, args.draft_head))
+    return draft.eval()
+
+
+def speculative_row(
+    target: nn.Module, args: argparse.Namespace, prompt: torch.Tensor, gamma: int
+) -> dict:
+    """Speculative against plain decoding of ``target`` (``pipeline.runtime.speed``), and v."""
+    from pipeline.runtime.speed import decode_speed
+
+    draft = shallow_draft(target, args)
+    speed = decode_speed(
+        {"target": target, "draft": draft}, [("draft", "target")], [prompt] * args.repeats,
+        new_tokens=args.new_tokens, gamma=gamma, temperature=args.temperature,
+    )  # fmt: skip
+    (pair,) = speed["speculative"].values()
+    return {
+        "target": SPEC_TARGET,
+        "draft": f"{args.draft_layers} of its layers + {args.draft_head} lm_head",
+        "gamma": gamma, "alpha": pair["alpha"], "tau": pair["tau"], "c": pair["cost_ratio"],
+        "spec tok/s": pair["tokens_per_s"], "plain tok/s": speed["plain"]["target"]["tokens_per_s"],
+        "measured": pair["speedup"], "theoretical": pair["theoretical_speedup"],
+        "measured / theoretical": pair["of_theory"], "v": pair["verify_cost"],
+        "theory at v": pair["theory_at_v"],
+    }  # fmt: skip
+
+
+def crossover(args: argparse.Namespace) -> list[dict]:
+    """FP32 against W4g128 decode tokens/s at each ``--crossover-widths`` width."""
+    from pipeline.runtime.backends import kernel_summary
+
+    rows = []
+    for width in [int(w) for w in args.crossover_widths.split(",") if w]:
+        model = llama(width, args.crossover_layers, 3 * width, args.crossover_vocab,
+                      args.kv_heads)  # fmt: skip
+        prompt = random_prompt(args.crossover_vocab, args.prompt_len)
+        fp = decode_rate(model, prompt, args.new_tokens, args.repeats)
+        with run_as(model, "W4g128") as m:
+            w4 = decode_rate(m, prompt, args.new_tokens, args.repeats)
+            kernels = kernel_summary(m)
+        rows.append({
+            "width": width, "params M": sum(p.numel() for p in model.parameters()) / 1e6,
+            "FP32 tok/s": fp, "W4g128 tok/s": w4, "W4g128 / FP32": w4 / fp, "kernels": kernels,
+        })  # fmt: skip
+        print(rows[-1], flush=True)
+        del model
+    return rows
+
+
+def crossover_width(rows: list[dict]) -> int | None:
+    """The smallest width from which on W4g128 beats FP32 at every larger width, or None."""
+    first = None
+    for r in sorted(rows, key=lambda r: r["width"], reverse=True):
+        if r["W4g128 / FP32"] <= 1:
+            break
+        first = r["width"]
+    return first
+
+
+def random_prompt(vocab: int, length: int) -> torch.Tensor:
+    return torch.randint(0, vocab, (1, length), generator=torch.Generator().manual_seed(0))
+
+
+def check_goals(rows: list[dict], spec: list[dict]) -> list[dict]:
+    """The goal rows that the measured rows allow checking."""
+    by_row = {r["row"]: r for r in rows}
+    goals = [
+        goal(f"{row} tok/s / FP32 tok/s", by_row[row]["x FP32"], f">= {want}",
+             by_row[row]["x FP32"] >= want)
+        for row, want in GOALS.items()
+        if row in by_row and by_row[row]["x FP32"] is not None
+    ]  # fmt: skip
+    if spec:  # at the draft length a user would run: the fastest measured
+        best = max(spec, key=lambda r: r["measured"])
+        ratio = best["measured / theoretical"]
+        goals.append(goal(f"speculative measured / theoretical speed-up (gamma {best['gamma']})",
+                          ratio, f">= {SPEC_GOAL}", ratio >= SPEC_GOAL))  # fmt: skip
+    return goals
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--layers", type=int, default=22)
+    p.add_argument("--intermediate", type=int, default=5632)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--kv-heads", type=int, default=4, help="cut to a divisor of hidden / 64")
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--rows", default=",".join(ROWS), help=f"a subset of {','.join(ROWS)}")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--copy-mib", type=int, default=512, help="each copy buffer, MiB of float32")
+    p.add_argument("--crossover-widths", default="128,256,512,1024,2048", help="'' skips it")
+    p.add_argument("--crossover-layers", type=int, default=2)
+    p.add_argument("--crossover-vocab", type=int, default=2048)
+    p.add_argument("--gammas", default="2,3,4", help="draft lengths to time; '' skips")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--draft-layers", type=int, default=None, help="default: a quarter of them")
+    p.add_argument("--draft-head", default="int8", help="the draft's lm_head format")
+    p.add_argument("--tail-scale", type=float, default=0.01,
+                   help="residual writes of the layers after the draft's")  # fmt: skip
+    p.add_argument("--out", default="bench-out/decode_speed")
+    p.add_argument("--mlflow", default=None, help="tracking URI to log the rows to")
+    args = p.parse_args()
+    unknown = set(args.rows.split(",")) - set(ROWS)
+    if unknown:
+        p.error(f"unknown rows {sorted(unknown)}; choose from {','.join(ROWS)}")
+    args.gammas = [int(g) for g in args.gammas.split(",") if g]
+    args.draft_layers = args.draft_layers or max(1, args.layers // 4)
+    if not 0 < args.draft_layers < args.layers and args.gammas:
+        p.error(f"--draft-layers must lie in [1, {args.layers - 1}] (or --gammas '')")
+    return args
+
+
+def report(
+    args: argparse.Namespace, info: dict, rows: list[dict], cross: list[dict], spec: list[dict]
+) -> int:
+    """Print and write the tables (md, csv, json), log to MLflow; the exit status of the goals."""
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    parts = [
+        f"machine: {info['machine']}; threads {info['threads']}; copy bandwidth "
+        f"{info['bandwidth_bytes_s'] / 1e9:.1f} GB/s; peak RSS {info['peak_rss_mib']:.0f} MiB\n"
+        f"model: {info['params'] / 1e9:.3f}B params, prompt {args.prompt_len}, "
+        f"{args.new_tokens} new tokens, median of {args.repeats}",
+        markdown_table(rows, COLUMNS),
+    ]
+    width = crossover_width(cross)
+    if cross:
+        beats = f"from width {width} on" if width is not None else "at none of the widths"
+        parts += [
+            f"crossover ({args.crossover_layers} layers, vocab {args.crossover_vocab}): "
+            f"W4g128 beats FP32 {beats}",
+            markdown_table(cross, CROSS_COLUMNS),
+        ]
+    if spec:
+        parts.append(markdown_table(spec, SPEC_COLUMNS))
+    text = "\n\n".join(parts)
+    print("\n" + text)
+    (out / "decode_speed.md").write_text(text + "\n")
+    write_csv(out / "decode_speed.csv", rows, (*COLUMNS, "build s"))
+    write_csv(out / "crossover.csv", cross, CROSS_COLUMNS)
+    goals = check_goals(rows, spec)
+    (out / "decode_speed.json").write_text(json.dumps({
+        **info, "args": vars(args), "rows": rows, "crossover": cross, "crossover_width": width,
+        "speculative": spec, "goals": goals,
+    }, indent=1))  # fmt: skip
+    log_mlflow(
+        args.mlflow, "lowbit-bench", "decode_speed", rows, "row", vars(args),
+        [out / "decode_speed.md", out / "decode_speed.json"],
+    )  # fmt: skip
+    return report_goals(goals, out)
+
+
+def main() -> int:
+    args = parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    info = {"machine": machine(), "threads": torch.get_num_threads()}
+    print(f"machine: {info['machine']}\nthreads: {info['threads']}", flush=True)
+    info["bandwidth_bytes_s"] = bandwidth = copy_bandwidth(args.copy_mib)
+    print(f"copy bandwidth: {bandwidth / 1e9:.1f} GB/s", flush=True)
+    model = llama(args.hidden, args.layers, args.intermediate, args.vocab, args.kv_heads)
+    damp_tail(model, args.draft_layers, args.tail_scale)
+    info["params"] = sum(p.numel() for p in model.parameters())
+    print(f"model: {info['params'] / 1e9:.3f}B params", flush=True)
+    rows, spec = measure_rows(model, args, random_prompt(args.vocab, args.prompt_len), bandwidth)
+    del model
+    cross = crossover(args)
+    info["peak_rss_mib"] = hwm_mib()
+    return report(args, info, rows, cross, spec)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,57 @@
+"""A run's quantized model as the runtime executes it, without writing an artifact.
+
+evaluate and the benchmarks time decoding the way ``lowbit-run`` decodes: every quantized
+linear (a :class:`~pipeline.quant.fakequant.FakeQuantLinear` from ``load_quantized``, or a
+QTensor from a quantizer) goes through the export's own packing (``plan_layer`` ->
+``pack_linear`` -> ``unpack_linear``, the lowbit layout) and becomes the torch backend's
+:class:`~pipeline.runtime.backends.TorchQuantLinear` with its packed kernel. So the codes a
+timing runs on are the bytes an export would write, and the kernels are the ones ``load``
+picks.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import Tensor, nn
+
+from pipeline.export.lowbit_format import LinearCodes, pack_linear, plan_layer, unpack_linear
+from pipeline.quant.fakequant import FakeQuantLinear
+from pipeline.quant.qtensor import QTensor
+from pipeline.runtime.backends import TorchQuantLinear
+
+
+def linear_codes(name: str, qt: QTensor) -> LinearCodes:
+    """The runtime's unpacked codes of one quantized weight, as a lowbit export stores them."""
+    info = plan_layer(name, qt.fmt, qt.shape, "lowbit")
+    return unpack_linear(pack_linear(qt, info), info)
+
+
+def runtime_linear(
+    name: str, qt: QTensor, bias: Tensor | None = None, kernel: str = "auto", device="cpu"
+) -> TorchQuantLinear:
+    """One quantized weight as the torch backend's layer (``kernel``: see ``load``)."""
+    return TorchQuantLinear(linear_codes(name, qt), bias, kernel=kernel, device=device, name=name)
+
+
+@torch.no_grad()
+def to_runtime(model: nn.Module, kernel: str = "auto", *, copy_model: bool = True) -> nn.Module:
+    """``model`` with every quantized FakeQuantLinear replaced by the runtime's layer.
+
+    Args:
+        model: A causal LM holding FakeQuantLinear modules (float-format ones stay as they
+            are: the runtime runs them as plain float weights too).
+        kernel: "auto" or "reference", as in :func:`pipeline.runtime.load`.
+        copy_model: Convert a deep copy (the caller keeps its fake-quant model).
+
+    Returns:
+        The converted model in eval mode, on the device of its first parameter.
+    """
+    out = copy.deepcopy(model) if copy_model else model
+    device = next(out.parameters()).device
+    for name, mod in list(out.named_modules()):
+        if isinstance(mod, FakeQuantLinear) and mod.fmt.kind != "float":
+            layer = runtime_linear(name, mod.to_qtensor(), mod.bias, kernel, device)
+            out.set_submodule(name, layer)
+    return out.eval()

@@ -1,0 +1,53 @@
+"""Decode speed of runtime models: plain and speculative, theory beside measurement."""
+
+from __future__ import annotations
+
+import torch
+
+from pipeline.models.quantized import load_quantized
+from pipeline.runtime.inmemory import to_runtime
+from pipeline.runtime.speed import decode_speed, format_speed, slow_lowbit
+
+
+def test_plain_and_self_speculative_speed(qmodels):
+    fp = qmodels.fp_model().eval()
+    low = to_runtime(load_quantized(qmodels.get("int4g128")))
+    prompts = [
+        torch.randint(0, 200, (1, 10), generator=torch.Generator().manual_seed(i)) for i in range(2)
+    ]
+    speed = decode_speed(
+        {"target_fp": fp, "target_int4": low},
+        [("target_int4", "target_fp")],
+        prompts,
+        new_tokens=6,
+        gamma=2,
+    )
+    plain = speed["plain"]
+    assert plain["target_fp"]["kernels"] == "float (F.linear)"
+    assert plain["target_int4"]["kernels"] == "int4pack x7"
+    assert all(r["tokens_per_s"] > 0 for r in plain.values())
+    m = speed["speculative"]["target_int4@target_fp"]
+    a, c = m["alpha"], m["cost_ratio"]
+    assert 0 <= a <= 1 and c > 0
+    assert abs(m["theoretical_speedup"] - (1 + a + a * a) / (2 * c + 1)) < 1e-6
+    assert abs(m["speedup"] - m["tokens_per_s"] / plain["target_fp"]["tokens_per_s"]) < 1e-9
+    assert abs(m["of_theory"] - m["speedup"] / m["theoretical_speedup"]) < 1e-9
+    table = "\n".join(format_speed(speed))
+    assert "| target_int4 |" in table and "| target_int4@target_fp |" in table
+
+
+def test_the_overhead_caveat_appears_only_when_lowbit_is_slower():
+    def speed(low_rate):
+        return {
+            "plain": {
+                "target_fp": {"tokens_per_s": 100.0, "kernels": "float (F.linear)"},
+                "target_quantized": {"tokens_per_s": low_rate, "kernels": "int4pack x7"},
+                "draft_fp": {"tokens_per_s": 50.0, "kernels": "float (F.linear)"},
+            },
+            "speculative": {},
+        }
+
+    assert slow_lowbit(speed(80.0)) == ["target_quantized"]
+    assert "crossover" in format_speed(speed(80.0))[-1]
+    assert slow_lowbit(speed(120.0)) == []  # a float draft is slower by design: no caveat
+    assert not any("crossover" in line for line in format_speed(speed(120.0)))
