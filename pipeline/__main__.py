@@ -92,10 +92,11 @@ def main() -> None:
         return
     sys.argv = sys.argv[:1] + _with_flags(sys.argv[1:])
     if not sys.stderr.isatty():
-        # Read when huggingface_hub and datasets are imported (by the stages, later): their
+        # Read when huggingface_hub, datasets and mlflow are used (by the stages, later): their
         # bars, written to a log file or a pipe, are one line growing with every refresh.
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
         os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+        os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # model logging
     _main()
 
 

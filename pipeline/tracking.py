@@ -38,6 +38,10 @@ def flatten(d: Any, prefix: str = "") -> dict[str, str]:
     return out
 
 
+# MLflow 3 opens an experiment without this tag in its GenAI view (traces, prompts).
+EXPERIMENT_TAGS = {"mlflow.experimentKind": "custom_model_development"}
+
+
 def git_commit() -> str:
     try:
         return subprocess.run(
@@ -159,7 +163,9 @@ class Tracker:
                 location = None
                 if self.cfg.artifact_location and not self.uri.startswith("http"):
                     location = Path(self.cfg.artifact_location).resolve().as_uri()
-                self.client.create_experiment(self.cfg.experiment, artifact_location=location)
+                self.client.create_experiment(
+                    self.cfg.experiment, artifact_location=location, tags=EXPERIMENT_TAGS
+                )
         except mlflow.exceptions.MlflowException as e:
             raise LowbitError(
                 f"MLflow store tracking.uri={self.cfg.uri} is not usable: {e}. "
@@ -216,11 +222,22 @@ class Tracker:
 
     @staticmethod
     def _tags() -> dict[str, str]:
+        """MLflow's standard context tags (user, source; the UI shows them as columns), lowbit's
+        source commit, and what MLflow has no standard key for."""
+        from mlflow.tracking.context.registry import resolve_tags
+        from mlflow.utils.mlflow_tags import MLFLOW_GIT_COMMIT, MLFLOW_SOURCE_NAME
+
         from pipeline import __version__
 
-        return {
-            "lowbit.version": __version__,
-            "git_commit": git_commit(),
-            "host": socket.gethostname(),
-            "world_size": os.environ.get("WORLD_SIZE", "1"),
-        }
+        tags = resolve_tags(
+            {
+                MLFLOW_SOURCE_NAME: "lowbit",  # not sys.argv[0], a venv's script path
+                "lowbit.version": __version__,
+                "lowbit.host": socket.gethostname(),
+                "world_size": os.environ.get("WORLD_SIZE", "1"),
+            }
+        )
+        commit = git_commit()
+        if commit != "unknown":  # lowbit's own checkout, wherever the command was started
+            tags[MLFLOW_GIT_COMMIT] = commit
+        return tags

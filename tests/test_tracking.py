@@ -32,6 +32,7 @@ def _check_store(uri: str, n_children: int):
     parents = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
     children = [r for r in runs if "mlflow.parentRunId" in r.data.tags]
     assert len(parents) == 1
+    assert exp.tags["mlflow.experimentKind"] == "custom_model_development"
     parent = parents[0]
     assert parent.info.run_name == "trk" and parent.info.status == "FINISHED"
     assert parent.data.params["quant.method"] == "gptq"  # flattened config
@@ -39,7 +40,10 @@ def _check_store(uri: str, n_children: int):
     for child in children:
         assert child.data.tags["mlflow.parentRunId"] == parent.info.run_id
         assert len(child.data.tags["fingerprint"]) == 64
-        assert {"git_commit", "host", "world_size"} <= set(child.data.tags)
+        tags = child.data.tags
+        assert {"mlflow.user", "mlflow.source.type", "lowbit.host", "world_size"} <= set(tags)
+        assert tags["mlflow.source.name"] == "lowbit"
+        assert len(tags["mlflow.source.git.commit"]) == 40  # the checkout's commit
         assert "value" in child.data.metrics and "stage_seconds" in child.data.metrics
         assert child.info.status == "FINISHED"
         names = {a.path for a in client.list_artifacts(child.info.run_id)}

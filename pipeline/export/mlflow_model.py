@@ -118,11 +118,10 @@ def log_model(
         MlflowClient(tracking_uri).update_run(run_id, status="RUNNING")
     finally:
         mlflow.set_tracking_uri(previous)
-    log.info(
-        "export: logged the artifact as MLflow model %s%s",
-        info.model_uri,
-        f" (registered as {registered_name!r})" if registered_name else "",
-    )
+    registered = ""
+    if registered_name:  # the URI a user loads: name and version, not the logged model's id
+        registered = f"; registered as models:/{registered_name}/{info.registered_model_version}"
+    log.info("export: logged the artifact as MLflow model %s%s", info.model_uri, registered)
     return info.model_uri
 
 

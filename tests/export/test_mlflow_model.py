@@ -21,7 +21,9 @@ def tracking(tmp_path, monkeypatch):
     mlflow.set_tracking_uri(None)
 
 
-def test_log_register_load_predict(qmodels, tmp_path, tracking):
+def test_log_register_load_predict(qmodels, tmp_path, tracking, caplog):
+    import logging
+
     import mlflow
     import pandas as pd
 
@@ -31,7 +33,9 @@ def test_log_register_load_predict(qmodels, tmp_path, tracking):
     uri, client, run_id = tracking
     art = tmp_path / "artifact"
     export_artifact(qmodels.get("int4g128"), art, ExportOptions(), draft=qmodels.fp)
-    model_uri = log_model(uri, run_id, art, registered_name="tiny-lowbit")
+    with caplog.at_level(logging.INFO, logger="lowbit"):
+        model_uri = log_model(uri, run_id, art, registered_name="tiny-lowbit")
+    assert "registered as models:/tiny-lowbit/1" in caplog.text  # the URI to load it by
     assert client.get_run(run_id).info.status == "RUNNING"  # the stage's run stays open
     mlflow.set_tracking_uri(uri)
     model = mlflow.pyfunc.load_model("models:/tiny-lowbit/1")
