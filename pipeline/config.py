@@ -240,11 +240,16 @@ class TrackingConfig:
     artifact_location: str | None = "mlartifacts"
     experiment: str = "lowbit"
     enabled: bool = True
+    system_metrics_s: float = 10.0  # seconds between CPU/memory/GPU samples per stage; 0 = off
 
     def check(self, prefix: str) -> None:
         if not self.uri.startswith(("sqlite:///", "http://", "https://", "databricks", "file:")):
             raise ConfigError(
                 f"{prefix}.uri", f"is {self.uri!r}", "sqlite:///PATH.db, http(s)://HOST:PORT"
+            )
+        if self.system_metrics_s < 0:
+            raise ConfigError(
+                f"{prefix}.system_metrics_s", f"is {self.system_metrics_s}", "seconds >= 0"
             )
 
 

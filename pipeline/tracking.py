@@ -68,6 +68,22 @@ class StageRun:
 
     def __init__(self, client=None, run_id: str | None = None, uri: str | None = None):
         self.client, self.run_id, self.uri = client, run_id, uri
+        self._monitor = None
+
+    def monitor_system(self, interval_s: float) -> None:
+        """Sample CPU, memory, disk (and GPU when pynvml imports) into this run's
+        ``system/*`` metrics every ``interval_s`` seconds until :meth:`end` (MLflow's monitor)."""
+        if not self.active or interval_s <= 0:
+            return
+        import logging
+
+        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+        logging.getLogger("mlflow.system_metrics").setLevel(logging.WARNING)  # start/stop lines
+        self._monitor = SystemMetricsMonitor(
+            self.run_id, sampling_interval=interval_s, tracking_uri=self.uri
+        )
+        self._monitor.start()
 
     @property
     def active(self) -> bool:
@@ -124,6 +140,9 @@ class StageRun:
         return MLFlowLogger(tracking_uri=self.uri, run_id=self.run_id)
 
     def end(self, status: str = "FINISHED") -> None:
+        if self._monitor is not None:
+            self._monitor.finish()  # logs its last samples before the run closes
+            self._monitor = None
         if self.active:
             self.client.set_terminated(self.run_id, status)
 
@@ -210,6 +229,7 @@ class Tracker:
         run = self.client.create_run(exp.experiment_id, run_name=stage, tags=all_tags)
         child = StageRun(self.client, run.info.run_id, self.uri)
         child.log_params(params)
+        child.monitor_system(self.cfg.system_metrics_s)
         return child
 
     def ui_command(self) -> str:

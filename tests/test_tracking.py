@@ -79,3 +79,24 @@ def test_unreachable_server_fails_at_start(toy_stages, tmp_path):  # noqa: F811
         workflow.run(_cfg(tmp_path, f"http://127.0.0.1:{free_port()}"))
     assert time.time() - t0 < 30
     assert not (tmp_path / "run" / "bootstrap").exists()
+
+
+def test_a_stage_run_samples_system_metrics_until_it_ends(tmp_path):
+    import time
+
+    from pipeline.tracking import StageRun
+
+    uri = f"sqlite:///{tmp_path / 'm.db'}"
+    client = MlflowClient(uri)
+    run_id = client.create_run(client.create_experiment("x")).info.run_id
+    stage = StageRun(client, run_id, uri)
+    stage.monitor_system(0.2)
+    time.sleep(1.0)
+    stage.end()
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED"
+    assert "system/cpu_utilization_percentage" in run.data.metrics
+    assert "system/system_memory_usage_megabytes" in run.data.metrics
+    off = StageRun(client, client.create_run(client.create_experiment("y")).info.run_id, uri)
+    off.monitor_system(0)  # tracking.system_metrics_s=0: no thread, no metrics
+    assert off._monitor is None
