@@ -56,9 +56,13 @@ class Runtime:
     device: torch.device
     draft: Runtime | None = None
     layers: dict[str, LayerInfo] = field(default_factory=dict)
-    kernels: dict[str, str] = field(default_factory=dict)  # layer -> the kernel it runs
     cost_ratio: float | None = None  # draft step / target step, measured at the first use
     verify_cost: dict[int, float] = field(default_factory=dict)  # gamma -> v, likewise
+
+    @property
+    def kernels(self) -> dict[str, str]:
+        """{quantized layer: the kernel it runs}, read from the model's layers."""
+        return {n: self.model.get_submodule(n).kernel for n in self.layers}
 
     def kernel_summary(self) -> str:
         """e.g. "int4pack x12, reference x2": what the quantized linears run."""
@@ -237,7 +241,6 @@ def load(
     model = model.to(dev).eval()
     tokenizer = AutoTokenizer.from_pretrained(root, local_files_only=True)
     rt = Runtime(root, model, tokenizer, manifest, name, dev, layers=layers)
-    rt.kernels = {n: getattr(model.get_submodule(n), "kernel", name) for n in layers}
     if draft == "auto":
         draft = safe_relpath(root, manifest["draft"]["path"]) if manifest.get("draft") else None
         # The parent manifest already hashed the draft's files.
