@@ -34,7 +34,8 @@ __all__ = ["decode_speed", "format_speed", "slow_lowbit"]
 
 
 def _decode(fn, prompts: Sequence[torch.Tensor], seed: int) -> SpecStats:
-    fn(prompts[0][:, :8], torch.Generator().manual_seed(seed))  # warm-up, untimed
+    warm = torch.Generator(device=prompts[0].device).manual_seed(seed)
+    fn(prompts[0][:, :8], warm)  # warm-up, untimed
     return decode_prompts(fn, list(prompts), seed)
 
 
