@@ -1,4 +1,4 @@
-"""Helpers shared by bench/quality.py and bench/scaling.py: config, memory, tables, MLflow.
+"""Helpers shared by the benchmarks: config, quantization, memory, tables, MLflow.
 
 Peak memory is measured two ways, and each table says which:
 * ``PeakRSS``: a thread samples this process's resident set (``/proc/self/status``) every
@@ -31,9 +31,45 @@ def compose(overrides: Sequence[str]):
     from hydra import initialize_config_dir
 
     from pipeline import conf_dir
+    from pipeline.stages import register_configs
 
+    register_configs()  # the defaults Hydra composes on, from the dataclasses
     with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
         return hydra_compose(config_name="config", overrides=list(overrides))
+
+
+def quantize_uniform(
+    src: str | Path, out_dir: Path, plan: dict[str, str], calib, *, quant, batch_size: int,
+    work_dir: Path, dtype=None, stream: bool = True,
+) -> dict[str, Any]:  # fmt: skip
+    """The quantize stage's core (``pipeline.streaming.quantize_checkpoint``) on one process.
+
+    Args:
+        src: FP checkpoint directory.
+        out_dir: The quantized model directory to write.
+        plan: ``{linear name: format}``.
+        calib: (N, T) calibration token ids.
+        quant: A ``QuantConfig``: method, GPTQ settings, segment size, activation budget.
+        batch_size: Calibration windows per forward pass.
+        work_dir: Scratch folder for committed segments.
+        dtype: Compute dtype (default float32, as the stage's default).
+        stream: False loads the whole model first (the reference the memory bench compares).
+
+    Returns:
+        The quant report (``avg_bits``, ``layers``, ...).
+    """
+    import torch
+
+    from pipeline.models import StreamingCheckpoint
+    from pipeline.streaming import StreamOptions, quant_options, quantize_checkpoint
+
+    ckpt = StreamingCheckpoint(src, dtype=dtype or torch.float32)
+    walk = StreamOptions(
+        quant.segment_size, batch_size, quant.activation_budget_gb, stream=stream, progress=False
+    )
+    return quantize_checkpoint(
+        ckpt, out_dir, plan, calib, quant_options(quant), walk, work_dir=work_dir
+    )
 
 
 def _status_mib(key: str) -> float:

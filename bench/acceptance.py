@@ -23,7 +23,7 @@ every pair with a low-bit target reaches >= 0.8 x its theoretical speed-up. Exit
 missed.
 
 Usage:
-  python bench/acceptance.py --run-dir outputs/smoke [--prompts 16] [--new-tokens 32]
+  python -m bench.acceptance --run-dir outputs/smoke [--prompts 16] [--new-tokens 32]
       [--gamma 4] [--prompt-len 128] [--long-len 576] [--speed-prompts 4] [--threads N]
       [--out DIR] [--mlflow URI]
 """
@@ -38,17 +38,21 @@ from pathlib import Path
 
 import torch
 
-from pipeline.config import DataConfig
+from bench._common import goal, report_goals
+from pipeline import runmodels
+from pipeline.config import DataConfig, ModelConfig
 from pipeline.data.text import load_splits
-from pipeline.models.hf import load_causal_lm, load_tokenizer
+from pipeline.lit.qat import load_model
+from pipeline.models.hf import load_tokenizer
 from pipeline.quant.fakequant import FakeQuantLinear
 from pipeline.runtime.inmemory import to_runtime
 from pipeline.runtime.speed import decode_speed, format_speed
-from pipeline.spec.evaluation import acceptance_table, column, heldout_scenarios, plot_acceptance
-from pipeline.stages.reinforce import load_model
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import goal, report_goals  # noqa: E402
+from pipeline.speculative.evaluation import (
+    acceptance_table,
+    column,
+    heldout_scenarios,
+    plot_acceptance,
+)
 
 SELF_FORMATS = {"self_int3": "int3g128", "self_int2": "int2g64"}
 COLUMNS = (
@@ -73,27 +77,26 @@ def rtn_copy(model: torch.nn.Module, fmt: str) -> torch.nn.Module:
 
 def collect_models(run_dir: Path) -> tuple[dict, dict, list[tuple[str, str]], Path, str | None]:
     """(targets, drafts, pairs, FP target dir, the target the draft was reinforced against)."""
-    boot = run_dir / "bootstrap"
-    target_dir, draft_dir = boot / "target", boot / "draft"
-    if not (target_dir / "config.json").is_file():
+    finished = runmodels.finished_stages(run_dir)
+    if "bootstrap" not in finished:
         raise SystemExit(f"{run_dir} has no bootstrap/target; run `lowbit run_dir={run_dir}` first")
-    targets = {"target_fp": load_causal_lm(target_dir)}
-    for stage, name in (("quantize", "target_quantized"), ("distill", "target_distilled")):
-        if (run_dir / stage / "model").is_dir():
-            targets[name] = load_model(run_dir / stage / "model", allow_bin=False)
+    model = ModelConfig()  # the run's embedded pair: bootstrap's target and draft
+    found = runmodels.targets(model, finished)
+    targets = {name: load_model(path, allow_bin=False) for name, path in found.items()}
     targets["target_int8"] = rtn_copy(targets["target_fp"], "int8")
     drafts = {name: rtn_copy(targets["target_fp"], fmt) for name, fmt in SELF_FORMATS.items()}
     pairs = [(s, t) for s in SELF_FORMATS for t in ("target_fp", "target_int8")]
-    if (draft_dir / "config.json").is_file():
-        drafts["draft_fp"] = load_causal_lm(draft_dir)
+    found_drafts = runmodels.drafts(model, finished)
+    if "draft_fp" in found_drafts:
+        drafts["draft_fp"] = load_model(found_drafts["draft_fp"], allow_bin=False)
         pairs = [("draft_fp", t) for t in targets if t != "target_int8"] + pairs
-    report = run_dir / "reinforce" / "reinforce.json"
     trained_on = None
-    if report.is_file():
-        drafts["draft_reinforced"] = load_model(run_dir / "reinforce" / "draft", allow_bin=False)
+    if "draft_reinforced" in found_drafts:
+        drafts["draft_reinforced"] = load_model(found_drafts["draft_reinforced"], allow_bin=False)
+        report = finished["reinforce"] / "reinforce.json"
         trained_on = json.loads(report.read_text())["target"]
         pairs = [("draft_reinforced", t) for t in dict.fromkeys([trained_on, "target_fp"])] + pairs
-    return targets, drafts, pairs, target_dir, trained_on
+    return targets, drafts, pairs, found["target_fp"], trained_on
 
 
 def acceptance_goals(table: dict, trained_on: str | None, gain: float = 0.05) -> list[dict]:

@@ -41,8 +41,8 @@ Goals (exit 1 when one is missed): W4g128 >= 1.8 x FP32 tokens/s; W8 >= 1.5 x FP
 speculative measured speed-up >= 0.8 x theoretical, at the fastest of the ``--gammas``.
 
 Usage:
-  python bench/decode_speed.py                                  # ~1.1B, the full measurement
-  python bench/decode_speed.py --hidden 512 --layers 2 --intermediate 1408 --vocab 4096 \\
+  python -m bench.decode_speed                                  # ~1.1B, the full measurement
+  python -m bench.decode_speed --hidden 512 --layers 2 --intermediate 1408 --vocab 4096 \\
       --new-tokens 16 --crossover-widths 256,512                # smoke
   [--rows FP32,W4g128,...] [--threads N] [--repeats 3] [--gammas 2,3,4] [--temperature 0]
   [--out bench-out/decode_speed] [--mlflow URI]
@@ -63,8 +63,15 @@ from pathlib import Path
 import torch
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import goal, hwm_mib, log_mlflow, machine, markdown_table, report_goals, write_csv  # noqa: E402
+from bench._common import (
+    goal,
+    hwm_mib,
+    log_mlflow,
+    machine,
+    markdown_table,
+    report_goals,
+    write_csv,
+)
 
 ROWS = {  # row: the decoder linears' format (None: float, in the dtype the row casts to)
     "FP32": None,
@@ -178,7 +185,7 @@ def bytes_per_token(model: nn.Module, context: float) -> int:
 
 def median_seconds(model: nn.Module, prompt: torch.Tensor, n: int, repeats: int) -> float:
     """Median wall time of greedy ``plain_generate`` of ``n`` tokens (prompt included)."""
-    from pipeline.spec.decoding import plain_generate
+    from pipeline.speculative.decoding import plain_generate
 
     runs = [plain_generate(model, prompt, n, temperature=0.0)[1] for _ in range(repeats)]
     return statistics.median(s.seconds for s in runs)

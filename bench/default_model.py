@@ -14,21 +14,21 @@ matches), and on the whole held-out test split (the evaluate protocol) measures:
 Goals: RTN int2g64 ≥ 8%, RTN int3g128 ≥ 1.5%, GPTQ int2g64 ≥ 2%, 0.5 ≤ α ≤ 0.7, bootstrap ≤ 360 s
 (on a 2-core CPU). Config overrides measure another shape:
 
-    python bench/default_model.py --run-dir /tmp/lowbit-bench/default
-    python bench/default_model.py --run-dir /tmp/b6 model.target.layers=6 model.draft.layers=2
+    python -m bench.default_model --run-dir /tmp/lowbit-bench/default
+    python -m bench.default_model --run-dir /tmp/b6 model.target.layers=6 model.draft.layers=2
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import compose, machine, markdown_table  # noqa: E402
+from bench._common import compose, machine, markdown_table, quantize_uniform
 
 GOALS = {  # name: (low, high) bounds the measured value must lie within
     "rtn int2g64 cost %": (8.0, None),
@@ -62,14 +62,13 @@ def rtn_ppl(model, fmt: str, win, names: set[str]) -> float:
 def gptq_ppl(target: Path, fmt: str, calib, win, names: list[str], q) -> float:
     from pipeline.models.hf import perplexity
     from pipeline.models.quantized import load_quantized
-    from pipeline.quant.sequential import QuantOptions
-    from pipeline.stages.quantize import quantize_checkpoint
+    from pipeline.stages import quantize
 
     out = Path(tempfile.mkdtemp(prefix="lowbit-default-model-"))
-    quantize_checkpoint(
-        target, out / "model", {n: fmt for n in names}, calib, method="gptq",
-        work_dir=out / "work", opts=QuantOptions("gptq", q.block_size, q.damp, q.act_order),
-        progress=False, segment_size=q.segment_size, batch_size=8,
+    quantize_uniform(
+        target, out / "model", {n: fmt for n in names}, calib,
+        quant=dataclasses.replace(q, method="gptq"), batch_size=quantize.CONFIG().batch_size,
+        work_dir=out / "work",
     )  # fmt: skip
     return perplexity(load_quantized(out / "model"), win)
 
@@ -92,12 +91,13 @@ def main() -> int:
 
     from transformers import AutoConfig
 
-    from pipeline.config import data_cfg, quant_cfg
+    from pipeline import runmodels
+    from pipeline.config import data_cfg, model_cfg, quant_cfg
     from pipeline.data.heldout import corpus_heldout
     from pipeline.data.text import Corpus
     from pipeline.models.adapters import linear_names
     from pipeline.models.hf import load_causal_lm, load_tokenizer, perplexity
-    from pipeline.spec.metrics import teacher_forced_acceptance
+    from pipeline.speculative.metrics import teacher_forced_acceptance
     from pipeline.workflow import run
 
     base = [f"run_dir={args.run_dir}", "tracking=none", *args.overrides]
@@ -105,8 +105,11 @@ def main() -> int:
     run(compose([*base, "stages=[bootstrap]"]))  # skipped when the run dir already holds it
     print(f"bootstrap ready in {time.perf_counter() - t0:.0f} s", flush=True)
     cfg = compose(base)
-    boot = Path(args.run_dir).resolve() / "bootstrap"
-    target, draft = boot / "target", boot / "draft"
+    finished = runmodels.finished_stages(Path(args.run_dir).resolve())
+    if "bootstrap" not in finished:
+        raise SystemExit("this bench measures the bootstrap pair: leave model.target.path unset")
+    target = runmodels.fp_target(model_cfg(cfg), finished)
+    draft = runmodels.fp_draft(model_cfg(cfg), finished)
     q = quant_cfg(cfg)
     corpus = Corpus(data_cfg(cfg), load_tokenizer(target))
     test = corpus_heldout(corpus)
@@ -126,9 +129,8 @@ def main() -> int:
     batches = test.windows.split(8)
     values["alpha draft@target"] = teacher_forced_acceptance(fp, load_causal_lm(draft), batches)
     values["draft ppl"] = perplexity(load_causal_lm(draft), test.windows)
-    values["bootstrap seconds"] = json.loads((boot / "_done.json").read_text())["timings"][
-        "seconds"
-    ]
+    done = json.loads((finished["bootstrap"] / "_done.json").read_text())
+    values["bootstrap seconds"] = done["timings"]["seconds"]
 
     rows = [
         {"measure": k, "value": v, "goal": verdict(k, v) if k in GOALS else ""}

@@ -11,8 +11,8 @@ the whole test split (the evaluate protocol), and the table shows
 
 Goal: the default variant recovers >= 50% of each recipe's gap; exits 1 when it does not.
 
-    python bench/distill_effect.py --root /tmp/distill-bench --variants default,scales
-    python bench/distill_effect.py --root /tmp/distill-bench experiment=smoke
+    python -m bench.distill_effect --root /tmp/distill-bench --variants default,scales
+    python -m bench.distill_effect --root /tmp/distill-bench experiment=smoke
 
 Stage folders are reused across invocations (the workflow skips what is up to date), so a
 second call with other distill settings only reruns distill.
@@ -27,8 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import compose, goal, report_goals  # noqa: E402
+from bench._common import compose, goal, report_goals
 
 RECIPES = {
     "w2g64": ["quant=w2g64"],
@@ -57,6 +56,13 @@ def _seed_run(src: Path, dst: Path, stages: list[str]) -> None:
             shutil.copytree(src / stage, dst / stage)
 
 
+def _model(run_dir: Path, name: str) -> Path:
+    """The run's low-bit target `name` (target_quantized, target_distilled)."""
+    from pipeline import runmodels
+
+    return runmodels.quantized_targets(runmodels.finished_stages(run_dir))[name]
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("overrides", nargs="*", help="config overrides, e.g. experiment=smoke")
@@ -73,8 +79,8 @@ def main() -> int:
 
         torch.set_num_threads(args.threads)
 
-    from pipeline import workflow
-    from pipeline.config import data_cfg
+    from pipeline import runmodels, workflow
+    from pipeline.config import data_cfg, model_cfg
     from pipeline.data.heldout import corpus_heldout
     from pipeline.data.text import Corpus
     from pipeline.models.hf import load_causal_lm, load_tokenizer, perplexity
@@ -86,7 +92,7 @@ def main() -> int:
     boot = args.root / "bootstrap"
     workflow.run(_cfg(boot, [*base, "stages=[bootstrap]"]))
     cfg = _cfg(boot, base)
-    target = boot / "bootstrap" / "target"
+    target = runmodels.fp_target(model_cfg(cfg), runmodels.finished_stages(boot))
     win = corpus_heldout(Corpus(data_cfg(cfg), load_tokenizer(target))).windows
     ppl_fp = perplexity(load_causal_lm(target), win)
 
@@ -97,7 +103,7 @@ def main() -> int:
         q_stages = ["sensitivity", "allocate", "quantize"] if recipe.startswith("mixed") else []
         q_stages = q_stages or ["quantize"]
         workflow.run(_cfg(qrun, [*base, *RECIPES[recipe], f"stages=[{','.join(q_stages)}]"]))
-        ppl_q = perplexity(load_quantized(qrun / "quantize" / "model"), win)
+        ppl_q = perplexity(load_quantized(_model(qrun, "target_quantized")), win)
         for variant in args.variants.split(","):
             drun = args.root / recipe / variant.replace("=", "")
             _seed_run(qrun, drun, ["bootstrap", *q_stages])
@@ -105,7 +111,7 @@ def main() -> int:
             overrides = [*base, *RECIPES[recipe], *distill, *VARIANTS[variant], "stages=[distill]"]
             workflow.run(_cfg(drun, overrides))
             seconds = time.time() - t0
-            ppl_d = perplexity(load_quantized(drun / "distill" / "model"), win)
+            ppl_d = perplexity(load_quantized(_model(drun, "target_distilled")), win)
             gap = (ppl_q - ppl_d) / (ppl_q - ppl_fp) if ppl_q > ppl_fp else float("nan")
             rows.append((recipe, variant, ppl_q, ppl_d, gap, seconds))
 

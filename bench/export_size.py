@@ -14,7 +14,7 @@ loaded with ``pipeline.runtime``. Columns:
   time instead of wall time, which is robust to other load on a shared machine (run with
   ``--threads 1`` for that).
 
-Usage: python bench/export_size.py [--hidden 512] [--layers 4] [--tokens 32] [--threads N]
+Usage: python -m bench.export_size [--hidden 512] [--layers 4] [--tokens 32] [--threads N]
                                    [--recipes int4g128,int2g64,...] [--mlflow URI]
 """
 
@@ -78,7 +78,7 @@ def quantize_dir(model, fp16: Path, fmt: str, out: Path) -> Path:
 
 def decode_rate(model, prompt: torch.Tensor, tokens: int, repeats: int) -> tuple[float, float]:
     """(tokens per wall second, tokens per process-CPU second), best of ``repeats``."""
-    from pipeline.spec.decoding import plain_generate
+    from pipeline.speculative.decoding import plain_generate
 
     best_wall, best_cpu = float("inf"), float("inf")
     plain_generate(model, prompt, 2, temperature=0.0)  # warm-up
@@ -118,8 +118,9 @@ def main() -> None:
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    from pipeline.export import ExportError, ExportOptions, export_artifact
+    from pipeline.export import ExportError, export_artifact
     from pipeline.runtime import load
+    from pipeline.stages import export
 
     metrics: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -143,7 +144,7 @@ def main() -> None:
             qdir = quantize_dir(model, fp16, fmt, root / f"q-{fmt}")
             for target in ("lowbit", "ascend"):
                 art = root / f"a-{fmt}-{target}"
-                opts = ExportOptions(format=target, widen=True)
+                opts = export.CONFIG(format=target, widen=True).options()  # the rest: defaults
                 try:
                     manifest = export_artifact(qdir, art, opts)
                 except ExportError as e:

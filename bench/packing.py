@@ -12,7 +12,7 @@ Tables (markdown):
    Gaussian; no trained checkpoint is available offline): MSE relative to the weight
    variance, fraction of the grid's distinct values a group actually uses, code entropy.
 
-Usage: python bench/packing.py [--size 4096] [--repeats 10] [--threads N] [--cpu-time]
+Usage: python -m bench.packing [--size 4096] [--repeats 10] [--threads N] [--cpu-time]
                                [--mlflow URI]
 """
 

@@ -1,6 +1,6 @@
 """Does overlapping the draft with the target's verification pay on this CPU?
 
-Pipelined speculative decoding (:mod:`pipeline.spec.pipelined`) lets the draft propose the
+Pipelined speculative decoding (:mod:`pipeline.speculative.pipelined`) lets the draft propose the
 next block while the target verifies the current one: in a second Python thread on a CPU.
 Whether that is faster depends on the machine: the two forwards share the cores, the memory
 bandwidth and the GIL (held by the Python of each HF forward). This bench measures it.
@@ -24,9 +24,9 @@ which is an honest outcome on a machine where the two forwards compete for the s
 ``overlap="auto"`` then stays sequential there.
 
 Usage:
-  python bench/pipelined.py [--shapes wide,deep] [--prompts 4] [--new-tokens 64] [--gamma 4]
+  python -m bench.pipelined [--shapes wide,deep] [--prompts 4] [--new-tokens 64] [--gamma 4]
       [--prompt-len 64] [--tail-scale 0.3] [--threads N] [--seed 0] [--out DIR]
-  python bench/pipelined.py --shapes small --prompts 2 --new-tokens 16   # seconds: a smoke run
+  python -m bench.pipelined --shapes small --prompts 2 --new-tokens 16   # seconds: a smoke run
 """
 
 from __future__ import annotations
@@ -41,18 +41,16 @@ from pathlib import Path
 
 import torch
 
+from bench._common import goal, machine, markdown_table, report_goals
 from pipeline.models.hf import load_causal_lm
 from pipeline.models.synthetic import write_synthetic_checkpoint
-from pipeline.spec.decoding import plain_generate, speculative_generate
-from pipeline.spec.pipelined import (
+from pipeline.speculative.decoding import plain_generate, speculative_generate
+from pipeline.speculative.pipelined import (
     AUTO_MIN_GAIN,
     measure_overlap_gain,
     pipelined_generate,
 )
-from pipeline.spec.stats import SpecStats
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import goal, machine, markdown_table, report_goals  # noqa: E402
+from pipeline.speculative.stats import SpecStats
 
 # name -> (hidden, layers, intermediate, heads, vocab, draft layers); ~200M-param targets with
 # ~20M-param drafts, one wide and shallow, one narrow and deep.

@@ -17,14 +17,15 @@ Columns: ppl, ppl / ppl(fp), bits per quantized weight including scales and zero
 wall time, peak RSS (MiB; lowbit rows: this process sampled while the row ran, so it includes
 the FP model held for scoring; llmcompressor rows: that child's own ``VmHWM``).
 
-    python bench/quality.py --out bench-out/quality                    # smoke bootstrap target
-    python bench/quality.py --model /path/to/hf --out q -- data=local data.path=...
-    python bench/quality.py --model outputs/default/bootstrap/target --out q   # default sizes
+    python -m bench.quality --out bench-out/quality                    # smoke bootstrap target
+    python -m bench.quality --model /path/to/hf --out q -- data=local data.path=...
+    python -m bench.quality --model outputs/default/bootstrap/target --out q   # default sizes
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import subprocess
 import sys
@@ -32,8 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (  # noqa: E402
+from bench._common import (
     PeakRSS,
     compose,
     goal,
@@ -41,6 +41,7 @@ from _common import (  # noqa: E402
     log_mlflow,
     machine,
     markdown_table,
+    quantize_uniform,
     report_goals,
     rss_mib,
     run_child,
@@ -101,29 +102,28 @@ def _workflow(overrides: list[str], stages: list[str]) -> dict:
 
 
 def lowbit_rows(args, base: list[str], target: Path, calib, win, fp_ppl: float) -> list[dict]:
+    from transformers import AutoConfig
+
+    from pipeline import runmodels
     from pipeline.config import quant_cfg
     from pipeline.models.adapters import linear_names
     from pipeline.models.hf import perplexity
     from pipeline.models.quantized import load_quantized
-    from pipeline.quant.sequential import QuantOptions
-    from pipeline.stages.quantize import quantize_checkpoint
+    from pipeline.stages import quantize
 
     q = quant_cfg(compose(base))
-    from transformers import AutoConfig
-
     rows = []
     names = linear_names(AutoConfig.from_pretrained(target), include_lm_head=False)
     tmp = Path(tempfile.mkdtemp(prefix="lowbit-quality-"))
     for fmt in args.formats.split(","):
         for method in args.methods.split(","):
             out = tmp / f"{fmt}-{method}"
-            opts = QuantOptions(method, q.block_size, q.damp, q.act_order)
             with PeakRSS() as mem:
                 t0 = time.perf_counter()
-                rep = quantize_checkpoint(
-                    target, out / "model", {n: fmt for n in names}, calib, method=method,
-                    work_dir=out / "work", opts=opts, progress=False,
-                    segment_size=q.segment_size, batch_size=8,
+                rep = quantize_uniform(
+                    target, out / "model", {n: fmt for n in names}, calib,
+                    quant=dataclasses.replace(q, method=method),
+                    batch_size=quantize.CONFIG().batch_size, work_dir=out / "work",
                 )  # fmt: skip
                 seconds = time.perf_counter() - t0
             ppl = perplexity(load_quantized(out / "model"), win)
@@ -138,13 +138,16 @@ def lowbit_rows(args, base: list[str], target: Path, calib, win, fp_ppl: float) 
         )
         bits = done["quantize"]["metrics"]["avg_bits"]
         run_dir = Path(compose(over).run_dir)
-        ppl = perplexity(load_quantized(run_dir / "quantize" / "model"), win)
+        # The run dir is shared by every budget: a distill from an earlier one may be there.
+        quantized = runmodels.quantized_targets(runmodels.finished_stages(run_dir))
+        ppl = perplexity(load_quantized(quantized["target_quantized"]), win)
         rows.append(_row(f"lowbit mixed@{budget}", ppl, fp_ppl, bits, seconds, mem))
         print(rows[-1], flush=True)
         if args.distill:
             with PeakRSS() as mem:
                 done = _workflow(over, ["distill"])
-            ppl = perplexity(load_quantized(run_dir / "distill" / "model"), win)
+            quantized = runmodels.quantized_targets(runmodels.finished_stages(run_dir))
+            ppl = perplexity(load_quantized(quantized["target_distilled"]), win)
             secs = seconds + done["distill"]["timings"]["seconds"]
             rows.append(_row(f"lowbit mixed@{budget}+distill", ppl, fp_ppl, bits, secs, mem))
             print(rows[-1], flush=True)
@@ -231,7 +234,8 @@ def main() -> int:
 
     import torch
 
-    from pipeline.config import data_cfg, quant_cfg
+    from pipeline import runmodels
+    from pipeline.config import data_cfg, model_cfg, quant_cfg
     from pipeline.data.heldout import corpus_heldout
     from pipeline.data.text import Corpus
     from pipeline.models.hf import load_causal_lm, load_tokenizer, perplexity
@@ -242,11 +246,11 @@ def main() -> int:
     base = [*smoke, f"run_dir={args.run_dir}", "tracking=none", *args.overrides]
     if args.model:
         base.append(f"model.target.path={Path(args.model).resolve()}")
-        target = Path(args.model).resolve()
     else:
         _workflow(base, ["bootstrap"])  # reused when its fingerprint matches
-        target = Path(args.run_dir).resolve() / "bootstrap" / "target"
     cfg = compose(base)
+    finished = runmodels.finished_stages(Path(cfg.run_dir).resolve())
+    target = runmodels.fp_target(model_cfg(cfg), finished).resolve()
     q = quant_cfg(cfg)
     corpus = Corpus(data_cfg(cfg), load_tokenizer(target))
     win = corpus_heldout(corpus).windows  # (W, T): the whole test split, as evaluate scores it

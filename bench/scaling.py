@@ -17,13 +17,13 @@ for each other and the CPU time of small operations grows tens of times.
   not measured: its cost is a double backward per probe on top of Fisher's backward;
 * ``quantize``: ``quantize_checkpoint`` (GPTQ int4g128 by default), one block per segment;
 * ``distill-step``: one optimizer step of the distill stage with its default settings
-  (``DistillConfig``): the student is the RTN-quantized model (``--format``) loaded by the
-  stage's ``build_student`` (FakeQuantLinear layers, trained sets, fp32 modules), the teacher
-  the FP model, the loss ``DistillModule.losses`` (KL on the logits + attention matching), then
-  gradient clipping and the module's AdamW step, on one (samples, seq_len) batch, in fp32 (the
-  cpu trainer's precision). Building the
-  student and loading the teacher are not timed (``setup_s``): a run pays them once, the step
-  ``max_steps`` times. The layer weights are uniform (the error-based ones cost the same).
+  (the stage's ``CONFIG``): the student is the RTN-quantized model (``--format``) loaded by
+  ``pipeline.lit.distill.load_pair`` (FakeQuantLinear layers, trained sets, fp32 modules), the
+  teacher the FP model, the loss ``DistillModule.losses`` (KL on the logits + attention
+  matching), then gradient clipping and the module's AdamW step, on one (samples, seq_len)
+  batch, in fp32 (the cpu trainer's precision). Building the student and loading the teacher
+  are not timed (``setup_s``): a run pays them once, the step ``max_steps`` times. The layer
+  weights are uniform (the error-based ones cost the same).
 
 ``--stages`` picks a subset; ``stage@GIB`` runs that stage only up to that size, so the costly
 stages can stop before the largest models. Before each child the peak is estimated: from a
@@ -72,18 +72,18 @@ seconds = FLOPs / ``--gpu-tflops`` (default 100 TFLOP/s: an H100-class GPU in TF
 projection, not measured, and a lower bound, since GPTQ's column sweep and the Cholesky
 factorizations run far below a GPU's matmul rate.
 
-    python bench/scaling.py                      # 0.02, 0.04, 0.08 GiB at width 512 (minutes)
+    python -m bench.scaling                      # 0.02, 0.04, 0.08 GiB at width 512 (minutes)
     # Full: 1, 2, 3, 5 and 9 blocks (0.87-3.9 GiB) at Llama-7B width; 1.5-2.5 hours on two
     # idle cores (estimated from the FLOP counts), fisher and distill-step skipped where they
     # do not fit in memory.
-    python bench/scaling.py --sizes 0.9,1.25,1.6,2.4,4 --hidden 4096 --intermediate 11008 \\
+    python -m bench.scaling --sizes 0.9,1.25,1.6,2.4,4 --hidden 4096 --intermediate 11008 \\
         --vocab 32000
     # The same sizes in 45-80 minutes (estimated): the costliest stages stop early, the
     # streamed sensitivity goes to the largest size.
     S=sensitivity-gptq_proxy@1.25,sensitivity-gptq_proxy-streamed,sensitivity-fisher
-    python bench/scaling.py --sizes 0.9,1.25,1.6,2.4,4 --hidden 4096 --intermediate 11008 \\
+    python -m bench.scaling --sizes 0.9,1.25,1.6,2.4,4 --hidden 4096 --intermediate 11008 \\
         --vocab 32000 --stages $S,quantize@1.6,distill-step
-    python bench/scaling.py --report OUT/rows.jsonl [MORE/rows.jsonl ...]
+    python -m bench.scaling --report OUT/rows.jsonl [MORE/rows.jsonl ...]
 """
 
 from __future__ import annotations
@@ -94,16 +94,16 @@ import shutil
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (  # noqa: E402
+from bench._common import (
     hwm_mib,
     last_json_line,
     log_mlflow,
     machine,
     markdown_table,
+    quantize_uniform,
     rss_mib,
     run_child,
     write_csv,
@@ -215,8 +215,9 @@ def _prepare(args: argparse.Namespace):
     import torch
     from transformers import AutoConfig
 
+    import pipeline.streaming  # noqa: F401  (imported here, not in the timed part)
+    from pipeline.config import QuantConfig
     from pipeline.models.adapters import linear_names
-    from pipeline.stages.quantize import quantize_checkpoint
 
     config = AutoConfig.from_pretrained(args.src)
     calib = torch.randint(0, config.vocab_size, (args.samples, args.seq_len))  # (N, T)
@@ -226,17 +227,21 @@ def _prepare(args: argparse.Namespace):
     if args.stage == "distill-step":
         return _distill_step(args.src, plan, calib, work)
     if args.stage == "quantize":
-        return lambda: quantize_checkpoint(
-            args.src, work / "out", plan, calib, method=args.method, work_dir=work / "w",
-            batch_size=args.samples, progress=False,
+        return lambda: quantize_uniform(
+            args.src, work / "out", plan, calib, quant=QuantConfig(method=args.method),
+            batch_size=args.samples, work_dir=work / "w",
         )  # fmt: skip
     if args.stage == "sensitivity-gptq_proxy-streamed":
         from pipeline.analysis.streamed import analyze_streamed
-        from pipeline.models.checkpoint import StreamingCheckpoint
+        from pipeline.models import StreamingCheckpoint
+        from pipeline.streaming import StreamOptions
 
+        # One block per spill file, as the stage's stream=true; the budget is QuantConfig's.
+        walk = StreamOptions(1, args.samples, QuantConfig().activation_budget_gb, progress=False)
         return lambda: analyze_streamed(
             StreamingCheckpoint(args.src, dtype=torch.float32),  # as the stage's stream=true
-            calib, candidates, spill_dir=work, batch_size=args.samples,
+            calib, candidates, walk, spill_dir=work, weighting="full", include_lm_head=True,
+            include_embeddings=True,
         )  # fmt: skip
     from pipeline.analysis.sensitivity import analyze
     from pipeline.models.hf import load_causal_lm
@@ -250,27 +255,19 @@ def _distill_step(src: str, plan: dict[str, str], calib, work: Path):
     """Set up the distill stage's student, teacher, loss and optimizer; return one step."""
     import torch
 
-    from pipeline.lit.distill import DistillHParams, DistillModule, keep_full_precision
-    from pipeline.models.hf import load_causal_lm
-    from pipeline.stages.distill import DistillConfig, build_student
-    from pipeline.stages.quantize import quantize_checkpoint
+    from pipeline.config import QuantConfig
+    from pipeline.lit.distill import DistillHParams, DistillModule, load_pair
+    from pipeline.stages import distill
 
-    p = DistillConfig()
+    p = distill.CONFIG()
     model_dir = work / "student"
-    quantize_checkpoint(src, model_dir, plan, calib, method="rtn", work_dir=work / "w",
-                        batch_size=len(calib), progress=False)  # fmt: skip
-    student = build_student(model_dir, p)
-    # The teacher as the distill stage sets it up (pipeline/stages/distill.py, run).
-    teacher = load_causal_lm(src, dtype=getattr(torch, p.teacher_dtype))
-    keep_full_precision(teacher, p.fp32_modules)
-    if p.beta > 0 and p.match != "hidden":
-        teacher.set_attn_implementation("eager")
-    hp = DistillHParams(
-        max_steps=1, lr=p.lr, weight_lr=p.weight_lr, float_lr=p.float_lr, alpha=p.alpha,
-        beta=p.beta, temperature=p.temperature, match=p.match,
-    )  # fmt: skip
+    quantize_uniform(src, model_dir, plan, calib, quant=QuantConfig(method="rtn"),
+                     batch_size=len(calib), work_dir=work / "w")  # fmt: skip
+    # Student and teacher as the distill stage sets them up, for one step without warm-up.
+    hp = DistillHParams.of(replace(p, max_steps=1, warmup_steps=0))
+    student, teacher, groups = load_pair(model_dir, Path(src), hp, allow_bin=False)
     layers = student.config.num_hidden_layers
-    module = DistillModule(student, teacher, hp, torch.full((layers,), 1.0 / layers), p.train)
+    module = DistillModule(student, teacher, hp, torch.full((layers,), 1.0 / layers), groups)
     module.train()
     opt = module.configure_optimizers()["optimizer"]
     trained = [q for g in opt.param_groups for q in g["params"]]
@@ -445,8 +442,9 @@ def measure(args: argparse.Namespace) -> list[dict]:
 
 def _run_stage(stage: str, src: Path, work: Path, args: argparse.Namespace, shape: Shape) -> dict:
     """Measure ``stage`` on ``src`` in a child; the row's measured fields (or why it failed)."""
-    cmd = [sys.executable, __file__, "--child", "--stage", stage, "--src", str(src),
-           "--work", str(work), "--samples", str(args.samples), "--seq-len", str(args.seq_len),
+    cmd = [sys.executable, "-m", "bench.scaling", "--child", "--stage", stage,
+           "--src", str(src), "--work", str(work),
+           "--samples", str(args.samples), "--seq-len", str(args.seq_len),
            "--method", args.method, "--format", args.format,
            "--candidates", args.candidates]  # fmt: skip
     try:

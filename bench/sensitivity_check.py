@@ -12,8 +12,8 @@ On the bootstrap target (a path, or trained here into a temporary run dir):
    budget 3.0 vs uniform int3g128 and at 2.5 vs uniform int2g64, quantized with RTN and with
    GPTQ (Hessians of the FP model's calibration inputs, each layer independently).
 
-    python bench/sensitivity_check.py --smoke                 # trains the smoke bootstrap
-    python bench/sensitivity_check.py outputs/default/bootstrap/target
+    python -m bench.sensitivity_check --smoke                 # trains the smoke bootstrap
+    python -m bench.sensitivity_check outputs/default/bootstrap/target
 
 Prints markdown tables.
 """
@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -31,22 +30,19 @@ from pathlib import Path
 import torch
 from scipy.stats import spearmanr
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from _common import compose  # noqa: E402
-
-from pipeline import workflow  # noqa: E402
-from pipeline.analysis import Capture  # noqa: E402
-from pipeline.analysis.sensitivity import METHODS, analyze, scored_modules  # noqa: E402
-from pipeline.config import QuantConfig, data_cfg, quant_cfg  # noqa: E402
-from pipeline.data.heldout import corpus_heldout  # noqa: E402
-from pipeline.data.text import Corpus  # noqa: E402
-from pipeline.models.hf import load_causal_lm, load_tokenizer  # noqa: E402
-from pipeline.quant.gptq import gptq_quantize  # noqa: E402
-from pipeline.quant.losses import kl_divergence  # noqa: E402
-from pipeline.quant.rtn import quantize_rtn  # noqa: E402
-from pipeline.stages.allocate import make_plan  # noqa: E402
+from bench._common import compose
+from pipeline import runmodels, workflow
+from pipeline.analysis import Capture
+from pipeline.analysis.sensitivity import METHODS, analyze, scored_modules
+from pipeline.config import QuantConfig, data_cfg, model_cfg, quant_cfg
+from pipeline.data.heldout import corpus_heldout
+from pipeline.data.text import Corpus
+from pipeline.lit.losses import kl_divergence
+from pipeline.models.hf import load_causal_lm, load_tokenizer
+from pipeline.quant.gptq import gptq_quantize
+from pipeline.quant.rtn import quantize_rtn
+from pipeline.stages import sensitivity
+from pipeline.stages.allocate import make_plan
 
 CANDIDATES = ["int2g64", "int3g128", "int4g128", "int8"]
 MEASURED = ["int3g128", "int2g64"]
@@ -154,7 +150,7 @@ def main() -> None:
     if target is None:
         t0 = time.time()
         workflow.run(cfg)
-        target = run_dir / "bootstrap" / "target"
+        target = runmodels.fp_target(model_cfg(cfg), runmodels.finished_stages(run_dir))
         print(f"bootstrap trained in {time.time() - t0:.0f}s: {target}")
     q = quant_cfg(cfg)
     model, tokenizer = load_causal_lm(target), load_tokenizer(target)
@@ -172,10 +168,11 @@ def main() -> None:
         f"in {time.time() - t0:.0f}s"
     )
     reports, seconds = {}, {}
+    probes = sensitivity.CONFIG().hutchinson_probes
     for m in args.methods.split(","):
         method, _, labels = m.partition(":")  # fisher:model = sampled-label (true) Fisher
         t0 = time.time()
-        reports[m] = analyze(model, calib, CANDIDATES, method, probes=4,
+        reports[m] = analyze(model, calib, CANDIDATES, method, probes=probes,
                              fisher_labels=labels or "data")  # fmt: skip
         seconds[m] = time.time() - t0
 

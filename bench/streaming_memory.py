@@ -12,7 +12,7 @@ activation cache, the child's RSS after its imports (the interpreter, torch, tra
 its peak, and the two ratios the design aims for: ``peak / checkpoint`` (<= 0.15 at 4 GiB)
 and ``(peak - baseline) / (2 * segment + cache)`` (<= 1).
 
-    python bench/streaming_memory.py --gb 4 --method rtn
+    python -m bench.streaming_memory --gb 4 --method rtn
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from bench._common import REPO, quantize_uniform
 
 GIB = 2**30
 
@@ -45,8 +47,9 @@ def child(args: argparse.Namespace) -> None:
     import torch
     import transformers.models.llama.modeling_llama  # noqa: F401
 
+    import pipeline.streaming  # noqa: F401
+    from pipeline.config import QuantConfig
     from pipeline.models import StreamingCheckpoint, linear_names
-    from pipeline.quant.streaming import quantize_checkpoint
 
     torch.manual_seed(0)
     dtype = getattr(torch, args.dtype)
@@ -61,10 +64,9 @@ def child(args: argparse.Namespace) -> None:
     )
     work = Path(args.work)
     t0 = time.time()
-    quantize_checkpoint(
-        args.src, work / "out", plan, calib, method=args.method, segment_size=s,
-        work_dir=work / "w", batch_size=args.samples, dtype=dtype, stream=args.mode == "stream",
-        progress=False,
+    quantize_uniform(
+        args.src, work / "out", plan, calib, quant=QuantConfig(method=args.method, segment_size=s),
+        batch_size=args.samples, work_dir=work / "w", dtype=dtype, stream=args.mode == "stream",
     )  # fmt: skip
     print(json.dumps({
         "mode": args.mode,
@@ -78,7 +80,7 @@ def child(args: argparse.Namespace) -> None:
 
 def write_checkpoint(path: Path, gb: float, hidden: int, inter: int, vocab: int) -> None:
     """A fp16 Llama of about ``gb`` GiB (config.json is written last: it marks completion)."""
-    from pipeline.models import write_synthetic_checkpoint
+    from pipeline.models.synthetic import write_synthetic_checkpoint
 
     per_block = 4 * hidden * hidden + 3 * hidden * inter + 2 * hidden  # q,k,v,o + mlp + norms
     layers = max(1, round((gb * GIB / 2 - 2 * vocab * hidden) / per_block))
@@ -121,7 +123,7 @@ def main() -> None:
     if args.child:
         return child(args)
 
-    root = Path(args.dir or tempfile.mkdtemp(prefix="lowbit-bench-"))
+    root = Path(args.dir or tempfile.mkdtemp(prefix="lowbit-bench-")).resolve()  # child: cwd REPO
     src = root / "ckpt"
     t0 = time.time()
     if not (src / "config.json").is_file():
@@ -134,13 +136,13 @@ def main() -> None:
     try:
         for mode in args.modes.split(","):
             work = root / f"work-{mode}"
-            cmd = [sys.executable, __file__, "--child", "--mode", mode, "--src", str(src),
-                   "--work", str(work)]  # fmt: skip
+            cmd = [sys.executable, "-m", "bench.streaming_memory", "--child", "--mode", mode,
+                   "--src", str(src), "--work", str(work)]  # fmt: skip
             keys = ("method", "format", "samples", "seq_len", "segment_size", "dtype",
                     "mmap_threshold_mb")  # fmt: skip
             for key in keys:
                 cmd += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
-            proc = subprocess.run(cmd, capture_output=True, text=True)
+            proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
             if proc.returncode != 0:
                 sys.exit(f"{mode} run failed:\n{proc.stderr[-3000:]}")
             rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))

@@ -21,7 +21,8 @@ from omegaconf import DictConfig, OmegaConf
 from pipeline import __version__, conf_dir
 from pipeline.errors import LowbitError, record_failure
 
-log = logging.getLogger("lowbit")
+# Not __name__: that is "__main__" under `python -m pipeline`, outside the package's logger tree.
+log = logging.getLogger("pipeline.__main__")
 
 
 def _under_launcher() -> bool:
@@ -38,8 +39,9 @@ def _with_flags(argv: list[str]) -> list[str]:
 
 
 def _relaunch(nproc: int) -> None:
-    """Several local ranks without a launcher: become `torchrun --nproc-per-node N` of ourselves."""
-    args = _with_flags(sys.argv[1:])
+    """Several local ranks without a launcher: become `torchrun --nproc-per-node N` of ourselves.
+
+    `main` has already turned the flags into overrides, so the ranks parse what this one did."""
     cmd = [
         sys.executable,
         "-m",
@@ -48,7 +50,7 @@ def _relaunch(nproc: int) -> None:
         "--standalone",
         "-m",
         "pipeline",
-        *args,
+        *sys.argv[1:],
     ]
     log.info("starting %d local ranks: %s", nproc, " ".join(cmd))
     sys.stdout.flush()
@@ -65,7 +67,7 @@ def _main(cfg: DictConfig) -> None:
     devices = trainer.get("devices", 1)
     try:
         # Validate once, here, before starting ranks or touching any model.
-        mods = workflow.plan(cfg, Path(cfg.run_dir).resolve())
+        planned = workflow.plan(cfg, Path(cfg.run_dir).resolve())
         # A list (`trainer.devices=[4,5]`) names which devices: one rank each.
         count = len(devices) if OmegaConf.is_list(devices) else devices
         local_ranks = isinstance(count, int) and count > 1 and trainer.get("num_nodes", 1) == 1
@@ -76,7 +78,7 @@ def _main(cfg: DictConfig) -> None:
             log.info("lowbit %s; overrides: %s", __version__, " ".join(given) or "none")
             if cfg.print_config:
                 print(OmegaConf.to_yaml(cfg), flush=True)
-        workflow.run(cfg, mods)
+        workflow.run(cfg, planned)
     except LowbitError as e:
         log.error("%s", e)
         sys.exit(e.exit_code)
@@ -91,6 +93,9 @@ def main() -> None:
         print(f"lowbit {__version__}")
         return
     sys.argv = sys.argv[:1] + _with_flags(sys.argv[1:])
+    from pipeline.stages import register_configs
+
+    register_configs()  # the defaults Hydra composes on, from the dataclasses
     if not sys.stderr.isatty():
         # Read when huggingface_hub, datasets and mlflow are used (by the stages, later): their
         # bars, written to a log file or a pipe, are one line growing with every refresh.

@@ -1,8 +1,10 @@
-"""Typed views of the config, validated on entry.
+"""The config schema: every default, and the typed views the stages receive.
 
-Each stage parses the sections it reads into frozen dataclasses with `parse`, so a misspelt key,
-a wrong type or a value outside its choices fails before any compute, with one message naming the
-key and what is allowed. The shared sections (model, data, quant, tracking) are defined here.
+The dataclasses here (shared sections) and in each stage module (`CONFIG`, its `stage.<name>`)
+hold every default; Hydra composes on them (`defaults_node`) and conf/ adds only the choices of
+each option. The workflow parses each section once with `parse`, so a misspelt key, a wrong type
+or a value outside its choices fails before any compute, with one message naming the key and
+what is allowed.
 """
 
 from __future__ import annotations
@@ -118,13 +120,17 @@ def positive(prefix: str, **values: float) -> None:
 
 
 # ---------------------------------------------------------------- shared sections
+# These dataclasses are the defaults: Hydra gets them as plain dicts (`pipeline.stages.
+# register_configs`), and the YAML under conf/ holds only the choices of each option.
 @dataclass(frozen=True)
 class ModelSpec:
-    path: str | None = None
+    """One model: a local HF checkpoint, or the size of the one bootstrap trains."""
+
+    path: str | None = None  # a local HF checkpoint dir replaces the bootstrap model
     layers: int = 4
     hidden: int = 128
     heads: int = 2
-    intermediate: int = 384
+    intermediate: int = 384  # in_features stay multiples of 128, the largest group size
 
     def check(self, prefix: str) -> None:
         if self.path is not None and not Path(self.path).is_dir():
@@ -146,10 +152,16 @@ class TokenizerSpec:
 
 @dataclass(frozen=True)
 class ModelConfig:
+    """The target and its draft. The defaults are the embedded ones: the bootstrap stage trains
+    them on the built-in corpus (no hub downloads), sized so that in about six minutes on 2 CPU
+    cores the target is trained far enough to react to quantization as real LLMs do (RTN int2g64
+    costs it > 8% perplexity; see docs/benchmarks.md)."""
+
     target: ModelSpec = field(default_factory=ModelSpec)
-    draft: ModelSpec = field(default_factory=ModelSpec)
+    # A user target with a null draft path: no draft (the target drafts for itself).
+    draft: ModelSpec = field(default_factory=lambda: ModelSpec(layers=1))
     tokenizer: TokenizerSpec = field(default_factory=TokenizerSpec)
-    allow_bin: bool = False
+    allow_bin: bool = False  # load .bin pickles (unsafe) instead of refusing them
 
 
 # Installed packages whose docstrings extend the built-in corpus, in reading order.
@@ -158,15 +170,23 @@ BUILTIN_PACKAGES = ("torch", "numpy", "scipy", "transformers", "pandas", "sklear
 
 @dataclass(frozen=True)
 class DataConfig:
+    """The corpus. A null path is the built-in one: the docstrings of the standard library and of
+    `builtin_packages` (read offline, deterministic for a given environment; see
+    pipeline/data/corpus.py)."""
+
     path: str | None = None
     text_field: str = "text"
+    # Text files: a document per line | paragraph (blank-line separated) | document (file).
     sample_by: Literal["line", "paragraph", "document"] = "line"
-    seq_len: int = 128
+    seq_len: int = 128  # training window in tokens
     val_fraction: float = 0.05
     test_fraction: float = 0.05
+    # Perplexity window; null: the model's context up to 2048 (user models), seq_len (bootstrap).
     eval_seq_len: int | None = None
+    # null: score the whole test split (the standard protocol); N: only the first N windows.
     eval_windows: int | None = None
     builtin_packages: list[str] = field(default_factory=lambda: list(BUILTIN_PACKAGES))
+    # The built-in corpus stops here (about 3.7 M training tokens at vocab 2048).
     builtin_max_chars: int | None = 12_000_000
 
     def check(self, prefix: str) -> None:
@@ -190,18 +210,22 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class CalibConfig:
-    samples: int = 64
-    seq_len: int = 256
+    samples: int = 64  # calibration windows from the train split
+    seq_len: int = 128
 
 
 @dataclass(frozen=True)
 class QuantConfig:
+    """The recipe. The defaults are a uniform one (every linear in candidates[0]); conf/quant/
+    mixed.yaml, the default option, lets sensitivity pick per-layer formats under budget_bits."""
+
     method: Literal["gptq", "rtn"] = "gptq"
     candidates: list[str] = field(default_factory=lambda: ["int4g128"])
-    budget_bits: float | None = None
-    float_fallback: int = 0
+    budget_bits: float | None = None  # average bits per quantized weight, scales and zeros included
+    float_fallback: int = 0  # keep the k most sensitive layers in float (msModelSlim-style)
+    # Never quantized (allocation may still consider lm_head when removed).
     keep_float: list[str] = field(default_factory=lambda: ["lm_head", "embed_tokens"])
-    segment_size: int = 1
+    segment_size: int = 1  # decoder blocks per streamed segment
     activation_budget_gb: float = 2.0
     act_order: bool = True
     damp: float = 0.01
@@ -236,11 +260,15 @@ class QuantConfig:
 
 @dataclass(frozen=True)
 class TrackingConfig:
+    """MLflow. The default is a local store in the working directory; `mlflow ui
+    --backend-store-uri sqlite:///mlflow.db` shows it."""
+
     uri: str = "sqlite:///mlflow.db"
     artifact_location: str | None = "mlartifacts"
     experiment: str = "lowbit"
     enabled: bool = True
-    system_metrics_s: float = 10.0  # seconds between CPU/memory/GPU samples per stage; 0 = off
+    # Seconds between CPU, memory (and GPU with pynvml) samples in each stage's run; 0 = off.
+    system_metrics_s: float = 10.0
 
     def check(self, prefix: str) -> None:
         if not self.uri.startswith(("sqlite:///", "http://", "https://", "databricks", "file:")):
@@ -251,6 +279,118 @@ class TrackingConfig:
             raise ConfigError(
                 f"{prefix}.system_metrics_s", f"is {self.system_metrics_s}", "seconds >= 0"
             )
+
+
+# The schema of every shared section that has one (`trainer` is lightning.Trainer's arguments,
+# checked by pipeline.lit.trainer; `cluster` is read by Hydra's launcher only).
+SHARED: dict[str, type] = {
+    "model": ModelConfig,
+    "data": DataConfig,
+    "quant": QuantConfig,
+    "tracking": TrackingConfig,
+}
+# The sections a stage may list in its SECTIONS, whole (`quant`) or by field (`quant.calib`).
+RUN_SECTIONS = ("name", "model", "data", "quant", "trainer")
+
+
+class Fields:
+    """Some fields of a parsed section: what a stage gets when its SECTIONS names them
+    (`quant.calib`) rather than the whole section. Reading any other field raises, so a field the
+    stage reads is always one its fingerprint holds (sensitivity is not rerun when only
+    `quant.budget_bits` changes, and cannot read it by mistake)."""
+
+    def __init__(self, section: str, values: dict[str, Any]) -> None:
+        self._section, self._values = section, values
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        if name not in self._values:
+            raise AttributeError(
+                f"{self._section}.{name} is not in the stage's SECTIONS (it lists "
+                f"{', '.join(f'{self._section}.{k}' for k in self._values)}); add it there"
+            )
+        return self._values[name]
+
+    def __repr__(self) -> str:
+        return f"Fields({self._section}, {self._values!r})"
+
+    def asdict(self) -> dict[str, Any]:
+        return {k: dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v
+                for k, v in self._values.items()}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """The run-wide settings a stage receives beside its own `stage.<name>`: the sections it lists
+    in SECTIONS, the others None, so its fingerprint holds only what it reads."""
+
+    seed: int
+    name: str | None = None
+    model: ModelConfig | None = None
+    data: DataConfig | None = None
+    quant: QuantConfig | Fields | None = None
+    trainer: dict | None = (
+        None  # lightning.Trainer kwargs plus lowbit's keys (pipeline.lit.trainer)
+    )
+
+    def view(self, sections: tuple[str, ...]) -> RunConfig:
+        """This config with only `sections` (and the seed) set; `section.field` entries give
+        that section as Fields holding just the named fields."""
+        whole = {s for s in sections if "." not in s}
+        parts: dict[str, list[str]] = {}
+        for s in sections:
+            if "." in s:
+                section, _, name = s.partition(".")
+                parts.setdefault(section, []).append(name)
+        unknown = (whole | set(parts)) - set(RUN_SECTIONS)
+        if unknown:
+            raise ValueError(f"unknown sections {sorted(unknown)}; known: {RUN_SECTIONS}")
+        changes: dict[str, Any] = {s: None for s in RUN_SECTIONS if s not in whole}
+        for section, names in parts.items():
+            if section not in whole:
+                obj = getattr(self, section)
+                changes[section] = Fields(section, {n: getattr(obj, n) for n in names})
+        return dataclasses.replace(self, **changes)
+
+    def asdict(self) -> dict[str, Any]:
+        """The plain values (a Fields section as its fields), for fingerprints and MLflow."""
+        out = {}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            out[f.name] = v.asdict() if isinstance(v, Fields) else (
+                dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v
+            )  # fmt: skip
+        return out
+
+
+def run_config(cfg: DictConfig) -> RunConfig:
+    """Every run-wide section of the composed config, parsed once."""
+    if not isinstance(cfg.get("seed"), int) or isinstance(cfg.get("seed"), bool):
+        raise ConfigError("seed", f"must be an integer, got {cfg.get('seed')!r}")
+    trainer = to_plain(cfg.get("trainer"))
+    if trainer is not None and not isinstance(trainer, dict):
+        raise ConfigError("trainer", f"must be a mapping, got {trainer!r}")
+    return RunConfig(
+        seed=cfg.seed,
+        name=str(cfg.name),
+        model=model_cfg(cfg),
+        data=data_cfg(cfg),
+        quant=quant_cfg(cfg),
+        trainer=trainer,
+    )
+
+
+def defaults_node(stage_schemas: dict[str, type]) -> dict[str, Any]:
+    """The defaults of every section with a schema, as the plain dict Hydra composes on.
+
+    Plain, not structured: OmegaConf would type-check with its own messages; `parse` keeps the
+    one-line ConfigError naming the key.
+    """
+    node: dict[str, Any] = {k: dataclasses.asdict(schema()) for k, schema in SHARED.items()}
+    node["stage"] = {name: dataclasses.asdict(schema()) for name, schema in stage_schemas.items()}
+    node["stages"] = list(stage_schemas)
+    return node
 
 
 def model_cfg(cfg: DictConfig) -> ModelConfig:

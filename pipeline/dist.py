@@ -97,12 +97,3 @@ def init_from_env(backend: str | None = None) -> Dist:
             torch.npu.set_device(local_rank)
         tdist.init_process_group(backend=backend, timeout=BARRIER_TIMEOUT)
     return Dist(rank=tdist.get_rank(), world_size=tdist.get_world_size(), local_rank=local_rank)
-
-
-def current() -> Dist:
-    """The Dist of an already joined group (single rank when none)."""
-    if tdist.is_available() and tdist.is_initialized():
-        return Dist(
-            tdist.get_rank(), tdist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0"))
-        )
-    return Dist()

@@ -20,9 +20,7 @@ import csv
 import json
 from pathlib import Path
 
-from omegaconf import DictConfig
-
-from pipeline.config import DataConfig, data_cfg, model_cfg
+from pipeline.config import DataConfig, ModelConfig
 from pipeline.data.text import is_saved_dataset, missing_field, source_files
 from pipeline.errors import LowbitError
 from pipeline.models.hf import check_checkpoint, load_tokenizer
@@ -31,8 +29,8 @@ _BINARY_PROBE = 64 << 10  # a NUL byte here means binary or UTF-16: UTF-8 text n
 _TEXT_PROBE = 1 << 20  # decoded as UTF-8; a bad byte further on is left to the loader
 
 
-def check_inputs(cfg: DictConfig) -> None:
-    """Check the checkpoints and the corpus the whole composed config `cfg` points at.
+def check_inputs(models: ModelConfig, data: DataConfig) -> None:
+    """Check the checkpoints and the corpus the parsed `model` and `data` sections point at.
 
     Does nothing when `model.*.path` and `data.path` are null (the bootstrap models and the
     built-in corpus, both made by lowbit itself).
@@ -40,7 +38,6 @@ def check_inputs(cfg: DictConfig) -> None:
     Raises:
         LowbitError: One line naming the key (e.g. ``model.target.path=/x``) and the fix.
     """
-    models, data = model_cfg(cfg), data_cfg(cfg)
     for role in ("target", "draft"):
         path = getattr(models, role).path
         if path is not None:

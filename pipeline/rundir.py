@@ -23,16 +23,9 @@ import time
 from pathlib import Path
 
 from pipeline.errors import LowbitError
+from pipeline.io import sha256
 
 DONE = "_done.json"
-
-
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def read_done(stage_dir: Path) -> dict | None:

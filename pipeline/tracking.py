@@ -22,9 +22,8 @@ from pipeline.config import TrackingConfig
 from pipeline.errors import LowbitError
 
 _METRIC_CHARS = re.compile(r"[^\w\-. :/]")  # what MLflow accepts in a metric name
-_MAX_PARAM = (
-    500  # MLflow rejects long param values on some backends; the full config is an artifact
-)
+# MLflow rejects long param values on some backends; the full config is an artifact.
+_MAX_PARAM = 500
 
 
 def flatten(d: Any, prefix: str = "") -> dict[str, str]:
@@ -113,11 +112,6 @@ class StageRun:
         ]
         if items:
             self.client.log_batch(self.run_id, metrics=items)
-
-    def set_tags(self, tags: dict[str, Any]) -> None:
-        for k, v in tags.items():
-            if self.active:
-                self.client.set_tag(self.run_id, k, str(v))
 
     def log_artifact(self, path: Path | str, artifact_path: str | None = None) -> None:
         if self.active:

@@ -1,7 +1,9 @@
 """Runs the configured stages in order, each exactly once per fingerprint.
 
-A stage's fingerprint hashes its resolved config sections, the fingerprints and output digests of
-the stages it reads, and the package version. A stage folder is written atomically: the stage
+The config is parsed once (`plan`): each stage's `run(cfg, run, io)` gets its parsed
+`stage.<name>`, a RunConfig holding only the sections it lists in SECTIONS, and a StageIO. Its
+fingerprint hashes exactly those two parsed objects, the fingerprints and output digests of the
+stages it reads, and the package version. A stage folder is written atomically: the stage
 writes into `<run_dir>/.<stage>.tmp/`, the workflow adds `_done.json` and renames it into place,
 so a crash or Ctrl-C never leaves a half-written stage folder. Work that must survive a crash
 inside a stage (Lightning checkpoints, finished quantization segments) goes to
@@ -24,15 +26,15 @@ import shutil
 import tempfile
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from pipeline import __version__, stages
-from pipeline.config import data_cfg, model_cfg, quant_cfg, to_plain, tracking_cfg
+from pipeline.config import RunConfig, TrackingConfig, parse, run_config, to_plain, tracking_cfg
 from pipeline.dist import Dist, init_from_env
 from pipeline.errors import ConfigError, LowbitError, StageFailed, record_failure
 from pipeline.inputs import check_inputs
@@ -47,62 +49,66 @@ from pipeline.rundir import (
     read_done,
     record_outputs,
 )
+from pipeline.stages import StageIO
 from pipeline.tracking import StageRun, Tracker
 
-log = logging.getLogger("lowbit")
+__all__ = ["Plan", "Stage", "StageIO", "check_stage", "fingerprint", "plan", "run", "stage_config"]
+
+log = logging.getLogger(__name__)
 
 
-@dataclass
-class StageContext:
-    """What a stage's run() gets: its config, where to write, what earlier stages produced."""
+@dataclass(frozen=True)
+class Stage:
+    """A stage as the workflow runs it: its module and the parsed configs `run` receives."""
 
     name: str
-    cfg: DictConfig
-    out_dir: Path
-    work_dir: Path
-    run_dir: Path
-    inputs: dict[str, Path] = field(default_factory=dict)
-    dist: Dist = field(default_factory=Dist)
-    log: StageRun = field(default_factory=StageRun)
+    mod: ModuleType
+    cfg: Any  # the parsed stage.<name> (an instance of mod.CONFIG)
+    run: RunConfig  # only the sections mod.SECTIONS lists are set
 
-    @property
-    def params(self) -> DictConfig:
-        return self.cfg.stage[self.name]
+    def skip_reason(self) -> str | None:
+        skip = getattr(self.mod, "skip_reason", None)
+        return skip(self.cfg, self.run) if skip else None
 
-    def describe(self, path: Path | str) -> str:
-        """`path` as stage outputs record it: relative to the run dir when inside it, so an
-        output never depends on where the run dir lives (a copied run keeps its digests)."""
-        path = Path(path).resolve()
-        try:
-            return str(path.relative_to(self.run_dir.resolve()))
-        except ValueError:
-            return str(path)
-
-    def target_dir(self) -> Path:
-        """The FP target checkpoint: the user's, or the one bootstrap trained."""
-        if self.cfg.model.target.path:
-            return Path(self.cfg.model.target.path)
-        if "bootstrap" not in self.inputs:
-            raise LowbitError("no target model: set model.target.path or run the bootstrap stage")
-        return self.inputs["bootstrap"] / "target"
-
-    def draft_dir(self) -> Path | None:
-        """The FP draft checkpoint, or None (then the target drafts for itself)."""
-        if self.cfg.model.draft.path:
-            return Path(self.cfg.model.draft.path)
-        if not self.cfg.model.target.path and "bootstrap" in self.inputs:
-            return self.inputs["bootstrap"] / "draft"
-        return None
+    def check(self) -> None:
+        check = getattr(self.mod, "check", None)
+        if check:
+            check(self.cfg, self.run)
 
 
-def fingerprint(cfg: DictConfig, name: str, mod: ModuleType, inputs: dict[str, dict]) -> str:
+def make_stage(cfg: DictConfig, name: str, run: RunConfig) -> Stage:
+    """Parse `stage.<name>` and cut the stage's view of `run` (every section parsed)."""
+    mod = stages.load(name)
+    parsed = parse(cfg.get("stage", {}).get(name), mod.CONFIG, f"stage.{name}")
+    return Stage(name, mod, parsed, run.view(tuple(mod.SECTIONS)))
+
+
+def stage_config(cfg: DictConfig, name: str) -> tuple[Any, RunConfig]:
+    """(parsed stage.<name>, its RunConfig): what the stage's `run` and `check` receive for the
+    composed config `cfg` (tests and benchmarks call stages with these)."""
+    stage = make_stage(cfg, name, run_config(cfg))
+    return stage.cfg, stage.run
+
+
+def check_stage(cfg: DictConfig, name: str) -> None:
+    """Parse and check one stage's config as `plan` does; raises ConfigError naming the key."""
+    make_stage(cfg, name, run_config(cfg)).check()
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The validated run: every section parsed once, the selected stages in order."""
+
+    run: RunConfig  # every run-wide section
+    tracking: TrackingConfig
+    stages: list[Stage]
+
+
+def fingerprint(stage: Stage, inputs: dict[str, dict]) -> str:
     """Hash of what determines the stage's result (see the module docstring)."""
-    sections = {"stage": to_plain(cfg.stage.get(name)), "seed": cfg.seed}
-    for key in mod.KEYS:
-        sections[key] = to_plain(OmegaConf.select(cfg, key))
     payload = {
         "version": __version__,
-        "config": sections,
+        "config": {"stage": asdict(stage.cfg), "run": stage.run.asdict()},
         "inputs": {
             k: [v["fingerprint"], v.get("outputs_digest")] for k, v in sorted(inputs.items())
         },
@@ -110,38 +116,41 @@ def fingerprint(cfg: DictConfig, name: str, mod: ModuleType, inputs: dict[str, d
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def plan(cfg: DictConfig, run_dir: Path) -> list[tuple[str, ModuleType]]:
-    """Validate the stage list and every selected stage's config, before any compute."""
+def plan(cfg: DictConfig, run_dir: Path) -> Plan:
+    """Parse every section and check the selected stages, before any compute."""
     selected = list(cfg.stages)
     if not selected:
         raise ConfigError("stages", "is empty", ", ".join(stages.ORDER))
-    mods = [(n, stages.load(n)) for n in selected]
+    for name in selected:
+        stages.load(name)  # an unknown name fails here, naming the known ones
     order = [n for n in stages.ORDER if n in selected]
     if order != selected:
         raise ConfigError("stages", f"is out of order {selected}", f"this order: {order}")
     # The shared sections are checked whatever the stages, so a typo never waits for its stage.
-    for check in (model_cfg, data_cfg, quant_cfg, tracking_cfg, check_inputs):
-        check(cfg)
-    check_trainer(cfg.get("trainer"))  # before any rank starts: `lowbit` relaunches after plan()
-    _check_recipe(cfg, selected, run_dir)
-    for name, mod in mods:
-        mod.validate(cfg)
-        for need in mod.NEEDS:
-            upstream = stages.load(need)
-            skipped = getattr(upstream, "skip_reason", lambda c: None)(cfg)
-            if need not in selected and not skipped and read_done(run_dir / need) is None:
+    run = run_config(cfg)
+    tracking = tracking_cfg(cfg)
+    check_inputs(run.model, run.data)
+    check_trainer(run.trainer)  # before any rank starts: `lowbit` relaunches after plan()
+    _check_recipe(run, selected, run_dir)
+    chosen = [make_stage(cfg, name, run) for name in selected]
+    for stage in chosen:
+        stage.check()
+        for need in stage.mod.NEEDS:
+            if need in selected or read_done(run_dir / need) is not None:
+                continue
+            if not make_stage(cfg, need, run).skip_reason():
                 raise ConfigError(
                     "stages",
-                    f"runs {name!r}, which needs the outputs of {need!r}, but {run_dir / need} "
-                    "has none",
+                    f"runs {stage.name!r}, which needs the outputs of {need!r}, but "
+                    f"{run_dir / need} has none",
                     f"add {need!r} to stages",
                 )
-    return mods
+    return Plan(run, tracking, chosen)
 
 
-def _check_recipe(cfg: DictConfig, selected: list[str], run_dir: Path) -> None:
+def _check_recipe(run: RunConfig, selected: list[str], run_dir: Path) -> None:
     """A mixed recipe is only ever quantized by its bit plan, never by a silent fallback."""
-    q = quant_cfg(cfg)
+    q = run.quant
     mixed = len(q.candidates) > 1 or q.float_fallback > 0
     if "quantize" not in selected or not mixed or "allocate" in selected:
         return
@@ -167,16 +176,16 @@ def summary_line(name: str, seconds: float, metrics: dict[str, Any]) -> str:
     return f"{name:<12} done in {seconds:7.1f}s  " + "  ".join(shown)
 
 
-def run(cfg: DictConfig, mods: list[tuple[str, ModuleType]] | None = None) -> dict[str, dict]:
+def run(cfg: DictConfig, planned: Plan | None = None) -> dict[str, dict]:
     """Run the workflow; returns {stage: its _done.json} for the stages of this run.
 
-    `mods` is `plan(cfg, run_dir)` when the caller already made it (the CLI validates before it
-    starts ranks; the start checks load tokenizers and import torch_npu, not worth twice).
+    `planned` is `plan(cfg, run_dir)` when the caller already made it (the CLI validates before
+    it starts ranks; the start checks load tokenizers and import torch_npu, not worth twice).
     """
     dist = init_from_env((cfg.get("trainer") or {}).get("dist_backend"))
     run_dir = Path(cfg.run_dir).resolve()
-    if mods is None:
-        mods = plan(cfg, run_dir)
+    if planned is None:
+        planned = plan(cfg, run_dir)
     lock = RunLock(run_dir)
     refused = None
     if dist.is_main:
@@ -188,18 +197,20 @@ def run(cfg: DictConfig, mods: list[tuple[str, ModuleType]] | None = None) -> di
     if refused:
         raise LowbitError(refused)
     try:
-        return _run_locked(cfg, mods, run_dir, dist)
+        return _run_locked(cfg, planned, run_dir, dist)
     finally:
         lock.release()
 
 
-def _run_locked(cfg: DictConfig, mods, run_dir: Path, dist: Dist) -> dict[str, dict]:
-    tracker = Tracker(tracking_cfg(cfg), run_dir, active=dist.is_main)
+def _run_locked(cfg: DictConfig, planned: Plan, run_dir: Path, dist: Dist) -> dict[str, dict]:
+    tracker = Tracker(planned.tracking, run_dir, active=dist.is_main)
+    name = planned.run.name
     if dist.is_main:
         tracker.connect()
-        tracker.start_parent(cfg.name, to_plain(cfg))
+        tracker.start_parent(name, to_plain(cfg))
         # What a user looks for first, before hours of stages scroll by.
-        log.info("workflow %s in %s; stages %s", cfg.name, run_dir, ", ".join(n for n, _ in mods))
+        chosen = ", ".join(s.name for s in planned.stages)
+        log.info("workflow %s in %s; stages %s", name, run_dir, chosen)
         if tracker.active:
             log.info("MLflow run %s: %s", tracker.parent.run_id, tracker.ui_command())
     dist.barrier()
@@ -210,27 +221,27 @@ def _run_locked(cfg: DictConfig, mods, run_dir: Path, dist: Dist) -> dict[str, d
     status = "FAILED"
     try:
         damage = Damage(cfg, run_dir, dist)
-        mods = damage.add_repairs(mods)
-        running = {name for name, _ in mods}
-        for name, mod in mods:
-            reason = getattr(mod, "skip_reason", lambda c: None)(cfg)
+        todo = damage.add_repairs(planned.stages, lambda n: make_stage(cfg, n, planned.run))
+        running = {stage.name for stage in todo}
+        for stage in todo:
+            reason = stage.skip_reason()
             if reason:
-                log.info("%-12s not needed: %s", name, reason)
+                log.info("%-12s not needed: %s", stage.name, reason)
                 continue
             inputs, input_done = {}, {}
-            for dep in sorted(_reads(mod)):
+            for dep in sorted(_reads(stage.mod)):
                 done = known.get(dep) if dep in running else read_done(run_dir / dep)
                 if done is not None:
                     inputs[dep], input_done[dep] = run_dir / dep, done
-            fp = fingerprint(cfg, name, mod, input_done)
-            done = read_done(run_dir / name)
+            fp = fingerprint(stage, input_done)
+            done = read_done(run_dir / stage.name)
             fresh = done and done.get("fingerprint") == fp and not cfg.force
-            if fresh and damage.of(name) is None:
-                log.info("%-12s up to date (fingerprint %s), skipped", name, fp[:12])
-                known[name] = results[name] = done
+            if fresh and damage.of(stage.name) is None:
+                log.info("%-12s up to date (fingerprint %s), skipped", stage.name, fp[:12])
+                known[stage.name] = results[stage.name] = done
                 continue
-            known[name] = results[name] = _run_stage(
-                cfg, name, mod, fp, inputs, input_done, run_dir, dist, tracker
+            known[stage.name] = results[stage.name] = _run_stage(
+                stage, fp, inputs, input_done, run_dir, dist, tracker
             )
         status = "FINISHED"
     except KeyboardInterrupt:
@@ -244,9 +255,7 @@ def _run_locked(cfg: DictConfig, mods, run_dir: Path, dist: Dist) -> dict[str, d
         tracker.parent.log_artifact(report)
         for plot in sorted(run_dir.glob("*/*.png")):
             tracker.parent.log_artifact(plot, "plots")
-        log.info(
-            "workflow %s finished in %.1fs; report %s", cfg.name, time.time() - t_start, report
-        )
+        log.info("workflow %s finished in %.1fs; report %s", name, time.time() - t_start, report)
         if tracker.active:
             log.info("MLflow: %s", tracker.ui_command())
     return results
@@ -263,7 +272,8 @@ class Damage:
     """
 
     def __init__(self, cfg: DictConfig, run_dir: Path, dist: Dist):
-        self.cfg, self.run_dir, self.dist = cfg, run_dir, dist
+        self.verify, self.repair = bool(cfg.verify), bool(cfg.repair)
+        self.run_dir, self.dist = run_dir, dist
         self.found: dict[str, str | None] = {}
 
     def of(self, name: str) -> str | None:
@@ -272,32 +282,33 @@ class Damage:
             if self.dist.is_main:
                 done = read_done(self.run_dir / name)
                 if done is not None:
-                    problem = find_damage(self.run_dir / name, done, full=self.cfg.verify)
+                    problem = find_damage(self.run_dir / name, done, full=self.verify)
             self.found[name] = self.dist.broadcast(problem)
             if self.found[name] is not None:
                 self._report(name, self.found[name])
         return self.found[name]
 
     def _report(self, name: str, problem: str) -> None:
-        if not self.cfg.repair:
+        if not self.repair:
             raise LowbitError(
                 f"stage {name}'s outputs are damaged: {problem}; rerun without --no-repair "
                 "(repair=true) to recompute them"
             )
         log.warning("%-12s outputs damaged: %s; rerunning the stage", name, problem)
 
-    def add_repairs(self, mods: list[tuple[str, ModuleType]]) -> list[tuple[str, ModuleType]]:
-        """`mods` plus every unselected stage they read whose folder is damaged, in order."""
-        chosen = dict(mods)
+    def add_repairs(self, chosen: list[Stage], make) -> list[Stage]:
+        """`chosen` plus every unselected stage they read whose folder is damaged, in order;
+        `make(name)` builds an added one."""
+        by_name = {s.name: s for s in chosen}
         grew = True
         while grew:
             grew = False
-            wanted = set().union(*(_reads(m) for m in chosen.values())) - set(chosen)
+            wanted = set().union(*(_reads(s.mod) for s in by_name.values())) - set(by_name)
             for dep in sorted(wanted):
                 if read_done(self.run_dir / dep) is not None and self.of(dep) is not None:
-                    chosen[dep] = stages.load(dep)
+                    by_name[dep] = make(dep)
                     grew = True
-        return [(n, chosen[n]) for n in stages.ORDER if n in chosen]
+        return [by_name[n] for n in stages.ORDER if n in by_name]
 
 
 def stage_log_path(run_dir: Path, name: str, rank: int = 0) -> Path:
@@ -306,15 +317,25 @@ def stage_log_path(run_dir: Path, name: str, rank: int = 0) -> Path:
 
 @contextmanager
 def _stage_log(path: Path):
-    """Every log record of the stage (lowbit's, Lightning's, ...) also goes to `path`."""
+    """Every log record of the stage (lowbit's, Lightning's, ...) also goes to `path`.
+
+    lowbit's INFO records reach it also where nobody configured logging (a notebook, a test):
+    the `pipeline` logger passes INFO while the stage runs, unless its level was set.
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
     handler = logging.FileHandler(path)
     handler.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] %(message)s"))
     root = logging.getLogger()
     root.addHandler(handler)
+    package = logging.getLogger("pipeline")
+    unset = package.level == logging.NOTSET
+    if unset:
+        package.setLevel(logging.INFO)
     try:
         yield
     finally:
+        if unset:
+            package.setLevel(logging.NOTSET)
         root.removeHandler(handler)
         handler.close()
 
@@ -326,7 +347,14 @@ def _failure(name: str, error: BaseException, log_path: Path) -> LowbitError:
     return StageFailed(f"stage {name} failed: {record_failure(error, log_path)}")
 
 
-def _run_stage(cfg, name, mod, fp, inputs, input_done, run_dir, dist, tracker) -> dict:
+def _params(stage: Stage) -> dict[str, Any]:
+    """The stage's MLflow params: what its fingerprint hashes."""
+    sections = {k: v for k, v in stage.run.asdict().items() if v is not None}
+    return {"stage": asdict(stage.cfg), **sections}
+
+
+def _run_stage(stage: Stage, fp, inputs, input_done, run_dir, dist, tracker) -> dict:
+    name = stage.name
     work = run_dir / ".work" / f"{name}-{fp[:12]}"
     tmp = run_dir / f".{name}.tmp"
     if dist.is_main:
@@ -337,17 +365,16 @@ def _run_stage(cfg, name, mod, fp, inputs, input_done, run_dir, dist, tracker) -
     out_dir = tmp if dist.is_main else Path(tempfile.mkdtemp(prefix=f"lowbit-{name}-"))
     child = StageRun()
     if dist.is_main:
-        params = {"stage": to_plain(cfg.stage.get(name)), "seed": cfg.seed}
-        params.update({k: to_plain(OmegaConf.select(cfg, k)) for k in mod.KEYS})
-        child = tracker.start_stage(name, params, {"fingerprint": fp})
-    ctx = StageContext(name, cfg, out_dir, work, run_dir, inputs, dist, child)
+        child = tracker.start_stage(name, _params(stage), {"fingerprint": fp})
+    io = StageIO(name, out_dir, work, run_dir, inputs, dist, child)
     log_path = stage_log_path(run_dir, name, dist.rank)
     t0 = time.time()
     error = None
     with _stage_log(log_path):
         log.info("%-12s running (fingerprint %s)", name, fp[:12])
         try:
-            metrics = mod.run(ctx) if (mod.DISTRIBUTED or dist.is_main) else {}
+            runs_here = stage.mod.DISTRIBUTED or dist.is_main
+            metrics = stage.mod.run(stage.cfg, stage.run, io) if runs_here else {}
         except BaseException as e:  # KeyboardInterrupt too: the run is marked, the tmp dir dropped
             error = e
             metrics = {}

@@ -14,6 +14,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from pipeline import conf_dir
+from pipeline.stages import register_configs
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -22,6 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def make_cfg(*overrides: str):
     """The config `lowbit <overrides>` would run with."""
+    register_configs()
     with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
         return compose(config_name="config", overrides=list(overrides))
 

@@ -1,39 +1,125 @@
-"""Every config option composes and validates; bad values fail early with one clear message."""
+"""Every config option composes and validates; the defaults are the dataclasses' and nothing else;
+bad values fail early with one clear message."""
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import time
 
 import pytest
+from omegaconf import OmegaConf
 
-from pipeline import conf_dir, stages
+from pipeline import conf_dir, stages, workflow
+from pipeline.config import SHARED, parse, run_config
 from pipeline.errors import ConfigError
+from pipeline.lit.trainer import trainer_kwargs
 from pipeline.workflow import plan
 from tests.conftest import lowbit_cmd, make_cfg
 
 GROUPS = ["model", "data", "quant", "trainer", "cluster", "tracking", "experiment"]
+# What the default options (model=bootstrap, data=builtin, quant=mixed, tracking=sqlite) change
+# from the dataclass defaults: the mixed recipe; every other default is the schema's.
+DEFAULT_CHOICES = {
+    "quant.candidates": ["int2g64", "int3g128", "int4g128", "int8"],
+    "quant.budget_bits": 3.0,
+}
 
 
 def options(group: str) -> list[str]:
     return sorted(p.stem for p in (conf_dir() / group).glob("*.yaml"))
 
 
-@pytest.mark.parametrize(
-    "override",
-    [f"{g}={o}" for g in GROUPS for o in options(g)],
-)
-def test_every_option_composes_and_validates(override, tmp_path):
+def required_paths(override: str, tmp_path) -> list[str]:
+    """The `???` values an option leaves to the command line, filled with real paths."""
     extra = []
-    if override in ("model=hf",):
+    if override in ("model=hf", "experiment=ascend_k8s", "experiment=workflow_13b"):
+        extra += [f"model.target.path={tmp_path}", f"model.draft.path={tmp_path}"]
+    elif override.startswith("experiment=") and override != "experiment=smoke":
         extra.append(f"model.target.path={tmp_path}")
-    if override in ("data=local",):
+    if override == "data=local" or (override.startswith("experiment=") and extra):
         (tmp_path / "c.txt").write_text("hello world\n")
         extra.append(f"data.path={tmp_path / 'c.txt'}")
-    cfg = make_cfg(override, *extra, f"run_dir={tmp_path / 'run'}")
+    return extra
+
+
+def flat(obj, prefix=""):
+    """{dotted key: leaf value} of a (nested) dataclass or dict."""
+    if dataclasses.is_dataclass(obj):
+        obj = dataclasses.asdict(obj)
+    if isinstance(obj, dict):
+        out = {}
+        for k, v in obj.items():
+            out.update(flat(v, f"{prefix}{k}."))
+        return out
+    return {prefix.rstrip("."): obj}
+
+
+ALL_OPTIONS = [f"{g}={o}" for g in GROUPS for o in options(g)]
+
+
+@pytest.mark.parametrize("override", ALL_OPTIONS)
+def test_every_option_composes_and_every_key_is_known(override, tmp_path):
+    cfg = make_cfg(override, *required_paths(override, tmp_path), f"run_dir={tmp_path / 'run'}")
     assert list(cfg.stages)
-    for name in cfg.stages:
-        stages.load(name).validate(cfg)
+    # Every section, whatever the stages selected: a key no schema knows fails here.
+    run_config(cfg)
+    for name, schema in SHARED.items():
+        parse(cfg[name], schema, name)
+    for name in stages.ORDER:
+        parse(cfg.stage[name], stages.load(name).CONFIG, f"stage.{name}")
+    trainer_kwargs(cfg.trainer)
+    assert set(cfg.stage) == set(stages.ORDER)
+    for name in cfg.stages:  # and the checks across sections of the stages it runs
+        workflow.check_stage(cfg, name)
+
+
+def test_the_default_config_is_the_dataclass_defaults():
+    cfg = make_cfg()
+    composed, defaults = {}, {}
+    for name, schema in SHARED.items():
+        composed.update(flat(parse(cfg[name], schema, name), f"{name}."))
+        defaults.update(flat(schema(), f"{name}."))
+    for name in stages.ORDER:
+        schema = stages.load(name).CONFIG
+        composed.update(flat(parse(cfg.stage[name], schema, f"stage.{name}"), f"stage.{name}."))
+        defaults.update(flat(schema(), f"stage.{name}."))
+    assert set(composed) == set(defaults)
+    changed = {k: v for k, v in composed.items() if v != defaults[k]}
+    assert changed == DEFAULT_CHOICES
+    # The stage list is written once: stages.ORDER.
+    assert list(cfg.stages) == list(stages.ORDER) == list(cfg.stage)
+
+
+def test_stage_defaults_live_in_the_dataclasses_only():
+    assert not (conf_dir() / "stage").exists()
+    primary = OmegaConf.load(conf_dir() / "config.yaml")
+    assert "stages" not in primary and "stage" not in primary
+    groups = [next(iter(d)) for d in primary.defaults if not isinstance(d, str)]
+    assert "stage" not in groups and primary.defaults[0] == stages.DEFAULTS_NODE
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key", "value"),
+    [
+        (["stage.distill.max_steps=5"], "stage.distill.max_steps", 5),
+        (["quant=w2g64"], "quant.candidates", ["int2g64"]),
+        (["quant=w2g64"], "quant.budget_bits", None),
+        (["experiment=smoke"], "model.draft.hidden", 64),
+        (["experiment=smoke", "stage.bootstrap.precision=bf16-mixed"], "stage.bootstrap.precision",
+         "bf16-mixed"),
+        (["tracking=none"], "tracking.enabled", False),
+    ],
+)  # fmt: skip
+def test_overrides_reach_the_parsed_config(overrides, key, value):
+    cfg = make_cfg(*overrides)
+    section, rest = key.split(".", 1)
+    if section == "stage":
+        name, field = rest.split(".", 1)
+        got = flat(parse(cfg.stage[name], stages.load(name).CONFIG, f"stage.{name}"))[field]
+    else:
+        got = flat(parse(cfg[section], SHARED[section], section))[rest]
+    assert got == value
 
 
 def test_default_stage_order_is_the_canonical_one():
@@ -55,6 +141,7 @@ def test_default_stage_order_is_the_canonical_one():
         ("stages=[evaluate,bootstrap]", "stages"),
         ("stages=[bootstrap,frobnicate]", "stages"),
         ("tracking.uri=mysql://x", "tracking.uri"),
+        ("seed=x", "seed"),
     ],
 )
 def test_invalid_values_name_the_key(override, key, tmp_path):
@@ -85,3 +172,15 @@ def test_cli_rejects_bad_value_in_seconds_with_one_line(tmp_path):
     assert "Traceback" not in proc.stderr
     # Nothing was computed: only Hydra's own log folder may exist.
     assert [p.name for p in (tmp_path / "r").glob("*")] in ([], [".hydra"])
+
+
+def test_cli_prints_the_composed_config_without_running(tmp_path):
+    proc = subprocess.run(
+        lowbit_cmd("--cfg", "job", "quant=w2g64", "stage.distill.max_steps=5"),
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "max_steps: 5" in proc.stdout and "- int2g64" in proc.stdout
+    assert "running" not in proc.stdout + proc.stderr

@@ -10,9 +10,16 @@ import pytest
 import torch
 
 from pipeline import inputs
+from pipeline.config import data_cfg, model_cfg
 from pipeline.errors import LowbitError
 from pipeline.inputs import check_inputs
 from tests.conftest import make_cfg
+
+
+def check(cfg) -> None:
+    """check_inputs on the parsed sections of the composed `cfg`, as the workflow calls it."""
+    check_inputs(model_cfg(cfg), data_cfg(cfg))
+
 
 LINES = [f"line {i} of the tiny corpus, river stone cloud {i % 7}" for i in range(60)]
 
@@ -43,7 +50,7 @@ def ckpt(valid, tmp_path) -> Path:
 def fails(*overrides: str) -> str:
     """check_inputs' message for `lowbit <overrides>`, asserted to be one line."""
     with pytest.raises(LowbitError) as info:
-        check_inputs(make_cfg(*overrides))
+        check(make_cfg(*overrides))
     message = str(info.value)
     assert "\n" not in message and message.strip() == message
     return message
@@ -85,7 +92,7 @@ def test_valid_checkpoint_and_data_pass(valid, tmp_path, layout):
         "model=hf", f"model.target.path={valid['ckpt']}", f"model.draft.path={valid['ckpt']}",
         "data=local", f"data.path={path}",
     )  # fmt: skip
-    check_inputs(cfg)
+    check(cfg)
 
 
 def test_builtin_corpus_and_bootstrap_models_are_not_checked(monkeypatch):
@@ -94,9 +101,9 @@ def test_builtin_corpus_and_bootstrap_models_are_not_checked(monkeypatch):
 
     for name in ("check_checkpoint", "load_tokenizer", "check_data"):
         monkeypatch.setattr(inputs, name, called)
-    check_inputs(make_cfg())
+    check(make_cfg())
     with pytest.raises(AssertionError, match="checked an input"):  # the patch does take effect
-        check_inputs(make_cfg("data=local", "data.path=/"))
+        check(make_cfg("data=local", "data.path=/"))
 
 
 # ------------------------------------------------------------------------------ checkpoints
@@ -144,7 +151,7 @@ def test_bin_weights_need_allow_bin(ckpt):
     torch.save({"w": torch.zeros(2)}, ckpt / "pytorch_model.bin")
     message = model_fails(ckpt)
     assert "pickled .bin" in message and "model.allow_bin=true" in message
-    check_inputs(make_cfg("model=hf", f"model.target.path={ckpt}", "model.allow_bin=true"))
+    check(make_cfg("model=hf", f"model.target.path={ckpt}", "model.allow_bin=true"))
 
 
 @pytest.mark.parametrize(
@@ -262,6 +269,6 @@ def test_too_short_for_one_window(valid, tmp_path, layout):
         datasets.Dataset.from_dict({"text": ["a short corpus."]}).to_parquet(str(path))
     message = data_fails(valid, path, "data.seq_len=16")
     assert "holds at most 16 bytes of text" in message and "data.seq_len=16 tokens" in message
-    check_inputs(  # one byte fewer needed: it passes
+    check(  # one byte fewer needed: it passes
         make_cfg("data=local", f"data.path={path}", "data.seq_len=15")
     )

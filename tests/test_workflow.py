@@ -18,26 +18,36 @@ from tests.conftest import make_cfg
 CALLS: list[str] = []
 
 
-def toy(name, needs=(), keys=(), fail=None):
-    def run(ctx):
+def toy(name, needs=(), sections=(), fail=None):
+    """A stand-in for stage `name` with the real one's config schema."""
+
+    def run(cfg, run, io):
         CALLS.append(name)
-        (ctx.out_dir / "out.txt").write_text(f"{name} {sorted(ctx.inputs)}")
-        if fail and fail(ctx):
+        (io.out_dir / "out.txt").write_text(f"{name} {sorted(io.inputs)}")
+        if fail and fail(io):
             raise RuntimeError(f"{name} crashed")
         return {"value": len(CALLS)}
 
     return types.SimpleNamespace(
-        NEEDS=needs, USES=(), KEYS=keys, DISTRIBUTED=False, validate=lambda cfg: None, run=run
+        NEEDS=needs,
+        USES=(),
+        SECTIONS=sections,
+        DISTRIBUTED=False,
+        CONFIG=REAL[name].CONFIG,
+        run=run,
     )
+
+
+REAL = {name: stages.load(name) for name in ("bootstrap", "sensitivity", "evaluate")}
 
 
 @pytest.fixture
 def toy_stages(monkeypatch):
     CALLS.clear()
     mods = {
-        "bootstrap": toy("bootstrap", keys=("model",)),
-        "sensitivity": toy("sensitivity", needs=("bootstrap",), keys=("quant",)),
-        "evaluate": toy("evaluate", needs=("sensitivity",), keys=("data",)),
+        "bootstrap": toy("bootstrap", sections=("model",)),
+        "sensitivity": toy("sensitivity", needs=("bootstrap",), sections=("quant",)),
+        "evaluate": toy("evaluate", needs=("sensitivity",), sections=("data",)),
     }
     monkeypatch.setattr(stages, "load", lambda n: mods[n])
     return mods
@@ -69,6 +79,68 @@ def test_config_change_reruns_the_stage_and_downstream(toy_stages, tmp_path):
     assert CALLS == ["evaluate"]
 
 
+def test_a_stage_gets_its_parsed_config_and_only_its_sections(toy_stages, tmp_path):
+    seen = {}
+
+    def run(cfg, run, io):
+        seen.update(cfg=cfg, run=run, io=io)
+        return {}
+
+    toy_stages["sensitivity"].run = run
+    workflow.run(cfg(tmp_path, "stage.sensitivity.batch_size=3"))
+    assert isinstance(seen["cfg"], REAL["sensitivity"].CONFIG) and seen["cfg"].batch_size == 3
+    got = seen["run"]
+    assert got.seed == 0 and got.quant.budget_bits == 3.0
+    assert got.model is None and got.data is None and got.trainer is None and got.name is None
+    assert seen["io"].inputs == {"bootstrap": tmp_path / "bootstrap"}
+    assert seen["io"].describe(tmp_path / "sensitivity" / "x") == "sensitivity/x"
+
+
+def test_the_fingerprint_hashes_parsed_values_of_the_sections_read(toy_stages, tmp_path):
+    workflow.run(cfg(tmp_path))
+    CALLS.clear()
+    # The same parsed values (3 is 3.0), and sections no stage here reads: nothing reruns.
+    workflow.run(cfg(tmp_path, "quant.budget_bits=3", "trainer.devices=1", "name=other"))
+    assert CALLS == []
+    workflow.run(cfg(tmp_path, "stage.evaluate.gamma=2"))
+    assert CALLS == ["evaluate"]
+
+
+def test_a_stage_listing_fields_gets_only_those_and_reruns_only_for_them(toy_stages, tmp_path):
+    seen = {}
+
+    def run(cfg, run, io):
+        seen["run"] = run
+        return {}
+
+    toy_stages["sensitivity"].SECTIONS = ("quant.candidates", "quant.calib")
+    toy_stages["sensitivity"].run = run
+    workflow.run(cfg(tmp_path))
+    q = seen["run"].quant
+    assert q.calib.samples == 64 and len(q.candidates) > 1
+    with pytest.raises(AttributeError, match="quant.budget_bits is not in the stage's SECTIONS"):
+        q.budget_bits  # noqa: B018
+    CALLS.clear()
+    workflow.run(cfg(tmp_path, "quant.budget_bits=2.5"))
+    assert CALLS == []
+    workflow.run(cfg(tmp_path, "quant.calib.samples=8"))
+    assert CALLS == ["evaluate"]
+
+
+def test_check_and_skip_reason_get_the_parsed_config(toy_stages, tmp_path):
+    def check(cfg, run):
+        if run.quant.budget_bits < 2:
+            raise ConfigError("quant.budget_bits", "is too low for this toy")
+
+    toy_stages["sensitivity"].check = check
+    toy_stages["evaluate"].skip_reason = lambda cfg, run: f"gamma is {cfg.gamma}"
+    with pytest.raises(ConfigError, match="too low"):
+        workflow.run(cfg(tmp_path, "quant.budget_bits=1.5"))
+    assert CALLS == []
+    done = workflow.run(cfg(tmp_path, "stage.evaluate.gamma=3"))
+    assert CALLS == ["bootstrap", "sensitivity"] and "evaluate" not in done
+
+
 def test_force_reruns_chosen_stages(toy_stages, tmp_path):
     workflow.run(cfg(tmp_path))
     CALLS.clear()
@@ -79,7 +151,7 @@ def test_force_reruns_chosen_stages(toy_stages, tmp_path):
 
 
 def test_crash_keeps_earlier_stages_and_leaves_no_partial_folder(toy_stages, tmp_path):
-    toy_stages["sensitivity"].run = toy("sensitivity", fail=lambda ctx: True).run
+    toy_stages["sensitivity"].run = toy("sensitivity", fail=lambda io: True).run
     with pytest.raises(StageFailed, match="sensitivity failed: RuntimeError: sensitivity crashed"):
         workflow.run(cfg(tmp_path))
     assert (tmp_path / "bootstrap" / "_done.json").exists()
@@ -95,7 +167,7 @@ def test_crash_keeps_earlier_stages_and_leaves_no_partial_folder(toy_stages, tmp
 def test_failed_rerun_keeps_the_previous_result(toy_stages, tmp_path):
     workflow.run(cfg(tmp_path))
     before = (tmp_path / "evaluate" / "_done.json").read_text()
-    toy_stages["evaluate"].run = toy("evaluate", fail=lambda ctx: True).run
+    toy_stages["evaluate"].run = toy("evaluate", fail=lambda io: True).run
     with pytest.raises(StageFailed):
         workflow.run(cfg(tmp_path, "data.eval_windows=5"))
     assert (tmp_path / "evaluate" / "_done.json").read_text() == before
@@ -103,7 +175,7 @@ def test_failed_rerun_keeps_the_previous_result(toy_stages, tmp_path):
 
 def test_a_crash_is_one_line_and_its_traceback_is_in_the_stage_log(toy_stages, tmp_path, caplog):
     caplog.set_level("INFO")  # as the CLI's logging config does
-    toy_stages["sensitivity"].run = toy("sensitivity", fail=lambda ctx: True).run
+    toy_stages["sensitivity"].run = toy("sensitivity", fail=lambda io: True).run
     with pytest.raises(StageFailed) as err:
         workflow.run(cfg(tmp_path))
     line = str(err.value)

@@ -38,7 +38,7 @@ from pipeline.errors import ConfigError, LowbitError
 KEY = "stage.evaluate.lm_eval"  # where the config lives, for messages raised at run time
 INSTALL = "pip install 'lowbit[eval]' (lm-eval[hf]>=0.4.10)"
 
-log = logging.getLogger("lowbit")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)

@@ -24,12 +24,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
+
+from pipeline.io import write_json
 
 __all__ = ["SCENARIOS", "build_scenarios", "repetition_score", "unigram_frequencies"]
 
@@ -185,14 +185,7 @@ def build_scenarios(
 
     scenarios = {name: arr.tolist() for name, arr in zip(SCENARIOS, (long, repetition, rare, mix))}
     if cache_path is not None:
-        _write_json(Path(cache_path), {"meta": meta, "scenarios": scenarios})
+        cache_path = Path(cache_path)
+        cache_path.parent.mkdir(parents=True, exist_ok=True)
+        write_json(cache_path, {"meta": meta, "scenarios": scenarios})
     return scenarios
-
-
-def _write_json(path: Path, payload: dict) -> None:
-    """Atomic write: a reader never sees a half-written cache."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(payload, f)
-    os.replace(tmp, path)

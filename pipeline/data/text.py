@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import re
 from pathlib import Path
 
@@ -28,7 +27,7 @@ from pipeline.config import DataConfig
 from pipeline.data.corpus import builtin_documents
 from pipeline.errors import LowbitError
 
-log = logging.getLogger("lowbit")
+log = logging.getLogger(__name__)
 
 _BUILDERS = {
     ".txt": "text",
@@ -78,7 +77,6 @@ def load_splits(data: DataConfig) -> dict[str, list[str]]:
 
 def _read_splits(data: DataConfig) -> dict[str, list[str]]:
     """The user's documents per split named in data.path; all in "train" when undivided."""
-    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # never reach for the hub
     import datasets
 
     path = Path(data.path)
@@ -95,7 +93,11 @@ def _read_splits(data: DataConfig) -> dict[str, list[str]]:
         # sample_by is the text builder's option; the other builders reject unknown options.
         options = {"sample_by": data.sample_by} if kind == "text" else {}
         dd = datasets.load_dataset(
-            kind, data_files={s: [str(f) for f in fs] for s, fs in groups.items()}, **options
+            kind,
+            data_files={s: [str(f) for f in fs] for s, fs in groups.items()},
+            # the user's files and datasets' packaged builders: nothing to fetch from the hub
+            download_config=datasets.DownloadConfig(local_files_only=True),
+            **options,
         )
         parts = {s: [(", ".join(f.name for f in fs), dd[s])] for s, fs in groups.items()}
     out = {}

@@ -1,12 +1,14 @@
 """Export: pack quantized models into deployable artifacts (ascendv1, lowbit, compressed-tensors).
 
-``export_artifact(src, out, ExportOptions(format=...), draft=None)`` is the entry point; the
-layouts are documented in ``ascend`` (msModelSlim ascendv1), ``lowbit_format`` (its 2/3-bit and
-exponential extensions) and ``compressed_tensors`` (vLLM), the bookkeeping in ``manifest``.
+``export_artifact(src, out, ExportOptions(...), draft=None)`` is the entry point; the writers
+are ``ascendv1`` (the ascend and lowbit layouts) and ``compressed_tensors`` (vLLM). The layouts
+themselves, and manifest.json, are the artifact format in ``pipeline.artifact``, which the
+runtime reads too.
 """
 
-from pipeline.export.artifact import ExportOptions, export_artifact
-from pipeline.export.ascend import ExportError
-from pipeline.export.manifest import ArtifactError
+from pipeline.artifact.ascend import ExportError
+from pipeline.artifact.manifest import ArtifactError
+from pipeline.export.artifact import export_artifact
+from pipeline.export.options import ExportOptions
 
 __all__ = ["ArtifactError", "ExportError", "ExportOptions", "export_artifact"]

@@ -20,18 +20,17 @@ Only uniform int4/int8 are exported: vLLM has no kernels for 2/3-bit or exponent
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
-from pipeline.export.artifact import ExportOptions, cast_float, copy_model_files
-from pipeline.export.ascend import ExportError, effective_group
-from pipeline.export.lowbit_format import LayerInfo
-from pipeline.export.manifest import ShardWriter
+from pipeline.artifact.ascend import ExportError, effective_group
+from pipeline.artifact.lowbit_format import LayerInfo
+from pipeline.export.options import ExportOptions, cast_float, copy_model_files
 from pipeline.export.source import Linear, Source
+from pipeline.io import ShardWriter, write_json
 from pipeline.quant.formats import parse_format
 from pipeline.quant.packing import pack_bits
 
@@ -146,7 +145,7 @@ def write_compressed_tensors(source: Source, out: Path, opts: ExportOptions) -> 
     weight_map = writer.close()
     if infos:  # an FP model (e.g. the draft) stays a plain HF checkpoint
         config["quantization_config"] = quantization_config(infos, ignore)
-        (out / "config.json").write_text(json.dumps(config, indent=2))
+        write_json(out / "config.json", config, indent=2)
     return {
         "format": opts.format,
         "model_type": config.get("model_type"),

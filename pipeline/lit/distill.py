@@ -2,7 +2,7 @@
 
 The student is the quantized model with every quantized linear a FakeQuantLinear (straight-
 through estimator); the teacher is the FP model. Both see the same windows; the loss is
-`pipeline.quant.losses.distill_loss` (α·KL at temperature τ + β·Σ_l w_l·d_l). What trains is a
+`pipeline.lit.losses.distill_loss` (α·KL at temperature τ + β·Σ_l w_l·d_l). What trains is a
 choice (EfficientQAT trains step sizes alone end to end, at a fraction of the memory; on the
 default model that recovered a quarter of a 2-bit gap, and re-fitting the float-kept layers most
 of the rest, docs/benchmarks.md): `scales` (scale/zero of every quantized linear, codes
@@ -27,111 +27,93 @@ checkpoint so a resumed run still knows it.
 
 from __future__ import annotations
 
-import fnmatch
 import math
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from pathlib import Path
 
 import lightning as L
 import torch
+from lightning.pytorch.strategies import DeepSpeedStrategy
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, IterableDataset
 
+from pipeline.errors import LowbitError
 from pipeline.lit.lm import WindowData, cosine_with_warmup
-from pipeline.quant.fakequant import FakeQuantLinear, grad_scale_factor
-from pipeline.quant.losses import distill_loss
+from pipeline.lit.losses import distill_loss
+from pipeline.lit.qat import keep_full_precision, prepare_qat
 
-TRAINABLE = ("scales", "weights", "norms", "float")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 @dataclass(frozen=True)
 class DistillHParams:
-    """Optimisation and loss settings of one distillation run."""
+    """What the training side reads of the parsed `stage.distill` config (`DistillHParams.of`)."""
 
     max_steps: int
-    lr: float = 1e-4
-    weight_lr: float = 1e-5
-    float_lr: float = 5e-4
-    warmup_steps: int = 0
-    weight_decay: float = 0.0
-    alpha: float = 1.0
-    beta: float = 1.0
-    temperature: float = 1.0
-    match: str = "attention"  # attention | hidden | both
+    lr: float
+    weight_lr: float
+    float_lr: float
+    warmup_steps: int
+    weight_decay: float
+    alpha: float
+    beta: float
+    temperature: float
+    match: str  # attention | hidden | both
+    train: Sequence[str]
+    grad_scale: str
+    fp32_modules: Sequence[str]
+    teacher_dtype: str  # float32 | bfloat16
+
+    @classmethod
+    def of(cls, cfg) -> DistillHParams:
+        """The fields of `cfg` (the stage's DistillConfig) that carry these names."""
+        return cls(**{f.name: getattr(cfg, f.name) for f in fields(cls)})
+
+    @property
+    def eager_attention(self) -> bool:
+        """Attention maps are matched: both models need eager attention to return them."""
+        return self.beta > 0 and self.match != "hidden"
 
 
-# ------------------------------------------------------------------ student set-up
-def train_sets_problem(train: list[str]) -> str | None:
-    """Why `train` is not a valid choice of trainable sets, or None when it is."""
-    if set(train) - set(TRAINABLE) or "scales" not in train or len(set(train)) != len(train):
-        return f"must contain 'scales', each once, and only {', '.join(TRAINABLE)}"
-    return None
+# ------------------------------------------------------------------ the two models
+def load_student(model_dir: Path, hp: DistillHParams):
+    """The fake-quant student: exact quantize-stage weights, trainable sets, gradient scales.
 
-
-def set_trainable(student: nn.Module, train: list[str]) -> dict[str, list[nn.Parameter]]:
-    """Freeze the student except the chosen sets; returns {set: its parameters}."""
-    problem = train_sets_problem(train)
-    if problem:
-        raise ValueError(f"train={train}: {problem}")
-    student.requires_grad_(False)
-    groups: dict[str, list[nn.Parameter]] = {k: [] for k in TRAINABLE}
-    for module in student.modules():
-        if isinstance(module, FakeQuantLinear):
-            groups["scales"] += [p for p in (module.scale, module.zero) if p is not None]
-            if "weights" in train:
-                groups["weights"] += [p for p in (module.weight, module.bias) if p is not None]
-        elif "norms" in train and "norm" in type(module).__name__.lower():
-            groups["norms"] += list(module.parameters(recurse=False))
-        elif "float" in train and isinstance(module, (nn.Linear, nn.Embedding)):
-            groups["float"] += list(module.parameters(recurse=False))
-    # Tied embeddings: lm_head and embed_tokens share one tensor, which the optimizer takes once.
-    groups["float"] = list({id(p): p for p in groups["float"]}.values())
-    for params in groups.values():
-        for p in params:
-            p.requires_grad_(True)
-    return groups
-
-
-def apply_grad_scale(student: nn.Module, mode: str) -> dict[str, float]:
-    """Give every FakeQuantLinear its scale/zero gradient factor; returns {name: factor}."""
-    factors = {}
-    for name, m in student.named_modules():
-        if isinstance(m, FakeQuantLinear):
-            factors[name] = grad_scale_factor(mode, m.fmt, m.out_features * m.in_features)
-            m.set_grad_scale(factors[name])
-    return factors
-
-
-def _fp32_forward(forward, module: nn.Module):
-    def wrapped(*args, **kwargs):
-        p = next(module.parameters(), None)
-        dtype = p.dtype if p is not None else torch.float32
-
-        def cast(x):
-            return x.to(dtype) if isinstance(x, Tensor) and x.is_floating_point() else x
-
-        with torch.autocast(device_type=p.device.type if p is not None else "cpu", enabled=False):
-            return forward(*map(cast, args), **{k: cast(v) for k, v in kwargs.items()})
-
-    return wrapped
-
-
-def keep_full_precision(model: nn.Module, patterns: list[str]) -> list[str]:
-    """Run modules matching `patterns` outside autocast, in their parameters' dtype.
-
-    A pattern matches a module when it is a substring of the module's own name (`norm` matches
-    `input_layernorm` and `model.norm`) or an fnmatch pattern of its full name. Under bf16
-    autocast this keeps e.g. the lm_head's logits (the KL's input) and the norms in fp32.
-    Returns the matched names (children of a matched module are covered by it).
+    Returns:
+        (student, {trainable set: its parameters}, see `pipeline.lit.qat.prepare_qat`).
     """
-    matched: list[str] = []
-    for name, module in model.named_modules():
-        if not name or any(name.startswith(m + ".") for m in matched):
-            continue
-        leaf = name.rsplit(".", 1)[-1]
-        if any(p in leaf or fnmatch.fnmatch(name, p) for p in patterns):
-            module.forward = _fp32_forward(module.forward, module)
-            matched.append(name)
-    return matched
+    from pipeline.models.quantized import load_quantized, quantized_modules
+
+    student = load_quantized(model_dir, learn_weights="weights" in hp.train)
+    if not quantized_modules(student):
+        raise LowbitError(f"{model_dir} has no quantized linear: nothing to distill")
+    groups = prepare_qat(student, hp.train, hp.grad_scale)
+    keep_full_precision(student, hp.fp32_modules)
+    if hp.eager_attention:
+        student.set_attn_implementation("eager")
+    return student, groups
+
+
+def load_pair(model_dir: Path, target_dir: Path, hp: DistillHParams, allow_bin: bool):
+    """The student (`load_student`) and its frozen FP teacher, in `hp.teacher_dtype`.
+
+    Returns:
+        (student, teacher, {trainable set: the student's parameters}).
+    """
+    from pipeline.models.hf import load_causal_lm
+
+    student, groups = load_student(model_dir, hp)
+    teacher = load_causal_lm(target_dir, dtype=_DTYPES[hp.teacher_dtype], allow_bin=allow_bin)
+    if teacher.config.vocab_size != student.config.vocab_size:
+        raise LowbitError(
+            f"the teacher {target_dir} and the quantized {model_dir} differ in "
+            "vocabulary: re-run quantize on this target"
+        )
+    keep_full_precision(teacher, hp.fp32_modules)
+    if hp.eager_attention:
+        teacher.set_attn_implementation("eager")
+    return student, teacher, groups
 
 
 # ------------------------------------------------------------------ validation
@@ -179,12 +161,12 @@ class DistillModule(L.LightningModule):
         teacher: nn.Module,
         hp: DistillHParams,
         layer_weights: Tensor,
-        train: list[str],
+        groups: dict[str, list[nn.Parameter]],
     ) -> None:
         super().__init__()
         self.student, self.teacher, self.hp = student, teacher, hp
         self.teacher.requires_grad_(False)
-        self.groups = set_trainable(student, train)
+        self.groups = groups  # the trainable sets `prepare_qat` chose
         self.register_buffer("layer_w", layer_weights.float(), persistent=False)  # (L,)
         self.strict_loading = False  # checkpoints hold the student only
         # Validation results: the input model's (the sanity check, step 0) and one per check.
@@ -195,6 +177,10 @@ class DistillModule(L.LightningModule):
 
     def on_fit_start(self) -> None:
         self.train()  # loaded models come in eval mode; Lightning does not switch them
+        if isinstance(self.trainer.strategy, DeepSpeedStrategy):
+            # The teacher and the frozen codes are reloaded from disk on resume: keep them out
+            # of every ZeRO checkpoint (the module loads non-strictly).
+            self.trainer.strategy.exclude_frozen_parameters = True
 
     def train(self, mode: bool = True):
         super().train(mode)

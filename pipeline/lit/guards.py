@@ -1,4 +1,4 @@
-"""Training hygiene for long QAT runs: a NaN/Inf guard, and reading back what training kept.
+"""Training hygiene for long QAT runs: a NaN/Inf guard.
 
 Low-bit training diverges now and then (a scale collapsing to 0, an exploding KL on a rare
 token, bf16 overflow). The guard keeps an in-memory copy of the last good training state and,
@@ -10,23 +10,19 @@ state covers the module's trainable tensors, the optimizer's own parameters (ZeR
 partitions) and its moments. The decision is reduced over ranks so every rank rolls back
 together. The cost is one copy of the trainable state (small for scale-only training).
 
-Checkpoints themselves (where, when, what a resume needs) are `pipeline.lit.resume`'s; here are
-the choice of the best validated one (`pick_best`) and loading its trained tensors
-(`load_trained`, with weights_only, or from DeepSpeed's ZeRO shards).
+Checkpoints (where, when, what a resume needs) are `pipeline.lit.resume`'s; the choice of the
+best validated one and reading back its trained tensors are `pipeline.lit.fit`'s.
 """
 
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
 import lightning as L
 import torch
 from torch import Tensor
 
-from pipeline.lit.resume import load_checkpoint
-
-log = logging.getLogger("lowbit")
+log = logging.getLogger(__name__)
 
 
 def _local(p: Tensor) -> Tensor:
@@ -138,78 +134,3 @@ class NanGuard(L.Callback):
     def load_state_dict(self, state_dict: dict) -> None:
         self.skipped = state_dict["skipped"]
         self.lr_scale = state_dict["lr_scale"]
-
-
-# ------------------------------------------------------------------ checkpoints
-def zero_trainable_state(ckpt_dir: Path, prefix: str) -> dict[str, Tensor]:
-    """Consolidated fp32 values of the trainable parameters under `prefix` of a ZeRO checkpoint.
-
-    Reads the fp32 master partitions of every rank from a checkpoint directory Lightning's
-    DeepSpeed strategy wrote (tag "checkpoint") and joins them (`zero_to_fp32`); frozen tensors
-    (the teacher, the codes) are not read. Works for ZeRO-1/2/3 and bf16 training alike.
-
-    Returns:
-        {name without `prefix`: float32 tensor}.
-    """
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-    state = get_fp32_state_dict_from_zero_checkpoint(
-        str(ckpt_dir), tag="checkpoint", exclude_frozen_parameters=True, lazy_mode=True
-    )
-    # lazy_mode: one parameter at a time is materialised (`.contiguous()`), not the whole model.
-    return {k[len(prefix) :]: v.contiguous() for k, v in state.items() if k.startswith(prefix)}
-
-
-def pick_best(
-    stage: str, before: dict | None, history: list[dict], key: str, larger_is_better: bool
-) -> tuple[dict, bool]:
-    """The validation check a stage's ModelCheckpoint kept, and whether the input was as good.
-
-    Args:
-        stage: the stage's name, for the messages.
-        before: the input's validation record (None when unknown), e.g. {"step": 0, key: v}.
-        history: one record per validation during training.
-        key: the monitored metric in each record.
-        larger_is_better: True for acceptance, False for NLL.
-
-    Returns:
-        (the chosen record, True when no check beat the input: the stage hands on its input).
-    """
-    import math
-
-    # As ModelCheckpoint ranks them: a NaN last, and the earlier of equal checks first.
-    finite = [r for r in history if math.isfinite(r[key])] or history
-    if not finite:
-        from pipeline.errors import LowbitError
-
-        raise LowbitError(
-            f"{stage}: training ended without a validation; check trainer.limit_val_batches "
-            f"and stage.{stage}.val_every"
-        )
-    sign = -1.0 if larger_is_better else 1.0
-    chosen = min(finite, key=lambda r: sign * r[key])
-    if before is None:
-        log.warning("%s: the input's validation score is unknown; using the best checkpoint", stage)
-        return chosen, False
-    return chosen, not sign * chosen[key] < sign * before[key]
-
-
-def load_trained(model, path, prefix: str) -> None:
-    """Put the tensors under `prefix` of a Lightning checkpoint into `model` (in place).
-
-    `path` is a checkpoint file, or the directory DeepSpeed writes (consolidated from its ZeRO
-    shards: only the trained tensors are in it, the rest comes from `model` as loaded). Every
-    parameter of `model` that requires grad must be in the checkpoint. Used by both training
-    stages to take their best checkpoint's weights.
-    """
-    if Path(path).is_dir():
-        state = zero_trainable_state(path, prefix=prefix)
-    else:
-        saved = load_checkpoint(path)["state_dict"]
-        state = {k[len(prefix) :]: v for k, v in saved.items() if k.startswith(prefix)}
-    wanted = {n for n, t in model.named_parameters() if t.requires_grad}
-    if wanted - set(state):
-        from pipeline.errors import LowbitError
-
-        raise LowbitError(f"{path} lacks trained tensors {sorted(wanted - set(state))[:5]}")
-    model.load_state_dict(state, strict=False)

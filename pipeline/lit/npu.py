@@ -15,7 +15,7 @@ replaced by `npu_trainer_kwargs`:
   disabled, so training would run in fp32: here MixedPrecision autocasts on "npu".
 
 DDP uses the trainer's `dist_backend` (HCCL) as its process-group backend. Device counts honour
-ASCEND_RT_VISIBLE_DEVICES (see `pipeline.lit.trainer.visible_npus`).
+ASCEND_RT_VISIBLE_DEVICES (see `pipeline.lit.devices.visible_npus`).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from pipeline.errors import ConfigError, LowbitError
-from pipeline.lit.trainer import (
+from pipeline.lit.devices import (
     ASCEND_VISIBLE_DEVICES,
     ddp_with_backend,
     device_list,

@@ -1,32 +1,16 @@
-"""On-policy acceptance training of the draft: the reinforce stage's loss and LightningModule.
+"""On-policy acceptance training of the draft: the reinforce stage's LightningModule and data.
 
 Each step the draft proposes gamma tokens after a batch of scenario contexts, sampling at the
 scheduled temperature T = T0 * (1 + 0.1 * cos(step / 1000)); the frozen target verifies them
-exactly as speculative decoding would (:func:`pipeline.spec.rollout.draft_rollout`). The loss
-(terms from :mod:`pipeline.spec.rewards`) is
+exactly as speculative decoding would, and the draft learns from
+:func:`pipeline.lit.losses.reinforce_loss` (policy gradient on the speculative reward, TVD on
+the verified and on context positions, KL anchor to the starting draft; the trade-offs are
+described there).
 
-    pg_weight * -(A * sum_k log q_T(x_k))             A = R - moving baseline,
-  + tvd_weight * TVD(p, q) on the verified positions   (= 1 - expected acceptance there),
-  + context_tvd_weight * TVD(p, q) on K context positions (teacher-forced),
-  + kl_weight * KL(q || q_start)                        (anchor to the starting draft),
-
-with R = w_a * accepted / gamma + w_t * (accepted + 1) / ((gamma * c + 1) * (gamma + 1)).
-Verified positions are the accepted ones plus the first rejection: position k is verified with
-probability prod_{j<k} beta_j, so averaging the TVD gradient over them is an unbiased estimate
-of sum_k P(reach k) * grad beta_k, the direct (pathwise) part of the gradient of the expected
-accepted length; the policy-gradient term carries the part through the sampled tokens. Tokens
-after the first rejection influence no reward and are left out of both terms (pure variance).
-
-Trade-off: the TVD term alone is on-policy distillation (DistillSpec); the reward adds what it
-cannot see (acceptance compounding along the block, the draft's cost), at the price of a noisy
-gradient, hence the baseline and the small default weight of the KL anchor. The on-policy terms
-see at most gamma positions per context; the context term is DistillSpec's fixed-data half: the
-same TVD on K random positions of the scenario text itself, teacher-forced, whose target logits
-come from the verification forward (no extra target pass). It gives the small draft K/gamma
-times more signal per step, on the text it will be asked to continue.
-
-A quantized draft (FakeQuantLinear layers) trains only its step sizes and zero points, as the
-distill stage does; the target and the reference draft are frozen and kept out of checkpoints.
+A quantized draft (FakeQuantLinear layers) trains only its step sizes and zero points
+(`pipeline.lit.qat.prepare_qat` with `scales`, as the distill stage does), a float draft every
+weight (`load_draft`); the target and the reference draft are frozen and kept out of
+checkpoints.
 
 Validation (Lightning's loop, every `val_check_interval` steps and at the last step): the
 teacher-forced expected acceptance alpha = mean over positions of sum_x min(p, q) = 1 - TVD(p, q)
@@ -40,11 +24,9 @@ first validation is Lightning's sanity check before the first step: the starting
 from __future__ import annotations
 
 import copy
-import inspect
 import logging
 from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass
+from pathlib import Path
 
 import lightning as L
 import numpy as np
@@ -52,123 +34,14 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from pipeline.lit.lm import batch_rows, cosine_with_warmup, next_batch, step_loader
-from pipeline.spec.cost import measure_cost_ratio
-from pipeline.spec.metrics import expected_acceptance
-from pipeline.spec.rewards import (
-    MovingAverageBaseline,
-    draft_temperature,
-    kl_to_reference,
-    policy_gradient_loss,
-    sampled_logprobs,
-    speculative_reward,
-    tvd_loss,
-)
-from pipeline.spec.rollout import draft_rollout
+from pipeline.lit.losses import LossWeights, reinforce_loss
+from pipeline.lit.qat import load_model, prepare_qat
+from pipeline.quant.fakequant import FakeQuantLinear
+from pipeline.speculative.cost import measure_cost_ratio
+from pipeline.speculative.metrics import expected_acceptance
+from pipeline.speculative.rewards import MovingAverageBaseline, draft_temperature
 
-log = logging.getLogger("lowbit")
-
-
-@dataclass(frozen=True)
-class LossWeights:
-    pg: float = 0.1
-    tvd: float = 1.0
-    kl: float = 0.05
-    w_acceptance: float = 0.7
-    w_throughput: float = 0.3
-    context_tvd: float = 0.0
-
-
-def logits_at(model: torch.nn.Module, sequences: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """Logits of ``sequences`` (B, S) at the positions ``rows`` (K,) -> (B, K, V)."""
-    if "logits_to_keep" in inspect.signature(model.forward).parameters:
-        # Only these rows go through the vocabulary projection.
-        return model(input_ids=sequences, logits_to_keep=rows.to(sequences.device)).logits
-    return model(input_ids=sequences).logits[:, rows.to(sequences.device)]
-
-
-def proposal_logits(model: torch.nn.Module, sequences: torch.Tensor, gamma: int) -> torch.Tensor:
-    """Logits predicting the last gamma tokens of ``sequences`` (B, T + G) -> (B, G, V)."""
-    s = sequences.shape[1]
-    return logits_at(model, sequences, torch.arange(s - gamma - 1, s - 1))
-
-
-def reinforce_loss(
-    target: torch.nn.Module,
-    draft: torch.nn.Module,
-    reference: torch.nn.Module,
-    contexts: torch.Tensor,
-    *,
-    gamma: int,
-    temperature: float,
-    draft_temp: float,
-    cost_ratio: float,
-    weights: LossWeights,
-    advantages: Callable[[torch.Tensor], torch.Tensor],
-    generator: torch.Generator | None = None,
-    context_positions: int = 0,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """One on-policy round on ``contexts`` (B, T) and the loss of the module docstring.
-
-    Args:
-        advantages: rewards (B,) -> advantages (B,), e.g. ``MovingAverageBaseline.advantages``.
-        context_positions: K, the context positions (drawn from ``generator``, the same for
-            every row) of the context TVD term; used when ``weights.context_tvd`` > 0.
-
-    Returns:
-        (loss with gradient into ``draft``, detached statistics for logging).
-    """
-    t = contexts.shape[1]
-    rows = None  # (K,) context positions of the context term, each predicting the next token
-    if weights.context_tvd > 0 and context_positions > 0 and t > 1:
-        device = generator.device if generator is not None else "cpu"
-        perm = torch.randperm(t - 1, generator=generator, device=device)
-        rows = perm[:context_positions].sort().values.cpu()
-    ro = draft_rollout(
-        target,
-        draft,
-        contexts,
-        gamma,
-        temperature=temperature,
-        draft_temperature=draft_temp,
-        generator=generator,
-        context_positions=rows,
-    )
-    ver = ro.verification
-    # (B, G) positions whose acceptance test ran: the accepted prefix and the first rejection.
-    mask = torch.arange(gamma, device=ver.n_verified.device) < ver.n_verified[:, None]
-    # One draft forward (with grad) for the context rows, if any, and the proposals.
-    proposed = torch.arange(t - 1, t + gamma - 1)
-    keep = proposed if rows is None else torch.cat([rows, proposed])
-    q_all = logits_at(draft, ro.sequences, keep)  # (B, K + G, V_q)
-    q_logits = q_all[:, -gamma:]
-    context_tvd = (
-        torch.zeros((), device=q_all.device)
-        if rows is None
-        else tvd_loss(ro.p_context.to(q_all.device), q_all[:, :-gamma], None, temperature)
-    )
-    with torch.no_grad():
-        ref_logits = proposal_logits(reference, ro.sequences, gamma)
-    vocab = min(q_logits.shape[-1], ro.p_logits.shape[-1])  # proposals come from the shared rows
-    reward = speculative_reward(
-        ver.n_accepted, gamma, cost_ratio, weights.w_acceptance, weights.w_throughput
-    )  # (B,)
-    adv = advantages(reward)
-    logq = sampled_logprobs(q_logits[..., :vocab], ro.tokens.to(q_logits.device), draft_temp)
-    pg = policy_gradient_loss(logq, adv.to(logq.device), mask)
-    tvd = tvd_loss(ro.p_logits[:, :gamma].to(q_logits.device), q_logits, mask, temperature)
-    kl = kl_to_reference(q_logits, ref_logits, mask)
-    loss = weights.pg * pg + weights.tvd * tvd + weights.kl * kl + weights.context_tvd * context_tvd
-    stats = {
-        "reward": reward.mean().item(),
-        "acceptance": ver.n_accepted.float().mean().item() / gamma,
-        "alpha": (ver.beta * mask).sum().item() / mask.sum().clamp_min(1).item(),
-        "tvd": tvd.item(),
-        "context_tvd": context_tvd.item(),
-        "kl": kl.item(),
-        "pg": pg.item(),
-        "draft_temperature": draft_temp,
-    }
-    return loss, stats
+log = logging.getLogger(__name__)
 
 
 class ScenarioBatches(IterableDataset):
@@ -256,26 +129,15 @@ class ReinforceData(L.LightningDataModule):
         return DataLoader(ScenarioPrompts(self.val, self.batch_size), batch_size=None)
 
 
-def prepare_trainable(draft: torch.nn.Module, quant_grad_scale: str = "bits") -> list[str]:
-    """Choose what trains: every weight of a float draft, or a quantized draft's grid only.
-
-    Returns:
-        Names of the trainable parameters.
-    """
-    from pipeline.quant.fakequant import FakeQuantLinear, grad_scale_factor
-
-    fq = {n: m for n, m in draft.named_modules() if isinstance(m, FakeQuantLinear)}
-    if not fq:
-        draft.requires_grad_(True)
+def load_draft(path: Path, allow_bin: bool, grad_scale: str) -> torch.nn.Module:
+    """The draft at `path`, ready to train: a quantized draft's grid only (`prepare_qat` with
+    `scales`: step sizes and zero points, codes frozen), or every weight of a float draft."""
+    draft = load_model(path, allow_bin)
+    if any(isinstance(m, FakeQuantLinear) for m in draft.modules()):
+        prepare_qat(draft, ["scales"], grad_scale)
     else:
-        draft.requires_grad_(False)
-        for m in fq.values():
-            numel = m.out_features * m.in_features
-            for p in (m.scale, m.zero):
-                if p is not None:
-                    p.requires_grad_(True)
-            m.set_grad_scale(grad_scale_factor(quant_grad_scale, m.fmt, numel))
-    return [n for n, p in draft.named_parameters() if p.requires_grad]
+        draft.requires_grad_(True)
+    return draft
 
 
 class DraftReinforce(L.LightningModule):
@@ -299,10 +161,10 @@ class DraftReinforce(L.LightningModule):
         lr: float,
         warmup: int,
         max_steps: int,
-        baseline_momentum: float = 0.9,
-        monitor_window: int = 20,
-        seed: int = 0,
-        context_positions: int = 0,
+        baseline_momentum: float,
+        monitor_window: int,
+        seed: int,
+        context_positions: int,
     ):
         super().__init__()
         self.draft = draft
@@ -320,6 +182,7 @@ class DraftReinforce(L.LightningModule):
         self._val: dict[str, list[float]] = {}
 
     def on_fit_start(self) -> None:
+        self.draft.train()  # loaded models come in eval mode; Lightning does not switch them
         for model in self._frozen:
             model.to(self.device)
         if self.cost_ratio is None:

@@ -18,7 +18,6 @@ it lists, and a list that differs from it is refused rather than guessed at.
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import logging
 import os
@@ -32,11 +31,18 @@ from omegaconf import DictConfig
 
 from pipeline import conf_dir
 from pipeline.config import to_plain
-from pipeline.errors import ConfigError, first_line
+from pipeline.errors import ConfigError
+from pipeline.lit.devices import (
+    ASCEND_VISIBLE_DEVICES,
+    DEVICES_ALLOWED,
+    ddp_with_backend,
+    device_list,
+    entries,
+    torch_npu_problem,
+    visible_npus,
+)
 
 LOWBIT_KEYS = {"deepspeed_config", "dist_backend", "visible_devices_env"}
-ASCEND_VISIBLE_DEVICES = "ASCEND_RT_VISIBLE_DEVICES"
-DEVICES_ALLOWED = "a positive count, a list of device indices, auto or -1 (all visible)"
 
 
 def trainer_kwargs(cfg: DictConfig | dict) -> dict[str, Any]:
@@ -62,40 +68,6 @@ def deepspeed_config_path(name: str) -> Path:
     return path
 
 
-def torch_npu_problem() -> str | None:
-    """None once torch_npu is imported (it adds `torch.npu` and the `npu` device), else why not."""
-    try:
-        importlib.import_module("torch_npu")
-    except ModuleNotFoundError as e:
-        if e.name == "torch_npu":
-            return "torch_npu (Ascend's PyTorch plug-in, on the CANN toolkit) is not installed"
-        why = first_line(e) or type(e).__name__
-        return f"torch_npu does not load ({why}); is the CANN toolkit installed?"
-    except (ImportError, OSError, RuntimeError) as e:
-        # Typically libascendcl/libhccl not found: CANN missing or its set_env.sh not sourced.
-        why = first_line(e) or type(e).__name__
-        return f"torch_npu does not load ({why}); source CANN's set_env.sh"
-    if getattr(torch, "npu", None) is None:
-        return "torch_npu imported but did not add torch.npu"
-    return None
-
-
-def visible_npus(env: str = ASCEND_VISIBLE_DEVICES) -> int:
-    """NPUs this process may use: torch.npu's count, capped by the entries of `env` when set.
-
-    The cap matters when torch_npu initialised before the variable was set: the runtime then
-    still reports every NPU, but the ranks started from here see only the listed ones.
-    """
-    if torch_npu_problem():
-        return 0
-    try:
-        count = int(torch.npu.device_count())
-    except RuntimeError:  # driver not loaded or no device node: nothing usable
-        return 0
-    mask = _entries(os.environ.get(env, ""))
-    return min(count, len(mask)) if mask else count
-
-
 def pin_visible_devices(trainer_cfg: DictConfig | dict) -> Any:
     """Export `visible_devices_env` for a list of device indices; returns the devices to train on.
 
@@ -108,7 +80,7 @@ def pin_visible_devices(trainer_cfg: DictConfig | dict) -> Any:
     ids = device_list(devices)
     if not env or ids is None:
         return devices
-    have = _entries(os.environ.get(env, ""))
+    have = entries(os.environ.get(env, ""))
     if not have:
         os.environ[env] = ",".join(map(str, ids))
     elif have != [str(i) for i in ids]:
@@ -242,21 +214,6 @@ def build_trainer(cfg: DictConfig | dict, **overrides):
     return L.Trainer(**kw)
 
 
-def ddp_with_backend(strategy: Any, backend: str, ddp_cls: type | None = None) -> Any:
-    """A DDP-family strategy name ("ddp", "ddp_spawn", ...) as a `ddp_cls` object on `backend`.
-
-    Other strategies (objects, "auto", FSDP, ...) are returned unchanged.
-    """
-    from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
-
-    if isinstance(strategy, str) and strategy in StrategyRegistry:
-        entry = StrategyRegistry[strategy]
-        if entry["strategy"] is DDPStrategy:
-            cls = ddp_cls or DDPStrategy
-            return cls(**entry["init_params"], process_group_backend=backend)
-    return strategy
-
-
 def _no_cuda() -> str:
     build = f"built for CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
     return f"torch sees no CUDA device (torch {torch.__version__}, {build})"
@@ -265,23 +222,6 @@ def _no_cuda() -> str:
 def _refuse(key: str, problem: str) -> None:
     here = "trainer=gpu or trainer=cpu run" if torch.cuda.is_available() else "trainer=cpu runs"
     raise ConfigError(f"trainer.{key}", f"{problem}; {here} on this machine")
-
-
-def _entries(text: str) -> list[str]:
-    """The devices a visible-devices variable lists ("4, 5" -> ["4", "5"])."""
-    return [x.strip() for x in text.split(",") if x.strip()]
-
-
-def device_list(devices: Any) -> list[int] | None:
-    """The device indices when `devices` names them (a list, or "0,1,2"), else None."""
-    try:
-        if isinstance(devices, list | tuple):
-            return [int(d) for d in devices]
-        if isinstance(devices, str) and "," in devices:
-            return [int(x) for x in _entries(devices)]
-    except (TypeError, ValueError):
-        raise ConfigError("trainer.devices", f"is {devices}", DEVICES_ALLOWED) from None
-    return None
 
 
 def _requested(devices: Any, accelerator: str) -> int | list[int] | None:

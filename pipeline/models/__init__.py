@@ -1,4 +1,8 @@
-"""HF checkpoint loading: layer streaming from safetensors shards and architecture adapters."""
+"""HF checkpoint loading: layer streaming from safetensors shards and architecture adapters.
+
+Random-weight checkpoints for tests and benchmarks are in ``pipeline.models.synthetic``, which
+this package does not import (production code never needs it).
+"""
 
 from pipeline.models.adapters import (
     ADAPTERS,
@@ -17,14 +21,12 @@ from pipeline.models.shards import (
     convert_bin_to_safetensors,
     read_safetensors_header,
 )
-from pipeline.models.synthetic import ShardWriter, synthetic_config, write_synthetic_checkpoint
 
 __all__ = [
     "ADAPTERS",
     "Adapter",
     "CheckpointError",
     "CheckpointNotFoundError",
-    "ShardWriter",
     "StreamingCheckpoint",
     "UnsupportedArchitectureError",
     "attention_kind",
@@ -34,6 +36,4 @@ __all__ = [
     "linear_names",
     "read_safetensors_header",
     "supported",
-    "synthetic_config",
-    "write_synthetic_checkpoint",
 ]

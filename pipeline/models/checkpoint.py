@@ -1,10 +1,11 @@
 """Stream a Hugging Face checkpoint one decoder block at a time.
 
 A 70B model in FP16 (140 GB) does not fit host memory next to calibration activations, so
-the quantize stage never materialises it. :class:`StreamingCheckpoint` reads only the
-safetensors headers when it opens a checkpoint (a few KB per shard), then builds any single
-piece (embeddings, decoder block ``i``, final norm, lm_head) on the meta device and fills it
-with exactly that piece's tensors. Peak memory is one segment of blocks, whatever the depth.
+the streaming engine (:mod:`pipeline.streaming`) never materialises it.
+:class:`StreamingCheckpoint` reads only the safetensors headers when it opens a checkpoint (a
+few KB per shard), then builds any single piece (embeddings, decoder block ``i``, final norm,
+lm_head) on the meta device and fills it with exactly that piece's tensors. Peak memory is one
+segment of blocks, whatever the depth.
 
 Tensors are read with plain ``readinto`` calls at the header's offsets, straight into their
 final buffers. A memory map (``safe_open``) would be as fast, but the mapped pages count as
@@ -195,10 +196,6 @@ class StreamingCheckpoint:
         with torch.device("meta"):
             block = self.adapter.decoder_layer_class()(self.config, layer_idx=i)
         return self._fill(block, self.adapter.block_prefix(i), f"block {i}")
-
-    def load_segment(self, start: int, stop: int) -> list[nn.Module]:
-        """Blocks ``start`` .. ``stop - 1``, in order."""
-        return [self.load_block(i) for i in range(start, stop)]
 
     def load_embeddings(self) -> nn.Embedding:
         cfg = self.config

@@ -2,11 +2,12 @@
 
 Streaming (segment-at-a-time) access for models larger than memory lives in `checkpoint.py`;
 this module is for models that fit: the bootstrap pair, the teacher in distillation, evaluation.
+Checkpoints are local directories, never hub ids: every transformers load here passes
+``local_files_only=True``, so nothing is downloaded whatever HF_HUB_OFFLINE says.
 """
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
@@ -21,8 +22,6 @@ from pipeline.models.shards import (
     read_safetensors_header,
     weight_files,
 )
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")  # checkpoints are local directories, never hub ids
 
 
 def check_checkpoint(path: Path, allow_bin: bool = False, key: str | None = None) -> None:

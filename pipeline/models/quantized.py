@@ -219,7 +219,7 @@ def load_quantized(
 
     model_dir = Path(model_dir)
     meta = read_quant_meta(model_dir)
-    config = AutoConfig.from_pretrained(model_dir)
+    config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
     state = _read_weights(model_dir)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)

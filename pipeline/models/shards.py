@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from pipeline.errors import LowbitError
+from pipeline.io import ShardWriter
 
 
 class CheckpointError(LowbitError, ValueError):
@@ -163,11 +164,9 @@ def convert_bin_to_safetensors(
     """
     import shutil
 
-    from pipeline.models.synthetic import ShardWriter
-
     src, dst = Path(src), Path(dst)
     files, _, _ = weight_files(src, allow_bin=True)
-    writer = ShardWriter(dst, shard_bytes)
+    writer = ShardWriter(dst, "model", shard_bytes)
     for file in files:
         for name, t in load_bin(file).items():
             writer.add(name, t.clone())  # tied weights share storage, which safetensors refuses

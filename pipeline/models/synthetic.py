@@ -4,80 +4,24 @@ Memory benchmarks need checkpoints larger than what a test may hold (e.g. 4 GB),
 need tiny multi-shard ones; neither may come from a hub. :func:`write_synthetic_checkpoint`
 creates the tensor names and shapes from the architecture's own decoder layer (built on the
 meta device, so biases and head layouts are always right), draws each tensor from a
-generator seeded by ``(seed, name)``, and hands it to a :class:`ShardWriter` that keeps at
-most one shard in memory. The same seed gives the same weights whatever ``shard_bytes`` is.
+generator seeded by ``(seed, name)``, and hands it to :class:`pipeline.io.ShardWriter`, which
+keeps at most one shard in memory. The same seed gives the same weights whatever
+``shard_bytes`` is. A test and benchmark helper: production code does not import it.
 """
 
 from __future__ import annotations
 
-import json
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
+from pipeline.io import ShardWriter
 from pipeline.models.adapters import ADAPTERS, get_adapter
 
 _ARCHES = {a.name: a for a in ADAPTERS.values()}
-
-
-class ShardWriter:
-    """Collects tensors into ``*.safetensors`` shards of at most ``shard_bytes`` each.
-
-    A tensor larger than ``shard_bytes`` gets a shard of its own. On :meth:`close` the shards
-    are named like ``save_pretrained`` names them (``model-00001-of-00003.safetensors`` plus
-    ``model.safetensors.index.json``, or a single ``model.safetensors``).
-
-    Args:
-        path: Output directory (created).
-        shard_bytes: Byte budget of one shard.
-    """
-
-    def __init__(self, path: str | Path, shard_bytes: int) -> None:
-        self.path = Path(path)
-        self.path.mkdir(parents=True, exist_ok=True)
-        self.shard_bytes = shard_bytes
-        self._pending: dict[str, torch.Tensor] = {}
-        self._pending_bytes = 0
-        self._shards: list[list[str]] = []  # tensor names per written shard
-        self.total_bytes = 0
-
-    def add(self, name: str, tensor: torch.Tensor) -> None:
-        nbytes = tensor.numel() * tensor.element_size()
-        if self._pending and self._pending_bytes + nbytes > self.shard_bytes:
-            self._flush()
-        tensor = tensor.detach().to("cpu").contiguous()
-        # A view (or tied weight) shares storage, which safetensors refuses.
-        if tensor.untyped_storage().nbytes() != nbytes:
-            tensor = tensor.clone()
-        self._pending[name] = tensor
-        self._pending_bytes += nbytes
-        self.total_bytes += nbytes
-
-    def _flush(self) -> None:
-        save_file(self._pending, self.path / f"_shard{len(self._shards)}.tmp")
-        self._shards.append(list(self._pending))
-        self._pending, self._pending_bytes = {}, 0
-
-    def close(self) -> list[Path]:
-        """Write the last shard and the index; return the shard paths."""
-        if self._pending or not self._shards:
-            self._flush()
-        n = len(self._shards)
-        names = [
-            "model.safetensors" if n == 1 else f"model-{k + 1:05d}-of-{n:05d}.safetensors"
-            for k in range(n)
-        ]
-        for k, name in enumerate(names):
-            (self.path / f"_shard{k}.tmp").replace(self.path / name)
-        if n > 1:
-            weight_map = {t: names[k] for k, shard in enumerate(self._shards) for t in shard}
-            index = {"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}
-            (self.path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-        return [self.path / name for name in names]
 
 
 def synthetic_config(
@@ -186,7 +130,7 @@ def write_synthetic_checkpoint(
         kv_heads=kv_heads, vocab=vocab, arch=arch, dtype=dtype,
         tie_word_embeddings=tie_word_embeddings, **config_overrides,
     )  # fmt: skip
-    writer = ShardWriter(path, shard_bytes)
+    writer = ShardWriter(path, "model", shard_bytes)
     for name, shape in _tensor_specs(config):
         writer.add(name, _random(name, shape, seed, dtype, layers))
     writer.close()

@@ -18,10 +18,9 @@ the integer codes are kept and only the grid trains (EfficientQAT's step-size ph
 ``W_hat = (codes - z) * s`` and ``d W_hat / d s = codes - z``. Re-rounding frozen weights
 instead would be useless: they sit exactly on the grid, where LSQ's ``round(v) - v`` is 0.
 
-Exponential formats: the learnable scale is the base ``s`` (every level ``s * r**k`` moves
-with it, ``d W_hat / d s = W_hat / s``); the ratio ``r`` stays as fitted. That is a
-simplification (its gradient ``k * s * r**(k-1)`` would be easy to add) which keeps one
-trainable parameter per group, as for symmetric int formats.
+The per-family forward (and so the gradients) is the format codec's (``fmt.codec``:
+``trained``, ``fake_quant``, ``fake_decode``); for exponential formats the learnable scale is
+the base ``s`` and the ratio ``r`` stays as fitted (``pipeline.quant.codec.exponential``).
 """
 
 from __future__ import annotations
@@ -32,34 +31,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from pipeline.quant import codec
+from pipeline.quant.codec import to_groups
 from pipeline.quant.formats import Format, parse_format
 from pipeline.quant.qtensor import QTensor
-from pipeline.quant.rtn import float_qtensor, pack_qtensor, quantize_rtn
-
-
-class _RoundSTE(torch.autograd.Function):
-    """round() forward (bit exact), identity backward."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor) -> Tensor:
-        return torch.round(x)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor) -> Tensor:
-        return grad
-
-
-class _Fp16STE(torch.autograd.Function):
-    """Round to the nearest positive fp16 value forward, identity backward."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor) -> Tensor:
-        return codec.to_fp16(x)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor) -> Tensor:
-        return grad
+from pipeline.quant.rtn import quantize_rtn
 
 
 class _HalfSTE(torch.autograd.Function):
@@ -104,11 +79,7 @@ def grad_scale_factor(mode: str, fmt: Format | str, numel: int) -> float:
     if mode == "bits":
         return 2.0**-fmt.bits
     if mode == "lsq":
-        if fmt.kind == "exp":
-            q_p = codec.EXP_LEVELS - 1  # positive magnitude levels
-        else:
-            q_p = (1 << (fmt.bits - 1)) - 1 if fmt.symmetric else fmt.maxq
-        return 1.0 / math.sqrt(numel * max(q_p, 1))
+        return 1.0 / math.sqrt(numel * max(fmt.codec.lsq_levels, 1))
     raise ValueError(f"unknown grad scale mode {mode!r}; allowed: bits, lsq, none")
 
 
@@ -180,50 +151,25 @@ class FakeQuantLinear(nn.Module):
         """Multiply the gradients of scale and zero by ``factor`` from now on."""
         self.grad_scale = float(factor)
 
-    def _params(self) -> tuple[Tensor, Tensor | None]:
-        """Scale (fp16-rounded) and integer zero, (out, n_groups, 1), with gradient scaling."""
+    def _params(self) -> tuple[Tensor, Tensor]:
+        """The codec's ``(p1, p2)`` as trained, (out, n_groups), with gradient scaling."""
         s, z = self.scale, self.zero
         if self.grad_scale != 1.0:
             s = _ScaleGrad.apply(s, self.grad_scale)
             z = None if z is None else _ScaleGrad.apply(z, self.grad_scale)
-        s = _Fp16STE.apply(s)[..., None]
-        if z is not None:
-            z = _RoundSTE.apply(z).clamp(0, self.fmt.maxq)[..., None]
-        elif self.fmt.kind == "int":
-            z = torch.tensor(float(1 << (self.fmt.bits - 1)), device=s.device)
-        return s, z
+        return self.fmt.codec.trained(s, z, self.ratio)
 
     def quantized_weight(self) -> Tensor:
         """(out, in) float32 quantize-dequantized weight, differentiable by STE."""
         if self.fmt.kind == "float":
             return _HalfSTE.apply(self.weight.float())
-        s, z = self._params()
+        p1, p2 = self._params()
         g = self.fmt.group_len(self.in_features)
         if self.codes is not None:  # frozen codes
-            if self.fmt.kind == "exp":
-                c = codec.to_groups(self.codes.long(), g)  # (out, n_groups, G)
-                w_hat = self._exp_levels(c % codec.EXP_LEVELS, s)
-                w_hat = torch.where(c >= codec.EXP_LEVELS, -w_hat, w_hat)
-            else:
-                w_hat = (codec.to_groups(self.codes, g).float() - z) * s
+            w_hat = self.fmt.codec.fake_decode(to_groups(self.codes, g), p1, p2)
         else:  # LSQ on float weights
-            wg = codec.to_groups(self.weight.float(), g)  # (out, n_groups, G)
-            if self.fmt.kind == "exp":
-                with torch.no_grad():
-                    m = codec.exp_encode(wg, s, self.ratio[..., None]) % codec.EXP_LEVELS
-                mag = self._exp_levels(m, s)
-                top = s * codec.exp_powers(self.ratio)[..., -1:]  # (out, n_groups, 1)
-                inside = (wg.abs() <= top).float()  # no weight gradient past the top level
-                w_hat = torch.where(wg < 0, -mag, mag) + (wg - wg.detach()) * inside
-            else:
-                codes = torch.clamp(_RoundSTE.apply(wg / s) + z, 0, self.fmt.maxq)
-                w_hat = (codes - z) * s
+            w_hat = self.fmt.codec.fake_quant(to_groups(self.weight.float(), g), p1, p2)
         return w_hat.flatten(1)[:, : self.in_features]
-
-    def _exp_levels(self, m: Tensor, s: Tensor) -> Tensor:
-        """Magnitude ``s * r**(m-1)`` (0 for m = 0) of indices m (out, n_groups, G)."""
-        powers = codec.exp_powers(self.ratio)[:, :, None, :]  # (out, n_groups, 1, 8)
-        return s * torch.gather(powers.expand(*m.shape, -1), -1, m[..., None]).squeeze(-1)
 
     def forward(self, x: Tensor) -> Tensor:
         w = self.quantized_weight()
@@ -234,22 +180,16 @@ class FakeQuantLinear(nn.Module):
     def to_qtensor(self) -> QTensor:
         """The current state as a QTensor (fp16 scales, rounded zeros, current codes)."""
         if self.fmt.kind == "float":
-            return float_qtensor(self.weight)
-        s = codec.to_fp16(self.scale.float())
-        if self.fmt.kind == "exp":
-            p2 = self.ratio.float()
-        elif self.zero is None:
-            p2 = torch.full_like(s, float(1 << (self.fmt.bits - 1)))
-        else:
-            p2 = torch.round(self.zero.float()).clamp(0, self.fmt.maxq)
+            return QTensor.from_float(self.weight)
+        codec = self.fmt.codec
+        zero = None if self.zero is None else self.zero.float()
+        ratio = None if self.ratio is None else self.ratio.float()
+        p1, p2 = codec.trained(self.scale.float(), zero, ratio)
         if self.codes is not None:
-            return pack_qtensor(self.codes.long(), self.fmt, s, p2)
-        wg = codec.to_groups(self.weight.float(), self.fmt.group_len(self.in_features))
-        if self.fmt.kind == "exp":
-            codes = codec.exp_encode(wg, s[..., None], p2[..., None])
-        else:
-            codes = codec.int_encode(wg, s[..., None], p2[..., None], self.fmt.maxq).long()
-        return pack_qtensor(codes.flatten(1)[:, : self.in_features], self.fmt, s, p2)
+            return QTensor.from_params(self.codes.long(), self.fmt, p1, p2)
+        wg = to_groups(self.weight.float(), self.fmt.group_len(self.in_features))
+        codes = codec.encode(wg, p1[..., None], p2[..., None])
+        return QTensor.from_params(codes.flatten(1)[:, : self.in_features], self.fmt, p1, p2)
 
     def extra_repr(self) -> str:
         mode = "frozen codes" if self.codes is not None else "lsq"

@@ -17,6 +17,9 @@ Storage, per output row of ``in_features`` weights (this is what ``bits_per_weig
 
 Groups run along the input dimension inside each output row. A trailing partial group (when
 ``in_features`` is not a multiple of the group size) still costs one full set of parameters.
+
+The math of each quantized family (fit, encode, decode, what a group's parameters cost) is its
+codec, ``Format.codec`` (``pipeline.quant.codec``); this module only names formats and counts.
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ import math
 import re
 from dataclasses import dataclass
 
-SCALE_BITS = 16  # fp16 scale (and exp base / ratio)
+from pipeline.quant.codec import Codec, codec_for
+
 FLOAT_BITS = 16  # fp16 weight for the `float` format
 INT_BITS = (2, 3, 4, 8)
 GROUP_SIZES = (32, 64, 128)
@@ -59,6 +63,11 @@ class Format:
     symmetric: bool
 
     @property
+    def codec(self) -> Codec:
+        """The family's codec; ``float`` has none (ValueError): check ``kind`` first."""
+        return codec_for(self.kind, self.bits, self.symmetric)
+
+    @property
     def maxq(self) -> int:
         """Largest unsigned code value (``2**bits - 1``)."""
         return (1 << self.bits) - 1
@@ -86,10 +95,7 @@ class Format:
             raise ValueError(f"in_features must be positive, got {in_features}")
         if self.kind == "float":
             return float(FLOAT_BITS)
-        if self.kind == "exp":
-            per_group = 2 * SCALE_BITS  # base s and ratio r
-        else:
-            per_group = SCALE_BITS + (0 if self.symmetric else self.bits)
+        per_group = self.codec.param_bits
         total = self.bits * in_features + per_group * self.n_groups(in_features)
         return total / in_features
 

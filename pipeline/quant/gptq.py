@@ -21,7 +21,8 @@ Choices made here:
   column order (column j belongs to group j // G, so no g_idx is needed at export); a
   group's parameters are fitted when the first of its columns comes up in the permuted
   order, and the codes are un-permuted before they are stored.
-* exp formats use the same feedback with their own rounding (nearest LUT level).
+* Fitting and rounding are the format codec's (``fmt.codec``), so every family gets the same
+  feedback with its own rounding (exp: nearest LUT level).
 * The returned loss is 1/2 * sum (w - q)^2 / [H^-1]_qq over all weights (the diagonal of
   the inverse of the still-unquantized sub-Hessian, i.e. U_qq^2). With H = 2 X X^T / N this
   is the mean over calibration samples of the squared layer-output error ||(W - Q) x||^2
@@ -31,14 +32,13 @@ Choices made here:
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
-from pipeline.quant import codec
 from pipeline.quant.formats import Format, parse_format
 from pipeline.quant.qtensor import QTensor
-from pipeline.quant.rtn import decode, encode, fit_group_params, float_qtensor, pack_qtensor
 
 MAX_DAMP_TRIES = 6
 
@@ -137,7 +137,7 @@ def gptq_quantize(
         raise ValueError(f"block_size must be positive, got {block_size}")
     H = H.detach().to(device=w.device, dtype=torch.float32)
     if fmt.kind == "float":
-        qt = float_qtensor(w)
+        qt = QTensor.from_float(w)
         delta = qt.dequantize() - w.detach().float()
         return qt, float(0.5 * ((delta @ H) * delta).sum())
 
@@ -156,13 +156,13 @@ def gptq_quantize(
     Wt, H = Wt[perm], H[perm][:, perm]
     U = _inverse_cholesky(H, damp)  # (in, in) upper
 
+    codec = fmt.codec
     G = fmt.group_len(n_in)
     n_groups = fmt.n_groups(n_in)
     group_of = (perm // G).tolist()  # group of each permuted position
     p1 = torch.zeros(n_out, n_groups, device=w.device)
     p2 = torch.zeros_like(p1)
-    fitted = [False] * n_groups
-    exp_tables: dict[int, tuple[Tensor, Tensor]] = {}
+    rounders: dict[int, Callable[[Tensor], tuple[Tensor, Tensor]]] = {}  # group -> rounding
     codes = torch.empty(n_in, n_out, dtype=torch.int64, device=w.device)  # permuted, transposed
     losses = torch.zeros(n_out, device=w.device)
 
@@ -173,24 +173,13 @@ def gptq_quantize(
         Err1 = torch.zeros_like(W1)
         for i in range(i2 - i1):
             g = group_of[i1 + i]
-            if not fitted[g]:
+            if g not in rounders:
                 rows = pos_of[g * G : (g + 1) * G]  # permuted positions, all >= i1 + i
                 wg = _current(Wt, W1, Err1[:i], U, rows, i1, i2)  # (G, out)
-                p1[:, g], p2[:, g] = fit_group_params(wg.t().contiguous(), fmt)
-                fitted[g] = True
-                if fmt.kind == "exp":  # this group's decision bounds and LUT, once
-                    exp_tables[g] = (
-                        codec.exp_bounds(codec.exp_powers(p2[:, g])),  # (out, 7)
-                        codec.exp_lut(p1[:, g], p2[:, g]),
-                    )  # (out, 16)
+                p1[:, g], p2[:, g] = codec.fit(wg.t().contiguous())
+                rounders[g] = codec.rounder(p1[:, g], p2[:, g])  # its tables, once
             col = W1[i]  # (out,)
-            if fmt.kind == "exp":
-                bounds, lut = exp_tables[g]
-                c = codec.exp_encode_bounds(col, p1[:, g], bounds)
-                q = torch.gather(lut, 1, c[:, None]).squeeze(1)
-            else:
-                c = encode(col, fmt, p1[:, g], p2[:, g])
-                q = decode(c, fmt, p1[:, g], p2[:, g])
+            c, q = rounders[g](col)
             codes[i1 + i] = c
             err = (col - q) / U1[i, i]
             losses += err.square()
@@ -199,7 +188,7 @@ def gptq_quantize(
         Wt[i2:].addmm_(U[i1:i2, i2:].t(), Err1, alpha=-1.0)  # lazy update of later columns
 
     codes = codes[pos_of].t()  # back to the original column order, (out, in)
-    return pack_qtensor(codes, fmt, p1, p2), float(0.5 * losses.sum())
+    return QTensor.from_params(codes, fmt, p1, p2), float(0.5 * losses.sum())
 
 
 def _current(

@@ -1,4 +1,4 @@
-"""QTensor: a quantized weight matrix (codes + group parameters) and its safetensors I/O.
+"""QTensor: a quantized weight matrix (codes + group parameters) and its flat state dict.
 
 Code convention (what every other part of lowbit relies on):
 
@@ -21,18 +21,20 @@ Export (Ascend, ``W = (q - offset) * scale``, q signed): ``signed()`` maps an in
 
 Serialization: ``to_state_dict(prefix)`` emits ``{prefix}.codes``, ``{prefix}.scales``,
 ``{prefix}.zeros`` / ``{prefix}.ratios`` when present, and ``{prefix}.format``, the format
-name as a uint8 tensor of its ASCII bytes, so a state dict alone rebuilds the QTensor.
+name as a uint8 tensor of its ASCII bytes, so a state dict alone rebuilds the QTensor. Files
+are written by their owners (``pipeline.models.quantized``, ``pipeline.models.qtensor_io``).
+
+The arithmetic of each family (what the fields mean, how codes decode) is its codec's
+(``fmt.codec``); this class holds the tensors and the layout.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 import torch
 from torch import Tensor
 
-from pipeline.quant.codec import exp_lut, expand_groups, to_groups
 from pipeline.quant.formats import Format, parse_format
 
 _FIELDS = ("codes", "scales", "zeros", "ratios")
@@ -63,36 +65,45 @@ class QTensor:
                         f"({self.shape[0]}, {n_groups}) for {self.fmt.name}"
                     )
 
+    @classmethod
+    def from_params(cls, codes: Tensor, fmt: Format, p1: Tensor, p2: Tensor) -> QTensor:
+        """From int64 codes (out, in) and the codec's float32 group parameters (out, n_groups)."""
+        scales, zeros, ratios = fmt.codec.store(p1, p2)
+        return cls(codes.to(torch.uint8), scales, zeros, fmt, tuple(codes.shape), ratios)
+
+    @classmethod
+    def from_float(cls, w: Tensor) -> QTensor:
+        """The ``float`` format: fp16 weights stored as their int16 bit pattern."""
+        h = w.detach().to(torch.float16)
+        if not torch.isfinite(h).all():
+            raise ValueError(
+                "weight has values that are not finite in fp16 (|w| > 65504 or "
+                "NaN/Inf); keep this layer in its original dtype outside lowbit"
+            )
+        return cls(
+            h.view(torch.int16).contiguous(), None, None, parse_format("float"), tuple(h.shape)
+        )
+
     @property
     def group_len(self) -> int:
         return self.fmt.group_len(self.shape[1])
 
+    def params(self) -> tuple[Tensor, Tensor]:
+        """The codec's float32 group parameters ``(p1, p2)`` (not for ``float``)."""
+        return self.fmt.codec.load(self.scales, self.zeros, self.ratios)
+
     @property
     def lut(self) -> Tensor | None:
         """(out, n_groups, 16) float32 decode table for exp formats; None otherwise."""
-        if self.fmt.kind != "exp":
+        if self.fmt.kind == "float":
             return None
-        return exp_lut(self.scales.float(), self.ratios.float())
+        return self.fmt.codec.lut(*self.params())
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
         """Reconstruct the ``[out, in]`` weight."""
-        n_in = self.shape[1]
         if self.fmt.kind == "float":
             return self.codes.view(torch.float16).to(dtype)
-        if self.fmt.kind == "exp":
-            lut = self.lut  # (out, n_groups, 16)
-            idx = to_groups(self.codes.long(), self.group_len)  # (out, n_groups, G)
-            w = torch.gather(lut, -1, idx).flatten(1)[:, :n_in]
-            return w.to(dtype)
-        scale = expand_groups(self.scales.float(), self.group_len, n_in)
-        zero = self._zero_points()
-        zero = expand_groups(zero, self.group_len, n_in) if zero.dim() else zero
-        return ((self.codes.float() - zero) * scale).to(dtype)
-
-    def _zero_points(self) -> Tensor:
-        if self.zeros is not None:
-            return self.zeros.float()
-        return torch.tensor(float(1 << (self.fmt.bits - 1)), device=self.codes.device)
+        return self.fmt.codec.dequantize(self.codes, *self.params(), self.group_len).to(dtype)
 
     def signed(self) -> tuple[Tensor, Tensor, Tensor]:
         """Ascend convention ``W = (q - offset) * scale``.
@@ -106,10 +117,7 @@ class QTensor:
                 f"signed() needs an int format, got {self.fmt.name}; exp codes "
                 "decode through .lut and float weights through dequantize()"
             )
-        half = 1 << (self.fmt.bits - 1)
-        q = (self.codes.to(torch.int16) - half).to(torch.int8)
-        offset = (self._zero_points() - half).expand(self.scales.shape).float().contiguous()
-        return q, self.scales.float(), offset
+        return self.fmt.codec.signed(self.codes, *self.params())
 
     def to(self, device: torch.device | str) -> QTensor:
         moved = {n: getattr(self, n).to(device) for n in _FIELDS if getattr(self, n) is not None}
@@ -141,28 +149,3 @@ class QTensor:
 
 def _key(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
-
-
-def save_qtensors(path: str | Path, tensors: dict[str, QTensor]) -> None:
-    """Write ``{name: QTensor}`` to one safetensors file (keys ``{name}.<field>``)."""
-    from safetensors.torch import save_file
-
-    flat: dict[str, Tensor] = {}
-    for name, qt in tensors.items():
-        flat.update({k: v.cpu() for k, v in qt.to_state_dict(name).items()})
-    save_file(flat, str(path), metadata={"content": "lowbit.qtensor"})
-
-
-def load_qtensors(path: str | Path) -> dict[str, QTensor]:
-    """Read a file written by ``save_qtensors``."""
-    from safetensors.torch import load_file
-
-    if not Path(path).is_file():
-        raise FileNotFoundError(f"quantized weights file not found: {path}")
-    flat = load_file(str(path))
-    names = sorted(
-        k[: -len(".format")] if k != "format" else ""
-        for k in flat
-        if k == "format" or k.endswith(".format")
-    )
-    return {name: QTensor.from_state_dict(flat, name) for name in names}

@@ -39,12 +39,13 @@ from pipeline.quant.rtn import quantize_rtn
 
 @dataclass(frozen=True)
 class QuantOptions:
-    """How each linear is quantized (see ``gptq_quantize`` for the GPTQ fields)."""
+    """How each linear is quantized (see ``gptq_quantize`` for the GPTQ fields); built from the
+    run's ``quant`` section (``pipeline.streaming.quant_options``), which holds the defaults."""
 
-    method: str = "gptq"  # gptq | rtn
-    block_size: int = 128
-    damp: float = 0.01
-    act_order: bool = True
+    method: str  # gptq | rtn
+    block_size: int
+    damp: float
+    act_order: bool
 
 
 class _Stop(Exception):
@@ -129,51 +130,76 @@ def quantize_block(
             continue
         mods = {n: block.get_submodule(n) for n in names}
         weights = {n: m.weight.detach().float() for n, m in mods.items()}  # (out, in)
-        t0 = time.perf_counter()
+        fmts = {n: formats[n] for n in names}
+        inputs = _GroupInputs(block, list(mods.values()), batches, kwargs)
         if opts.method == "rtn":
-            for n in names:  # RTN needs no data: quantize first, then measure on the inputs
-                qtensors[n] = quantize_rtn(weights[n], formats[n])
-            deltas = {n: weights[n] - qtensors[n].dequantize().to(weights[n]) for n in names}
-            stat = _OutputError(weights, deltas)
+            qts, rep = _rtn_group(weights, fmts, inputs, all_reduce)
         else:
-            first = weights[names[0]]
-            stat = HessianAccumulator(first.shape[1], device=first.device)
-        handles = _capture(mods.values(), stat)
+            qts, rep = _gptq_group(weights, fmts, inputs, opts, all_reduce)
+        qtensors.update(qts)
+        report.update(rep)
+        for n, m in mods.items():
+            m.weight.copy_(qts[n].dequantize().to(m.weight))
+    return qtensors, report
+
+
+@dataclass(frozen=True)
+class _GroupInputs:
+    """The inputs of a group of linears that read the same tensor, fed to a statistic."""
+
+    block: nn.Module
+    linears: list[nn.Module]
+    batches: Callable[[], Iterable[Tensor]]
+    kwargs: dict
+
+    def feed(self, stat: Any) -> None:
+        """Run the batches through the block up to the group, ``stat.add_batch`` on each."""
+        handles = _capture(self.linears, stat)
         try:
-            run_block(block, batches, kwargs)
+            run_block(self.block, self.batches, self.kwargs)
         finally:
             for h in handles:
                 h.remove()
-        share = (time.perf_counter() - t0) / len(names)
-        if opts.method == "rtn":
-            sums = stat.sums if all_reduce is None else all_reduce(stat.sums)
-            tokens = max(sums[-1].item(), 1.0)
-            for i, n in enumerate(names):
-                ref, err = sums[2 * i].item(), sums[2 * i + 1].item()
-                report[n] = _entry(formats[n], weights[n], err / tokens, err, ref, share)
-        else:
-            H = stat.H if all_reduce is None else _reduce_hessian(stat, all_reduce)  # (in, in)
-            if stat.n_samples == 0 and all_reduce is None:
-                raise ValueError("no calibration tokens reached this layer")
-            for n in names:
-                t1 = time.perf_counter()
-                qt, loss = gptq_quantize(
-                    weights[n],
-                    H,
-                    formats[n],
-                    block_size=opts.block_size,
-                    damp=opts.damp,
-                    act_order=opts.act_order,
-                )
-                qtensors[n] = qt
-                d = weights[n] - qt.dequantize().to(weights[n])
-                err = float(((d @ H) * d).sum())
-                ref = float(((weights[n] @ H) * weights[n]).sum())
-                seconds = share + time.perf_counter() - t1
-                report[n] = _entry(formats[n], weights[n], loss, err, ref, seconds)
-            del H, stat
-        for n, m in mods.items():
-            m.weight.copy_(qtensors[n].dequantize().to(m.weight))
+
+
+def _rtn_group(weights, formats, inputs: _GroupInputs, all_reduce):
+    """RTN needs no data: quantize first, then measure the output error on the inputs."""
+    t0 = time.perf_counter()
+    qtensors = {n: quantize_rtn(weights[n], formats[n]) for n in weights}
+    deltas = {n: weights[n] - qtensors[n].dequantize().to(weights[n]) for n in weights}
+    stat = _OutputError(weights, deltas)
+    inputs.feed(stat)
+    share = (time.perf_counter() - t0) / len(weights)
+    sums = stat.sums if all_reduce is None else all_reduce(stat.sums)
+    tokens = max(sums[-1].item(), 1.0)
+    report = {}
+    for i, n in enumerate(weights):
+        ref, err = sums[2 * i].item(), sums[2 * i + 1].item()
+        report[n] = _entry(formats[n], weights[n], err / tokens, err, ref, share)
+    return qtensors, report
+
+
+def _gptq_group(weights, formats, inputs: _GroupInputs, opts: QuantOptions, all_reduce):
+    """One Hessian of the group's shared input, then GPTQ on each linear."""
+    t0 = time.perf_counter()
+    first = next(iter(weights.values()))
+    stat = HessianAccumulator(first.shape[1], device=first.device)
+    inputs.feed(stat)
+    share = (time.perf_counter() - t0) / len(weights)
+    H = stat.H if all_reduce is None else _reduce_hessian(stat, all_reduce)  # (in, in)
+    if stat.n_samples == 0 and all_reduce is None:
+        raise ValueError("no calibration tokens reached this layer")
+    qtensors, report = {}, {}
+    for n, w in weights.items():
+        t1 = time.perf_counter()
+        qt, loss = gptq_quantize(
+            w, H, formats[n], block_size=opts.block_size, damp=opts.damp, act_order=opts.act_order
+        )
+        qtensors[n] = qt
+        d = w - qt.dequantize().to(w)
+        err = float(((d @ H) * d).sum())
+        ref = float(((w @ H) * w).sum())
+        report[n] = _entry(formats[n], w, loss, err, ref, share + time.perf_counter() - t1)
     return qtensors, report
 
 

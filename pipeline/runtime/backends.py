@@ -1,6 +1,6 @@
 """Quantized linear layers of the runtime: the torch reference backend and torch_npu.
 
-Both start from the same unpacked form, ``pipeline.export.lowbit_format.LinearCodes`` (signed
+Both start from the same unpacked form, ``pipeline.artifact.lowbit_format.LinearCodes`` (signed
 int8 codes + float32 scale/offset per group, or exponential codes + base/ratio), produced by
 the same unpacking code the export tests check, so the only backend-specific code is the last
 step:
@@ -32,8 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from pipeline.artifact.lowbit_format import LinearCodes
 from pipeline.errors import LowbitError
-from pipeline.export.lowbit_format import LinearCodes
 from pipeline.quant.packing import pack_int4_npu_int32
 from pipeline.runtime import kernels
 

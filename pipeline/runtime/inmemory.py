@@ -16,7 +16,7 @@ import copy
 import torch
 from torch import Tensor, nn
 
-from pipeline.export.lowbit_format import LinearCodes, pack_linear, plan_layer, unpack_linear
+from pipeline.artifact.lowbit_format import LinearCodes, pack_linear, plan_layer, unpack_linear
 from pipeline.quant.fakequant import FakeQuantLinear
 from pipeline.quant.qtensor import QTensor
 from pipeline.runtime.backends import TorchQuantLinear

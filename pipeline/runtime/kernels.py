@@ -45,10 +45,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from pipeline.export.lowbit_format import LinearCodes
+from pipeline.artifact.lowbit_format import LinearCodes
 from pipeline.quant.codec import expand_groups
 
-log = logging.getLogger("lowbit")
+log = logging.getLogger(__name__)
 
 KERNELS = ("auto", "reference")  # what a user chooses; "auto" = the table above
 ACT_DTYPE = torch.bfloat16  # the activation dtype the packed kernels are fast in

@@ -8,7 +8,7 @@ the float tensors, and recreates computed buffers (rotary tables). Memory stays 
 artifact's size plus one layer's unpacking.
 
 ``Runtime.generate`` decodes plainly or, with a draft artifact, speculatively with an
-adaptive draft length (``pipeline.spec``); at temperature 0 both give the target's greedy
+adaptive draft length (``pipeline.speculative``); at temperature 0 both give the target's greedy
 output.
 """
 
@@ -23,15 +23,15 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from pipeline.export.lowbit_format import LayerInfo, unpack_linear
-from pipeline.export.manifest import ArtifactError, read_manifest, safe_relpath, verify
+from pipeline.artifact.lowbit_format import LayerInfo, unpack_linear
+from pipeline.artifact.manifest import ArtifactError, read_manifest, safe_relpath, verify
 from pipeline.runtime.backends import kernel_summary, make_linear, resolve
-from pipeline.spec.adaptive import AdaptiveGamma
-from pipeline.spec.cost import measure_cost_ratio, measure_verify_cost
-from pipeline.spec.decoding import SpecStats, plain_generate, speculative_generate
-from pipeline.spec.pipelined import pipelined_generate
+from pipeline.speculative.adaptive import AdaptiveGamma
+from pipeline.speculative.cost import measure_cost_ratio, measure_verify_cost
+from pipeline.speculative.decoding import SpecStats, plain_generate, speculative_generate
+from pipeline.speculative.pipelined import pipelined_generate
 
-log = logging.getLogger("lowbit")
+log = logging.getLogger(__name__)
 GAMMAS = (2, 3, 4, 5)  # the adaptive draft lengths
 
 
@@ -92,9 +92,9 @@ class Runtime:
                 and kept in ``cost_ratio`` and ``verify_cost``).
             seed: Sampling seed (temperature > 0).
             pipelined: Draft the next block while the target verifies this one
-                (``pipeline.spec.pipelined``: a CUDA side stream, on a CPU a second thread only
-                where it measures faster); fixed ``gamma`` (default 4). Off by default: on
-                this project's CPU the overlap does not pay (docs/benchmarks.md).
+                (``pipeline.speculative.pipelined``: a CUDA side stream, on a CPU a second
+                thread only where it measures faster); fixed ``gamma`` (default 4). Off by
+                default: on this project's CPU the overlap does not pay (docs/benchmarks.md).
         """
         ids = self.tokenizer(prompt, return_tensors="pt").input_ids.to(self.device)
         if ids.shape[1] == 0:

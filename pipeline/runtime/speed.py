@@ -6,8 +6,8 @@ speculative tokens/s, the measured speed-up over the target's plain decoding, an
 theoretical one ``tau(alpha, gamma) / (gamma * c + 1)`` at the alpha measured in that same
 decode and the cost ratio c measured on these very models; ``of_theory`` is their ratio.
 Beside it, the verification cost v (the target's gamma + 1 token forward in single-token
-steps, ``pipeline.spec.cost``) and ``theory_at_v`` = tau / (gamma * c + v): the theory assumes
-v = 1 (memory-bound decoding), and where v > 1 that is what bounds the speed-up.
+steps, ``pipeline.speculative.cost``) and ``theory_at_v`` = tau / (gamma * c + v): the theory
+assumes v = 1 (memory-bound decoding), and where v > 1 that is what bounds the speed-up.
 
 The caller passes runtime models (:func:`pipeline.runtime.inmemory.to_runtime` for a run's
 fake-quant targets), so a quantized target is timed on its packed kernels, never through
@@ -24,11 +24,11 @@ import torch
 from torch import nn
 
 from pipeline.runtime.backends import kernel_summary
-from pipeline.spec.cost import measure_cost_ratio, measure_verify_cost
-from pipeline.spec.decoding import plain_generate, speculative_generate
-from pipeline.spec.evaluation import decode_prompts, pair_name
-from pipeline.spec.metrics import theoretical_speedup
-from pipeline.spec.stats import SpecStats
+from pipeline.speculative.cost import measure_cost_ratio, measure_verify_cost
+from pipeline.speculative.decoding import plain_generate, speculative_generate
+from pipeline.speculative.evaluation import decode_prompts, pair_name
+from pipeline.speculative.metrics import theoretical_speedup
+from pipeline.speculative.stats import SpecStats
 
 __all__ = ["decode_speed", "format_speed", "slow_lowbit"]
 

@@ -24,35 +24,36 @@ from fnmatch import fnmatch
 from fractions import Fraction
 from pathlib import Path
 
-from pipeline import plots
+from pipeline import plots, runmodels
 from pipeline.analysis.shapes import LayerShapes, shapes_from_dir, shapes_from_spec
-from pipeline.config import QuantConfig, model_cfg, parse, positive, quant_cfg
+from pipeline.config import ModelConfig, QuantConfig, RunConfig, positive
 from pipeline.errors import ConfigError
 from pipeline.quant.allocate import layer_bits, solve_mckp
 from pipeline.quant.formats import parse_format
+from pipeline.stages import StageIO
 
 NEEDS: tuple[str, ...] = ("sensitivity",)
 USES: tuple[str, ...] = ("bootstrap",)
-KEYS = (
-    "model",
-    "quant.candidates",
-    "quant.budget_bits",
-    "quant.float_fallback",
-    "quant.keep_float",
-    "stage.sensitivity",
-)
+SECTIONS = ("model", "quant")
 DISTRIBUTED = False
 
-log = logging.getLogger("lowbit")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class AllocateConfig:
-    # DP cells above which the solver switches to a coarser, still budget-safe resolution.
+    """Multiple-choice knapsack: one format per layer (fused groups share one) under
+    quant.budget_bits."""
+
+    # The DP runs in exact bit units (costs divided by their gcd) up to max_units cells; above
+    # that it rounds costs up to a coarser unit, which still respects the budget exactly.
     max_units: int = 1_000_000
 
     def check(self, prefix: str) -> None:
         positive(prefix, max_units=self.max_units)
+
+
+CONFIG = AllocateConfig
 
 
 def keep_float(name: str, patterns: list[str]) -> bool:
@@ -119,8 +120,7 @@ def check_budget(
         raise infeasible(q.budget_bits, minimum, exact)
 
 
-def _config_shapes(cfg) -> LayerShapes | None:
-    m = model_cfg(cfg)
+def _config_shapes(m: ModelConfig) -> LayerShapes | None:
     if m.target.path is None:
         return shapes_from_spec(m.target, m.tokenizer.vocab_size)
     try:
@@ -129,50 +129,42 @@ def _config_shapes(cfg) -> LayerShapes | None:
         return None  # not a checkpoint yet: checked at the start of run()
 
 
-def _scored(shapes: dict, cfg) -> dict:
-    """Drop what the sensitivity stage does not score (its include_* switches)."""
-    sens = cfg.stage.get("sensitivity") or {}
-    drop = set()
-    if not sens.get("include_lm_head", True):
-        drop.add("lm_head")
-    if not sens.get("include_embeddings", True):
-        drop.add("embed_tokens")
-    return {n: s for n, s in shapes.items() if n.split(".")[-1] not in drop}
-
-
-def validate(cfg) -> None:
-    parse(cfg.stage.allocate, AllocateConfig, "stage.allocate")
-    q = quant_cfg(cfg)
+def check(cfg: AllocateConfig, run: RunConfig) -> None:
+    """Refuse a budget no plan can meet, from the config alone (the target's shapes)."""
+    q = run.quant
     if q.float_fallback < 0:
         raise ConfigError("quant.float_fallback", f"is {q.float_fallback}", "an integer >= 0")
-    ls = _config_shapes(cfg)
+    ls = _config_shapes(run.model)
     if ls is None:
         return
-    shapes = _scored(ls.shapes, cfg)
-    floats = {n for n in shapes if keep_float(n, q.keep_float)}
-    items = items_of(list(shapes), ls.fused, floats)
+    floats = {n for n in ls.shapes if keep_float(n, q.keep_float)}
+    items = items_of(list(ls.shapes), ls.fused, floats)
+    # A uniform plan holds every layer. A mixed one holds the layers sensitivity scored, and
+    # whether the vocabulary layers are among them is its config's to say (seen in its output),
+    # so with any in play the check is a lower bound only.
+    uniform = len(q.candidates) == 1 and q.float_fallback == 0
     vocab_free = all(not n.endswith(("lm_head", "embed_tokens")) for it in items for n in it)
-    check_budget(q, shapes, items, exact=q.float_fallback == 0 and (ls.exact_vocab or vocab_free))
+    exact = vocab_free or (uniform and ls.exact_vocab)
+    check_budget(q, ls.shapes, items, exact=q.float_fallback == 0 and exact)
 
 
-def run(ctx) -> dict:
-    p = parse(ctx.params, AllocateConfig, "stage.allocate")
-    q = quant_cfg(ctx.cfg)
-    if "sensitivity" in ctx.inputs:
-        report = json.loads((ctx.inputs["sensitivity"] / "sensitivity.json").read_text())
+def run(cfg: AllocateConfig, run: RunConfig, io: StageIO) -> dict:
+    q = run.quant
+    if "sensitivity" in io.inputs:
+        report = json.loads((io.inputs["sensitivity"] / "sensitivity.json").read_text())
         layers = {layer["name"]: layer for layer in report["layers"]}
         shapes = {n: tuple(layer["shape"]) for n, layer in layers.items()}
         fused = report["fused_groups"]
     else:  # uniform plan: no sensitivity needed, only the shapes
-        ls = shapes_from_dir(ctx.target_dir())
-        layers, shapes, fused = {}, _scored(ls.shapes, ctx.cfg), ls.fused
-    plan = make_plan(shapes, layers, fused, q, p.max_units)
-    (ctx.out_dir / "bitplan.json").write_text(json.dumps(plan, indent=1))
+        ls = shapes_from_dir(runmodels.fp_target(run.model, io.inputs))
+        layers, shapes, fused = {}, ls.shapes, ls.fused
+    plan = make_plan(shapes, layers, fused, q, cfg.max_units)
+    (io.out_dir / "bitplan.json").write_text(json.dumps(plan, indent=1))
     names = list(plan["layers"])
     plots.bars(
         [parse_format(plan["layers"][n]).bits_per_weight(shapes[n][1]) for n in names],
         names,
-        ctx.out_dir / "bits_per_layer.png",
+        io.out_dir / "bits_per_layer.png",
         "bits per weight (scales and zeros included)",
         "bits",
         hline=q.budget_bits,

@@ -19,31 +19,36 @@ from dataclasses import dataclass
 
 import torch
 
-from pipeline.config import data_cfg, model_cfg, parse, positive
+from pipeline.config import RunConfig, positive
 from pipeline.data.heldout import heldout
 from pipeline.data.text import Corpus
 from pipeline.lit.lm import CausalLM, WindowData
 from pipeline.lit.resume import CKPT_DIR, ResumeCheckpoint, ckpt_interval, resume_from
 from pipeline.lit.trainer import build_trainer, trainer_kwargs
 from pipeline.models.hf import new_llama, perplexity, save_hf, train_tokenizer
+from pipeline.stages import StageIO
 
 NEEDS: tuple[str, ...] = ()
-KEYS = ("model", "data", "trainer")
+SECTIONS = ("model", "data", "trainer")
 DISTRIBUTED = True  # trains with the configured Lightning strategy on every rank
 
-log = logging.getLogger("lowbit")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class BootstrapConfig:
-    max_steps: int = 1500
+    """Train the embedded default models (tokenizer, target, draft) on the corpus."""
+
+    max_steps: int = 1500  # target: 3.1 M tokens, about one pass over the built-in corpus
     draft_max_steps: int = 600
     batch_size: int = 16
     lr: float = 1e-2
     warmup_steps: int = 50
-    # bf16 autocast: 1.7x the fp32 tokens/s on a CPU with AVX512-BF16, so more steps fit the budget
+    # Autocast: 1.7x fp32's tokens/s on a CPU with AVX512-BF16; null = trainer.precision.
     precision: str | None = "bf16-mixed"
-    ckpt_every: int | None = None  # steps between resume checkpoints; None: a tenth of each run
+    # Steps between resume checkpoints (work dir, each model); null: a tenth of max_steps /
+    # draft_max_steps, so a kill loses at most ~10% of a training.
+    ckpt_every: int | None = None
 
     def check(self, prefix: str) -> None:
         positive(
@@ -56,32 +61,34 @@ class BootstrapConfig:
         )
 
 
-def skip_reason(cfg) -> str | None:
-    if cfg.model.target.path:
-        return f"model.target.path={cfg.model.target.path} is used"
+CONFIG = BootstrapConfig
+
+
+def skip_reason(cfg: BootstrapConfig, run: RunConfig) -> str | None:
+    if run.model.target.path:
+        return f"model.target.path={run.model.target.path} is used"
     return None
 
 
-def validate(cfg) -> None:
-    parse(cfg.stage.bootstrap, BootstrapConfig, "stage.bootstrap")
-    model_cfg(cfg)
-    data_cfg(cfg)
-    trainer_kwargs(cfg.trainer)
+def check(cfg: BootstrapConfig, run: RunConfig) -> None:
+    trainer_kwargs(run.trainer)
 
 
-def _train(ctx, model, corpus: Corpus, steps: int, p: BootstrapConfig, tag: str) -> int:
+def _train(
+    io: StageIO, run: RunConfig, model, corpus: Corpus, steps: int, cfg: BootstrapConfig, tag: str
+) -> int:
     """Train `model` (resuming from its checkpoint); returns the step it started at."""
-    work = ctx.work_dir / tag
-    data = WindowData(corpus.stream("train"), corpus.data.seq_len, p.batch_size, ctx.cfg.seed)
-    module = CausalLM(model, lr=p.lr, warmup=p.warmup_steps, max_steps=steps)
-    resume = resume_from(work, ctx.dist)
-    checkpoints = ResumeCheckpoint(work / CKPT_DIR, ckpt_interval(p.ckpt_every, steps))
-    logger = ctx.log.lightning_logger()
+    work = io.work_dir / tag
+    data = WindowData(corpus.stream("train"), corpus.data.seq_len, cfg.batch_size, run.seed)
+    module = CausalLM(model, lr=cfg.lr, warmup=cfg.warmup_steps, max_steps=steps)
+    resume = resume_from(work, io.dist)
+    checkpoints = ResumeCheckpoint(work / CKPT_DIR, ckpt_interval(cfg.ckpt_every, steps))
+    logger = io.log.lightning_logger()
     if logger is not None:
         logger._prefix = tag  # metrics appear as target-train_loss / draft-train_loss
-    precision = {"precision": p.precision} if p.precision else {}
+    precision = {"precision": cfg.precision} if cfg.precision else {}
     trainer = build_trainer(
-        ctx.cfg.trainer,
+        run.trainer,
         **precision,
         max_steps=steps,
         logger=logger or False,
@@ -96,10 +103,9 @@ def _train(ctx, model, corpus: Corpus, steps: int, p: BootstrapConfig, tag: str)
     return checkpoints.resumed_step
 
 
-def run(ctx) -> dict:
-    p = parse(ctx.params, BootstrapConfig, "stage.bootstrap")
-    m, data = model_cfg(ctx.cfg), data_cfg(ctx.cfg)
-    torch.manual_seed(ctx.cfg.seed)
+def run(cfg: BootstrapConfig, run: RunConfig, io: StageIO) -> dict:
+    m, data = run.model, run.data
+    torch.manual_seed(run.seed)
     from pipeline.data.text import load_splits
 
     docs = load_splits(data)
@@ -114,11 +120,11 @@ def run(ctx) -> dict:
     metrics = {}
     trained = {}
     for tag, spec, steps in (
-        ("target", m.target, p.max_steps),
-        ("draft", m.draft, p.draft_max_steps),
+        ("target", m.target, cfg.max_steps),
+        ("draft", m.draft, cfg.draft_max_steps),
     ):
-        model = new_llama(spec, tokenizer, max_positions=max(2048, data.seq_len), seed=ctx.cfg.seed)
-        metrics[f"{tag}_resumed_step"] = _train(ctx, model, corpus, steps, p, tag)
+        model = new_llama(spec, tokenizer, max_positions=max(2048, data.seq_len), seed=run.seed)
+        metrics[f"{tag}_resumed_step"] = _train(io, run, model, corpus, steps, cfg, tag)
         trained[tag] = model
     # Scored once both are trained, so a kill during the draft's training wastes no scoring.
     val = heldout(corpus.stream("validation"), "validation", data.seq_len)
@@ -127,7 +133,7 @@ def run(ctx) -> dict:
         log.info("bootstrap: %s perplexity %.2f (%s)", tag, ppl, val.label())
         metrics[f"{tag}_val_ppl"] = ppl  # validation split, every window: see val_window/val_tokens
         metrics[f"{tag}_params"] = sum(t.numel() for t in model.parameters())
-        if ctx.dist.is_main:
-            save_hf(model, tokenizer, ctx.out_dir / tag)
+        if io.dist.is_main:
+            save_hf(model, tokenizer, io.out_dir / tag)
     metrics.update(val_window=val.window, val_tokens=val.tokens)
     return metrics

@@ -1,7 +1,7 @@
 """distill: precision-aware distillation (QAT) of the quantized target against its FP self.
 
 Student: the quantize stage's model, loaded with FakeQuantLinear layers that reproduce its codes,
-scales and zeros exactly; teacher: the FP target, frozen. The training (pipeline/lit/distill.py)
+scales and zeros exactly; teacher: the FP target, frozen. The training (`pipeline.lit.distill`)
 runs on the configured Lightning strategy (cpu, ddp, DeepSpeed ZeRO-2/3, several nodes) with
 gradient clipping, quant-aware gradient scaling, a NaN/Inf guard and checkpoints in the stage's
 work dir, so a killed run resumes from its last checkpoint.
@@ -11,11 +11,11 @@ the test split that evaluate reports) before the first step (the input), every `
 and at the last step; the metric is its mean next-token NLL (perplexity), with KL(teacher ‖
 student) logged beside it. After each validation `checkpoints/best.ckpt` in the work dir keeps
 the best by that NLL, whose parameters (consolidated from the ZeRO shards when DeepSpeed trained
-them), not the last ones, are the result; `early_stop_patience` optionally stops once validation
-stops improving. When no checkpoint beats the input, the quantize stage's model is handed on
-unchanged (copied byte for byte), with a warning and `kept_input: true` in `distill_report.json`.
-Either way the result is written in the quantize stage's representation (`model/`), which is all
-evaluate and export need to know.
+them, `pipeline.lit.fit`), not the last ones, are the result; `early_stop_patience` optionally
+stops once validation stops improving. When no checkpoint beats the input, the quantize stage's
+model is handed on unchanged (copied byte for byte), with a warning and `kept_input: true` in
+`distill_report.json`. Either way the result is written in the quantize stage's representation
+(`model/`), which is all evaluate and export need to know.
 
 Resume: `checkpoints/last.ckpt` in the work dir is written every `ckpt_every` steps (null: a
 tenth of max_steps, so a kill loses at most ~10% of the training) and after each validation. A
@@ -32,50 +32,85 @@ import logging
 import math
 import shutil
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Literal
 
 import torch
 
-from pipeline.config import data_cfg, model_cfg, parse, positive
-from pipeline.data.heldout import heldout
+from pipeline import runmodels
+from pipeline.config import RunConfig, positive
+from pipeline.data.heldout import Heldout, heldout
 from pipeline.data.text import Corpus
 from pipeline.errors import ConfigError, LowbitError
-from pipeline.lit.distill import train_sets_problem
-from pipeline.lit.trainer import build_trainer, trainer_kwargs
+from pipeline.lit.distill import DistillData, DistillHParams, DistillModule, load_pair, load_student
+from pipeline.lit.fit import Fit, Selection, best_weights, fit_validated
+from pipeline.lit.guards import NanGuard
+from pipeline.lit.losses import layer_weights
+from pipeline.lit.qat import train_sets_problem
+from pipeline.lit.trainer import trainer_kwargs
+from pipeline.models.hf import load_tokenizer
+from pipeline.models.quantized import save_quantized_model
+from pipeline.stages import StageIO
 
 NEEDS: tuple[str, ...] = ("quantize",)
 USES: tuple[str, ...] = ("bootstrap",)
-KEYS = ("model", "data", "trainer")
+SECTIONS: tuple[str, ...] = ("model", "data", "trainer")
 DISTRIBUTED = True  # every rank trains under the Lightning strategy
 
-log = logging.getLogger("lowbit")
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class DistillConfig:
+    """Precision-aware distillation (QAT): FP teacher -> fake-quant student initialised from
+    quantize."""
+
     max_steps: int = 300
     batch_size: int = 8
-    seq_len: int | None = None
-    lr: float = 2e-3
-    weight_lr: float = 1e-5
+    seq_len: int | None = None  # null: data.seq_len
+    lr: float = 2e-3  # scales / zeros (and norms)
+    weight_lr: float = 1e-5  # latent weights, when `weights` is trained
+    # The float-kept layers (embeddings, lm_head), when `float` is trained; for the
+    # bootstrap-sized model: lower it for large vocabularies.
     float_lr: float = 2e-3
     warmup_steps: int = 30
     weight_decay: float = 0.0
+    # Scales plus any of weights, norms, float. On the default target (GPTQ int2g64, validation
+    # split) scales alone recovered 25% of the gap, + norms 29%, + float 54%; `weights` (LSQ on
+    # the latent weights) made it worse at every lr tried (docs/benchmarks.md).
     train: list[str] = field(default_factory=lambda: ["scales", "norms", "float"])
-    alpha: float = 1.0
-    beta: float = 0.1
-    temperature: float = 1.0
+    alpha: float = 1.0  # weight of KL(p_teacher || p_student) at temperature tau
+    beta: float = 0.1  # weight of the per-layer matching term (0 disables it)
+    temperature: float = 1.0  # tau
     match: Literal["attention", "hidden", "both"] = "attention"
+    # error (from quant_report.json rel_output_error) | uniform
     layer_weights: Literal["error", "uniform"] = "error"
     teacher_dtype: Literal["float32", "bfloat16"] = "float32"
-    clip_norm: float = 1.0
+    clip_norm: float = 1.0  # gradient clipping, 1.0-3.0
+    # Scale/zero gradient factor: bits (grad x 2^-bits) | lsq (1/sqrt(N*Q_P)) | none.
     grad_scale: Literal["bits", "lsq", "none"] = "bits"
+    # Name patterns kept in fp32 under bf16 mixed precision.
     fp32_modules: list[str] = field(default_factory=lambda: ["lm_head", "norm"])
-    nan_guard: bool = True
+    nan_guard: bool = True  # skip a non-finite step, restore the last good state, halve the lr
+    # Resume checkpoint (last.ckpt, in the stage's work dir) every N steps and after each
+    # validation; null: a tenth of max_steps, so a kill loses at most ~10% of the training. A
+    # rerun resumes from it and writes what an uninterrupted run writes, byte for byte.
     ckpt_every: int | None = None
+    # Validation on the validation split (never test): the student's NLL/perplexity on fixed
+    # windows of seq_len tokens, before training (the input) and every val_every steps; the best
+    # checkpoint is the result, and the quantize stage's model is handed on unchanged when none
+    # beats it.
+    #
+    # val_windows: x seq_len tokens. Checkpoints are compared on the same windows, so the noise
+    # is that of a mean of per-window NLL differences: their sd was 0.02-0.045 nats (smoke
+    # models): a standard error of ~0.004 at 128 windows, ~0.011 at 16, a quarter of the 0.05-nat
+    # student-teacher gap measured with it (so the old 16 windows' -24% could be noise alone).
     val_windows: int = 128
+    # Validate (and keep the best.ckpt) every N steps and at the last step: 300 steps -> 6 checks
+    # + step 0, each 16 teacher+student forwards of batch_size windows (~8 steps' compute), ~20%
+    # on top of training.
     val_every: int = 50
+    # Stop after N checks without a better val NLL; null: train max_steps.
     early_stop_patience: int | None = None
 
     def check(self, prefix: str) -> None:
@@ -109,208 +144,102 @@ class DistillConfig:
                 raise ConfigError(f"{prefix}.{key}", f"must be >= 0, got {v}")
 
 
-def validate(cfg) -> None:
-    parse(cfg.stage.distill, DistillConfig, "stage.distill")
-    model_cfg(cfg)
-    data_cfg(cfg)
-    trainer_kwargs(cfg.trainer)
+CONFIG = DistillConfig
 
 
-def _layer_errors(quantize_dir) -> dict[str, float]:
+def check(cfg: DistillConfig, run: RunConfig) -> None:
+    trainer_kwargs(run.trainer)  # Lightning's arguments: a typo fails before any compute
+
+
+def run(cfg: DistillConfig, run: RunConfig, io: StageIO) -> dict:
+    """Distill into `io.out_dir` (`io`: the workflow's StageIO); returns the stage metrics."""
+    quantized = io.inputs["quantize"]
+    model_dir, target_dir = quantized / "model", runmodels.fp_target(run.model, io.inputs)
+    seq_len = cfg.seq_len or run.data.seq_len
+    hp = DistillHParams.of(cfg)
+    torch.manual_seed(run.seed)
+    student, teacher, groups = load_pair(model_dir, target_dir, hp, run.model.allow_bin)
+    weights = _layer_weights(cfg, quantized, student.config.num_hidden_layers)
+    corpus = Corpus(run.data, load_tokenizer(target_dir))
+    val = _validation(corpus, seq_len, cfg.val_windows)
+    module = DistillModule(student, teacher, hp, weights, groups)
+    data = DistillData(corpus.stream("train"), seq_len, cfg.batch_size, run.seed, val=val.windows)
+    guard = NanGuard() if cfg.nan_guard else None
+    fit = fit_validated(
+        "distill",
+        module,
+        data,
+        trainer_cfg=run.trainer,
+        work_dir=io.work_dir,
+        dist=io.dist,
+        logger=io.log.lightning_logger() or False,
+        select=Selection("val/nll", "nll", larger_is_better=False),
+        max_steps=cfg.max_steps,
+        val_every=cfg.val_every,
+        ckpt_every=cfg.ckpt_every,
+        patience=cfg.early_stop_patience,
+        callbacks=[guard] if guard else [],
+        gradient_clip_val=cfg.clip_norm,
+        gradient_clip_algorithm="norm",
+    )
+    if not io.dist.is_main:
+        return {}
+
+    if fit.kept:
+        log.warning(
+            "distill: no checkpoint beat the input on the validation split (best val ppl %.4g "
+            "at step %d vs %.4g before training): keeping the quantize stage's model unchanged",
+            _ppl(fit.chosen["nll"]),
+            fit.chosen["step"],
+            _ppl(fit.before["nll"]),
+        )
+        shutil.copytree(model_dir, io.out_dir / "model")
+    else:
+        final = best_weights(fit, "student.", lambda: load_student(model_dir, hp)[0], student)
+        save_quantized_model(final.eval(), io.out_dir / "model", model_dir, method="distill")
+    metrics = _metrics(fit, val, guard)
+    report = _report(cfg, fit, val, metrics, weights, io.dist.world_size)
+    (io.out_dir / "distill_report.json").write_text(json.dumps(report, indent=1))
+    log.info("distill: %s", "  ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
+    return metrics | fit.resume_metrics()
+
+
+def _layer_weights(cfg: DistillConfig, quantize_dir: Path, n_layers: int) -> torch.Tensor:
+    """w_l of the layer-matching term: from the quantize stage's per-layer errors, or uniform."""
+    if cfg.layer_weights != "error":
+        return torch.full((n_layers,), 1.0 / n_layers)
     path = quantize_dir / "quant_report.json"
     try:
         layers = json.loads(path.read_text())["layers"]
-        return {name: float(r["rel_output_error"]) for name, r in layers.items()}
+        errors = {name: float(r["rel_output_error"]) for name, r in layers.items()}
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise LowbitError(
             f"{path} has no per-layer rel_output_error ({e!r}); re-run the quantize stage, or set "
             "stage.distill.layer_weights=uniform"
         ) from None
+    return layer_weights(errors, n_layers)
 
 
-def build_student(model_dir, p: DistillConfig):
-    """The fake-quant student: exact quantize-stage weights, trainable sets, gradient scales."""
-    from pipeline.lit.distill import apply_grad_scale, keep_full_precision, set_trainable
-    from pipeline.models.quantized import load_quantized, quantized_modules
-
-    student = load_quantized(model_dir, learn_weights="weights" in p.train)
-    if not quantized_modules(student):
-        raise LowbitError(f"{model_dir} has no quantized linear: nothing to distill")
-    set_trainable(student, p.train)
-    apply_grad_scale(student, p.grad_scale)
-    keep_full_precision(student, p.fp32_modules)
-    if p.beta > 0 and p.match != "hidden":
-        student.set_attn_implementation("eager")  # attention probabilities need eager attention
-    return student
-
-
-def _is_deepspeed(trainer) -> bool:
-    from lightning.pytorch.strategies import DeepSpeedStrategy
-
-    return isinstance(trainer.strategy, DeepSpeedStrategy)
+def _validation(corpus: Corpus, seq_len: int, n_windows: int) -> Heldout:
+    val = heldout(corpus.stream("validation"), "validation", seq_len, limit=n_windows)
+    if val.windows.shape[0] < n_windows:
+        log.warning(
+            "distill: the validation split holds only %d windows of %d tokens (val_windows=%d)",
+            val.windows.shape[0],
+            seq_len,
+            n_windows,
+        )
+    return val
 
 
 def _ppl(nll: float) -> float:
     return math.exp(min(nll, 50.0))
 
 
-def run(ctx) -> dict:
-    from pipeline.lit.distill import (
-        DistillData,
-        DistillHParams,
-        DistillModule,
-        keep_full_precision,
-    )
-    from pipeline.lit.guards import NanGuard, load_trained, pick_best
-    from pipeline.lit.resume import ResumeCheckpoint, best_and_last, ckpt_interval, resume_from
-    from pipeline.models.hf import load_causal_lm, load_tokenizer
-    from pipeline.quant.losses import layer_weights
-
-    p = parse(ctx.params, DistillConfig, "stage.distill")
-    data = data_cfg(ctx.cfg)
-    seq_len = p.seq_len or data.seq_len
-    model_dir = ctx.inputs["quantize"] / "model"
-    target_dir = ctx.target_dir()
-    torch.manual_seed(ctx.cfg.seed)
-
-    student = build_student(model_dir, p)
-    teacher = load_causal_lm(
-        target_dir, dtype=_DTYPES[p.teacher_dtype], allow_bin=ctx.cfg.model.allow_bin
-    )
-    if teacher.config.vocab_size != student.config.vocab_size:
-        raise LowbitError(
-            f"the teacher {target_dir} and the quantized {model_dir} differ in "
-            "vocabulary: re-run quantize on this target"
-        )
-    keep_full_precision(teacher, p.fp32_modules)
-    if p.beta > 0 and p.match != "hidden":
-        teacher.set_attn_implementation("eager")
-    n_layers = student.config.num_hidden_layers
-    if p.layer_weights == "error":
-        weights = layer_weights(_layer_errors(ctx.inputs["quantize"]), n_layers)
-    else:
-        weights = torch.full((n_layers,), 1.0 / n_layers)
-
-    corpus = Corpus(data, load_tokenizer(target_dir))
-    val = heldout(corpus.stream("validation"), "validation", seq_len, limit=p.val_windows)
-    if val.windows.shape[0] < p.val_windows:
-        log.warning(
-            "distill: the validation split holds only %d windows of %d tokens (val_windows=%d)",
-            val.windows.shape[0],
-            seq_len,
-            p.val_windows,
-        )
-
-    hp = DistillHParams(
-        max_steps=p.max_steps,
-        lr=p.lr,
-        weight_lr=p.weight_lr,
-        float_lr=p.float_lr,
-        warmup_steps=p.warmup_steps,
-        weight_decay=p.weight_decay,
-        alpha=p.alpha,
-        beta=p.beta,
-        temperature=p.temperature,
-        match=p.match,
-    )
-    module = DistillModule(student, teacher, hp, weights, p.train)
-    datamodule = DistillData(
-        corpus.stream("train"), seq_len, p.batch_size, ctx.cfg.seed, val=val.windows
-    )
-    resume = resume_from(ctx.work_dir, ctx.dist)
-    guard = NanGuard() if p.nan_guard else None
-    val_every = min(p.val_every, p.max_steps)
-    best, callbacks = best_and_last(
-        ctx.work_dir,
-        "val/nll",
-        "min",
-        p.early_stop_patience,
-        every=ckpt_interval(p.ckpt_every, p.max_steps),
-        val_every=val_every,
-    )
-    callbacks = [guard, *callbacks] if guard else callbacks
-    trainer = build_trainer(
-        ctx.cfg.trainer,
-        max_steps=p.max_steps,
-        gradient_clip_val=p.clip_norm,
-        gradient_clip_algorithm="norm",
-        logger=ctx.log.lightning_logger() or False,
-        callbacks=callbacks,
-        default_root_dir=str(ctx.work_dir),
-        val_check_interval=val_every,
-        check_val_every_n_epoch=None,  # count steps across epochs, as max_steps does
-        limit_val_batches=1.0,
-        # The sanity check scores the input model on every window (step 0); a resumed run
-        # restores that score from its checkpoint instead.
-        num_sanity_val_steps=0 if resume else -1,
-    )
-    if _is_deepspeed(trainer):
-        # The teacher and the frozen codes are reloaded from disk on resume: keep them out of
-        # every ZeRO checkpoint (the module loads non-strictly, see DistillModule).
-        trainer.strategy.exclude_frozen_parameters = True
-    if resume:
-        log.info("distill: resuming from %s", resume)
-    trainer.fit(module, datamodule=datamodule, ckpt_path=resume, weights_only=True)
-
-    before = module.val_input
-    chosen, kept = pick_best("distill", before, module.val_history, "nll", larger_is_better=False)
-    if not best.best_model_path:
-        raise LowbitError("distill: no checkpoint was written; check stage.distill.val_every")
-    if not ctx.dist.is_main:
-        return {}
-    from pipeline.models.quantized import save_quantized_model
-
-    if kept:
-        log.warning(
-            "distill: no checkpoint beat the input on the validation split (best val ppl %.4g "
-            "at step %d vs %.4g before training): keeping the quantize stage's model unchanged",
-            _ppl(chosen["nll"]),
-            chosen["step"],
-            _ppl(before["nll"]),
-        )
-        shutil.copytree(model_dir, ctx.out_dir / "model")
-    else:
-        # DDP trained the in-memory student in place; DeepSpeed's copy may be sharded.
-        final = build_student(model_dir, p) if _is_deepspeed(trainer) else student
-        load_trained(final, best.best_model_path, "student.")
-        save_quantized_model(
-            final.eval(), ctx.out_dir / "model", src_dir=model_dir, method="distill"
-        )
-    metrics = _metrics(before, chosen, kept, val)
-    logged = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("loss/")}
-    metrics.update(
-        {f"final_{k.replace('/', '_')}": v for k, v in logged.items() if math.isfinite(v)}
-    )
-    metrics.update(
-        steps=trainer.global_step,
-        nan_skipped=float(guard.skipped if guard else 0),
-        lr_scale=guard.lr_scale if guard else 1.0,
-    )
-    report = {
-        "config": asdict(p),
-        "metrics": metrics,
-        "kept_input": kept,
-        "validation": {
-            **val.describe(),
-            "metric": "student mean next-token NLL (val/nll; ppl = exp), lower is better",
-            "input": before,
-            "best": chosen,
-            "history": module.val_history,
-        },
-        "layer_weights": weights.tolist(),
-        "strategy": type(trainer.strategy).__name__,
-        "world_size": ctx.dist.world_size,
-    }
-    (ctx.out_dir / "distill_report.json").write_text(json.dumps(report, indent=1))
-    log.info("distill: %s", "  ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
-    # How this run got there differs between a resumed and an uninterrupted run, so it is kept
-    # out of the report file (hashed) and only goes to the stage metrics.
-    resumed_step = next(c for c in callbacks if isinstance(c, ResumeCheckpoint)).resumed_step
-    return metrics | {"resumed": float(resume is not None), "resumed_step": resumed_step}
-
-
-def _metrics(before: dict | None, best: dict, kept: bool, val) -> dict[str, float]:
-    """Validation-split numbers of the input, the best checkpoint and what was written."""
+def _metrics(fit: Fit, val: Heldout, guard: NanGuard | None) -> dict[str, float]:
+    """Validation-split numbers of the input, the best checkpoint and what was written, then
+    the last training losses and the guard's count."""
+    before, best, kept = fit.before, fit.chosen, fit.kept
     out = before if kept else best
     metrics: dict[str, float] = {}
     if before is not None:
@@ -333,4 +262,33 @@ def _metrics(before: dict | None, best: dict, kept: bool, val) -> dict[str, floa
         val_windows=int(val.windows.shape[0]),
         val_tokens=val.tokens,
     )
+    trainer = fit.trainer
+    logged = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("loss/")}
+    metrics.update(
+        {f"final_{k.replace('/', '_')}": v for k, v in logged.items() if math.isfinite(v)}
+    )
+    metrics.update(
+        steps=trainer.global_step,
+        nan_skipped=float(guard.skipped if guard else 0),
+        lr_scale=guard.lr_scale if guard else 1.0,
+    )
     return metrics
+
+
+def _report(cfg, fit: Fit, val: Heldout, metrics: dict, weights, world_size: int) -> dict:
+    """distill_report.json: nothing in it differs between a resumed and an uninterrupted run."""
+    return {
+        "config": asdict(cfg),
+        "metrics": metrics,
+        "kept_input": fit.kept,
+        "validation": {
+            **val.describe(),
+            "metric": "student mean next-token NLL (val/nll; ppl = exp), lower is better",
+            "input": fit.before,
+            "best": fit.chosen,
+            "history": fit.history,
+        },
+        "layer_weights": weights.tolist(),
+        "strategy": type(fit.trainer.strategy).__name__,
+        "world_size": world_size,
+    }

@@ -20,46 +20,53 @@ import json
 import logging
 from dataclasses import dataclass, field
 
-import matplotlib
 import torch
 
-matplotlib.use("Agg")
-
-from pipeline.analysis.errorflow import error_flow, format_error_flow, plot_error_flow  # noqa: E402
-from pipeline.analysis.harness import LmEvalConfig, lm_eval_metrics, run_lm_eval  # noqa: E402
-from pipeline.config import data_cfg, model_cfg, parse, positive  # noqa: E402
-from pipeline.data.heldout import corpus_heldout  # noqa: E402
-from pipeline.data.text import Corpus  # noqa: E402
-from pipeline.models.hf import load_causal_lm, load_tokenizer, perplexity  # noqa: E402
-from pipeline.spec.evaluation import (  # noqa: E402
+from pipeline import runmodels
+from pipeline.analysis.errorflow import error_flow, format_error_flow, plot_error_flow
+from pipeline.analysis.harness import LmEvalConfig, lm_eval_metrics, run_lm_eval
+from pipeline.config import RunConfig, positive
+from pipeline.data.heldout import corpus_heldout
+from pipeline.data.text import Corpus
+from pipeline.models.hf import load_causal_lm, load_tokenizer, perplexity
+from pipeline.speculative.evaluation import (
     acceptance_table,
     column,
     heldout_scenarios,
     plot_acceptance,
 )
+from pipeline.stages import StageIO
 
 NEEDS: tuple[str, ...] = ("bootstrap",)
 USES: tuple[str, ...] = ("quantize", "distill", "reinforce")
-KEYS = ("model", "data")
+SECTIONS = ("model", "data")
 DISTRIBUTED = False
 
-log = logging.getLogger("lowbit")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class EvaluateConfig:
+    """Perplexity of every model in the run; acceptance of every draft/target pair per scenario."""
+
     batch_size: int = 8
     temperature: float = 1.0
     scenarios: list[str] = field(default_factory=lambda: ["long", "repetition", "rare", "mix"])
-    scenario_prompts: int = 8  # held-out prompts per scenario (teacher-forced α uses all)
+    scenario_prompts: int = 8  # held-out prompts per scenario (teacher-forced alpha uses all)
     prompt_len: int = 128
-    long_len: int = 576
-    spec_prompts: int = 4  # of those, prompts decoded speculatively per scenario
+    long_len: int = 576  # > 512 tokens: the long-context scenario
+    spec_prompts: int = 4  # prompts decoded speculatively per scenario
     spec_new_tokens: int = 32
     gamma: int = 4
-    timing: bool = True  # decode speed on the runtime's kernels (plain, speculative, theory)
-    error_flow_windows: int = 32  # test windows the per-layer drift diagnostic runs on
-    lm_eval: LmEvalConfig = field(default_factory=LmEvalConfig)  # downstream tasks (off)
+    # Decode speed on the runtime's packed kernels: plain and speculative tok/s, vs theory.
+    timing: bool = True
+    error_flow_windows: int = (
+        32  # test windows the per-layer drift diagnostic (error_flow.png) runs on
+    )
+    # Downstream tasks through lm-evaluation-harness (pip install 'lowbit[eval]') on the FP,
+    # quantized and distilled targets; empty tasks = off. Nothing is downloaded: a task's data
+    # must be in the local datasets cache, or in files named by a task YAML under include_path.
+    lm_eval: LmEvalConfig = field(default_factory=LmEvalConfig)
 
     def check(self, prefix: str) -> None:
         positive(
@@ -80,26 +87,22 @@ class EvaluateConfig:
                 raise ConfigError(f"{prefix}.scenarios[{i}]", f"is {s!r}", ", ".join(SCENARIOS))
 
 
-def validate(cfg) -> None:
-    parse(cfg.stage.evaluate, EvaluateConfig, "stage.evaluate")
-    model_cfg(cfg)
-    data_cfg(cfg)
+CONFIG = EvaluateConfig
 
 
-def _models(ctx) -> tuple[dict, dict]:
+def _models(run: RunConfig, inputs: dict) -> tuple[dict, dict]:
     """({name: target-like model}, {name: draft model}) present in this run."""
     from pipeline.models.quantized import load_quantized
 
-    allow_bin = ctx.cfg.model.allow_bin
-    targets = {"target_fp": load_causal_lm(ctx.target_dir(), allow_bin=allow_bin)}
-    for stage, name in (("quantize", "target_quantized"), ("distill", "target_distilled")):
-        if stage in ctx.inputs:
-            targets[name] = load_quantized(ctx.inputs[stage] / "model")
+    allow_bin = run.model.allow_bin
+    targets = {}
+    for name, path in runmodels.targets(run.model, inputs).items():
+        fp = name == "target_fp"
+        targets[name] = load_causal_lm(path, allow_bin=allow_bin) if fp else load_quantized(path)
     drafts = {}
-    if ctx.draft_dir() is not None:
-        drafts["draft_fp"] = load_causal_lm(ctx.draft_dir(), allow_bin=allow_bin)
-    if "reinforce" in ctx.inputs and (ctx.inputs["reinforce"] / "draft").exists():
-        drafts["draft_reinforced"] = load_causal_lm(ctx.inputs["reinforce"] / "draft")
+    for name, path in runmodels.drafts(run.model, inputs).items():
+        # Only the user's own checkpoint may be a .bin one; reinforce writes safetensors.
+        drafts[name] = load_causal_lm(path, allow_bin=allow_bin and name == "draft_fp")
     return targets, drafts
 
 
@@ -110,6 +113,14 @@ def _pairs(targets: dict, drafts: dict) -> list[tuple[str, str]]:
         pairs += [(d, final) for d in ("draft_fp", "draft_reinforced") if d in drafts]
         pairs.append((final, "target_fp"))  # self-speculation: low-bit self drafts for FP self
     return pairs
+
+
+def _save(fig, path) -> None:
+    """Write a pyplot figure and free it (pyplot keeps every open figure alive)."""
+    import matplotlib.pyplot as plt
+
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def _speed(p: EvaluateConfig, targets, drafts, pairs, prompts, seed: int) -> dict:
@@ -136,37 +147,36 @@ def _speed(p: EvaluateConfig, targets, drafts, pairs, prompts, seed: int) -> dic
     return speed
 
 
-def run(ctx) -> dict:
-    p = parse(ctx.params, EvaluateConfig, "stage.evaluate")
-    tokenizer = load_tokenizer(ctx.target_dir())
-    corpus = Corpus(data_cfg(ctx.cfg), tokenizer)
-    targets, drafts = _models(ctx)
+def run(cfg: EvaluateConfig, run: RunConfig, io: StageIO) -> dict:
+    tokenizer = load_tokenizer(runmodels.fp_target(run.model, io.inputs))
+    corpus = Corpus(run.data, tokenizer)
+    targets, drafts = _models(run, io.inputs)
     user_context = None
-    if ctx.cfg.model.target.path:
+    if run.model.target.path:
         user_context = targets["target_fp"].config.max_position_embeddings
     test = corpus_heldout(corpus, "test", user_context)
     win = test.windows
     result: dict = {"ppl": {}, "ppl_protocol": test.describe(), "acceptance": {}, "speculative": {}}
     log.info("evaluate: perplexity on the %s", test.label())
     for name, model in {**targets, **drafts}.items():
-        result["ppl"][name] = perplexity(model, win, p.batch_size)
+        result["ppl"][name] = perplexity(model, win, cfg.batch_size)
         log.info("evaluate: %-18s perplexity %.3f (%s)", name, result["ppl"][name], test.label())
 
     # Downstream tasks (lm-evaluation-harness) on the targets: does the drift change answers?
-    if p.lm_eval.tasks:
+    if cfg.lm_eval.tasks:
         device = next(targets["target_fp"].parameters()).device  # where evaluation runs
-        result["lm_eval"] = run_lm_eval(targets, tokenizer, p.lm_eval, device)
+        result["lm_eval"] = run_lm_eval(targets, tokenizer, cfg.lm_eval, device)
 
     # Error flow: where along the depth the low-bit targets drift from FP (before/after distill).
     lowbit = {k.removeprefix("target_"): m for k, m in targets.items() if k != "target_fp"}
     if lowbit:
-        probe = win[: p.error_flow_windows]  # a diagnostic: a few windows show the trend
+        probe = win[: cfg.error_flow_windows]  # a diagnostic: a few windows show the trend
         curves = {
-            k: error_flow(targets["target_fp"], m, probe, p.batch_size) for k, m in lowbit.items()
+            k: error_flow(targets["target_fp"], m, probe, cfg.batch_size) for k, m in lowbit.items()
         }
         result["error_flow"] = curves
-        (ctx.out_dir / "error_flow.md").write_text(format_error_flow(curves) + "\n")
-        plot_error_flow(curves).savefig(ctx.out_dir / "error_flow.png", dpi=120)
+        (io.out_dir / "error_flow.md").write_text(format_error_flow(curves) + "\n")
+        _save(plot_error_flow(curves), io.out_dir / "error_flow.png")
         log.info(
             "evaluate: error flow (last layer) %s",
             "  ".join(f"{k} {v[-1]:.4f}" for k, v in curves.items()),
@@ -177,38 +187,38 @@ def run(ctx) -> dict:
         sets = heldout_scenarios(
             tokenizer,
             corpus.splits["test"],
-            n_prompts=p.scenario_prompts,
-            prompt_len=p.prompt_len,
-            long_len=p.long_len,
-            seed=ctx.cfg.seed,
+            n_prompts=cfg.scenario_prompts,
+            prompt_len=cfg.prompt_len,
+            long_len=cfg.long_len,
+            seed=run.seed,
         )
-        sets = {s: sets[s] for s in p.scenarios}
+        sets = {s: sets[s] for s in cfg.scenarios}
         table = acceptance_table(
             targets,
             {**drafts, **targets},
             sets,
             pairs=pairs,
-            gamma=p.gamma,
-            temperature=p.temperature,
-            new_tokens=p.spec_new_tokens,
-            max_prompts=p.spec_prompts,
-            batch_size=p.batch_size,
-            seed=ctx.cfg.seed,
+            gamma=cfg.gamma,
+            temperature=cfg.temperature,
+            new_tokens=cfg.spec_new_tokens,
+            max_prompts=cfg.spec_prompts,
+            batch_size=cfg.batch_size,
+            seed=run.seed,
         )
         result["speculative"] = table
         result["acceptance"] = {pair: column(table, pair, "alpha") for pair in table}
         fig = plot_acceptance(
             result["acceptance"], ylabel="on-line acceptance α", title="acceptance per scenario"
         )
-        fig.savefig(ctx.out_dir / "acceptance.png", dpi=120)
+        _save(fig, io.out_dir / "acceptance.png")
         for pair, per in result["acceptance"].items():
             log.info(
                 "evaluate: α %-36s %s", pair, "  ".join(f"{s} {v:.3f}" for s, v in per.items())
             )
-        if p.timing:
+        if cfg.timing:
             prompts = sets["mix"] if "mix" in sets else next(iter(sets.values()))
-            result["speed"] = _speed(p, targets, drafts, pairs, prompts, ctx.cfg.seed)
-    (ctx.out_dir / "eval.json").write_text(json.dumps(result, indent=1))
+            result["speed"] = _speed(cfg, targets, drafts, pairs, prompts, run.seed)
+    (io.out_dir / "eval.json").write_text(json.dumps(result, indent=1))
     metrics = {f"ppl_{k}": v for k, v in result["ppl"].items()}
     for k, v in result.get("error_flow", {}).items():
         metrics[f"error_flow_last_{k}"] = v[-1]

@@ -15,34 +15,56 @@ import json
 import logging
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Literal
 
-from pipeline.config import model_cfg, parse, positive, quant_cfg
+from pipeline import runmodels
+from pipeline.config import RunConfig, positive
 from pipeline.errors import ConfigError, LowbitError
-from pipeline.export.artifact import ExportOptions, export_artifact
-from pipeline.export.ascend import ExportError
+from pipeline.export import ExportError, ExportOptions, export_artifact
 from pipeline.quant.formats import parse_format
+from pipeline.stages import StageIO
 
 NEEDS: tuple[str, ...] = ("quantize",)
 USES: tuple[str, ...] = ("bootstrap", "distill", "reinforce")
-KEYS = ("model",)  # which draft is exported depends on model.draft.path
+# model: which draft goes along (model.draft.path); quant: the formats checked against `format`;
+# name: the registered model's default name.
+SECTIONS = ("name", "model", "quant.candidates")
 DISTRIBUTED = False
 
-log = logging.getLogger("lowbit")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class ExportConfig:
+    """Pack the quantized (distilled, when distill ran) model into <run_dir>/export/artifact/.
+
+    Formats:
+      lowbit:             ascendv1 layout + 2/3-bit and exp4 tensors, for `lowbit-run` (any recipe)
+      ascend:             msModelSlim "ascendv1" layout MindIE loads (W4A16 g64/g128 or per
+                          channel, W8A16, W8A8_DYNAMIC, FLOAT); other formats are refused
+                          (see widen)
+      compressed-tensors: pack-quantized checkpoint for vLLM on GPUs (int4 / int8 only)
+    """
+
     format: Literal["ascend", "lowbit", "compressed-tensors"] = "lowbit"
+    # ascend only: store 2/3-bit codes as int4 (exactly the same weights) instead of refusing them.
     widen: bool = False
+    # Largest weight shard in bytes; above it, *-0000i-of-0000N.safetensors + index.json.
     shard_bytes: int = 2_000_000_000
+    # Unquantized tensors (embeddings, norms, lm_head, float layers).
     float_dtype: Literal["float16", "bfloat16", "float32", "keep"] = "float16"
+    # Tag symmetric per-channel int8 layers W8A8_DYNAMIC (activations quantized per token at run
+    # time).
     w8a8_dynamic: bool = False
+    # Put the draft (reinforce/draft, else the FP draft) into artifact/draft/ for speculative
+    # decoding.
     include_draft: bool = True
+    # MLflow: log the artifact directory, and register it as a pyfunc model (predict = generate
+    # text). Each stores a copy of the weights in the artifact store; turn one off for very large
+    # models.
     log_artifact: bool = True
     register_model: bool = True
-    model_name: str | None = None
+    model_name: str | None = None  # registered model name; null = "<name>-<format>" (smoke-lowbit)
 
     def check(self, prefix: str) -> None:
         positive(prefix, shard_bytes=self.shard_bytes)
@@ -53,10 +75,13 @@ class ExportConfig:
         )
 
 
+CONFIG = ExportConfig
+
+
 def check_candidates(p: ExportConfig, candidates: list[str]) -> None:
     """Refuse, at config time, quant.candidates the export format cannot hold."""
+    from pipeline.artifact.lowbit_format import plan_layer
     from pipeline.export import compressed_tensors
-    from pipeline.export.lowbit_format import plan_layer
 
     if p.format == "lowbit":
         return
@@ -84,40 +109,24 @@ def check_candidates(p: ExportConfig, candidates: list[str]) -> None:
         )
 
 
-def validate(cfg) -> None:
-    p = parse(cfg.stage.export, ExportConfig, "stage.export")
-    model_cfg(cfg)
-    check_candidates(p, quant_cfg(cfg).candidates)
+def check(cfg: ExportConfig, run: RunConfig) -> None:
+    check_candidates(cfg, run.quant.candidates)
 
 
-def model_dir(ctx) -> Path:
-    """distill/model when distill ran, else quantize/model."""
-    for stage in ("distill", "quantize"):
-        if stage in ctx.inputs and (ctx.inputs[stage] / "model").is_dir():
-            return ctx.inputs[stage] / "model"
-    raise LowbitError("export found no quantized model: run the quantize stage first")
-
-
-def draft_dir(ctx) -> Path | None:
-    """reinforce/draft when reinforce ran, else the FP draft (None when there is none)."""
-    if "reinforce" in ctx.inputs and (ctx.inputs["reinforce"] / "draft").is_dir():
-        return ctx.inputs["reinforce"] / "draft"
-    return ctx.draft_dir()
-
-
-def run(ctx) -> dict:
-    p = parse(ctx.params, ExportConfig, "stage.export")
-    src = model_dir(ctx)
-    draft = draft_dir(ctx) if p.include_draft else None
-    art = ctx.out_dir / "artifact"
+def run(cfg: ExportConfig, run: RunConfig, io: StageIO) -> dict:
+    if not runmodels.quantized_targets(io.inputs):
+        raise LowbitError("export found no quantized model: run the quantize stage first")
+    src = runmodels.final_target(run.model, io.inputs)
+    draft = runmodels.final_draft(run.model, io.inputs) if cfg.include_draft else None
+    art = io.out_dir / "artifact"
     t0 = time.time()
-    labels = {"source": ctx.describe(src)} | ({"draft": ctx.describe(draft)} if draft else {})
-    manifest = export_artifact(src, art, p.options(), draft=draft, labels=labels)
+    labels = {"source": io.describe(src)} | ({"draft": io.describe(draft)} if draft else {})
+    manifest = export_artifact(src, art, cfg.options(), draft=draft, labels=labels)
     seconds = time.time() - t0
     files = manifest["files"]
     draft_bytes = sum(f["bytes"] for k, f in files.items() if k.startswith("draft/"))
     summary = {
-        "format": p.format,
+        "format": cfg.format,
         "source": labels["source"],
         "draft": labels.get("draft"),
         "artifact_bytes": sum(f["bytes"] for f in files.values()) - draft_bytes,
@@ -126,22 +135,22 @@ def run(ctx) -> dict:
         "fp16_bytes": manifest["fp16_bytes"],
         "layers": {n: d["type"] for n, d in manifest["layers"].items()},
     }
-    (ctx.out_dir / "export.json").write_text(json.dumps(summary, indent=1))
+    (io.out_dir / "export.json").write_text(json.dumps(summary, indent=1))
     log.info(
         "export: %s artifact %.2f MB (weights %.2f MB vs %.2f MB in fp16) in %s",
-        p.format,
+        cfg.format,
         summary["artifact_bytes"] / 1e6,
         manifest["weights_bytes"] / 1e6,
         manifest["fp16_bytes"] / 1e6,
         art,
     )
-    if p.log_artifact:
-        ctx.log.log_artifact(art)
-    if p.register_model and ctx.log.active:
-        from pipeline.export.mlflow_model import log_model
+    if cfg.log_artifact:
+        io.log.log_artifact(art)
+    if cfg.register_model and io.log.active:
+        from pipeline.runtime.mlflow_model import log_model
 
-        name = p.model_name or f"{ctx.cfg.name}-{p.format}"
-        log_model(ctx.log.uri, ctx.log.run_id, art, name)
+        name = cfg.model_name or f"{run.name}-{cfg.format}"
+        log_model(io.log.uri, io.log.run_id, art, name)
     return {
         "artifact_bytes": float(summary["artifact_bytes"]),
         "weights_bytes": float(manifest["weights_bytes"]),

@@ -1,10 +1,10 @@
 """quantize: segment-wise streaming quantization (GPTQ or RTN) into the quantized model format.
 
-Wires the config to :func:`pipeline.quant.streaming.quantize_checkpoint` (see there for the
+Wires the config to :func:`pipeline.streaming.quantize_checkpoint` (see there for the
 algorithm, memory and resume behaviour): the calibration windows come from the train split,
 the per-layer formats from the allocate stage's ``bitplan.json`` when it ran, else the uniform
 recipe ``quant.candidates[0]``. Writes ``model/`` (pipeline.models.quantized format) and
-``quant_report.json``; finished segments wait in ``ctx.work_dir`` so a killed run resumes.
+``quant_report.json``; finished segments wait in ``io.work_dir`` so a killed run resumes.
 """
 
 from __future__ import annotations
@@ -17,38 +17,40 @@ from typing import Any, Literal
 
 import torch
 
-from pipeline.config import data_cfg, model_cfg, parse, positive, quant_cfg
+from pipeline.config import RunConfig, positive
 from pipeline.errors import LowbitError
 from pipeline.models.adapters import linear_names
+from pipeline.models.checkpoint import StreamingCheckpoint
 from pipeline.quant.formats import parse_format
-from pipeline.quant.sequential import QuantOptions
-from pipeline.quant.streaming import quantize_checkpoint
+from pipeline.runmodels import fp_target
+from pipeline.stages import StageIO
+from pipeline.streaming import StreamOptions, quant_options, quantize_checkpoint
 
 NEEDS: tuple[str, ...] = ("bootstrap",)  # the FP target (skipped when model.target.path is set)
 USES: tuple[str, ...] = ("allocate",)  # bitplan.json when allocate ran, else the uniform recipe
-KEYS = ("model", "data", "quant")
+SECTIONS: tuple[str, ...] = ("model", "data", "quant")
 DISTRIBUTED = True  # calibration windows split over ranks, Hessians all-reduced
 
-log = logging.getLogger("lowbit")
+log = logging.getLogger(__name__)
 _RUN_FACTS = ("seconds", "resumed_segments")  # vary from run to run with the same result
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(frozen=True)
 class QuantizeConfig:
+    """Segment-wise streaming quantization; the method, formats, segment size, activation budget
+    and calibration set are in the shared `quant` section (pipeline.config.QuantConfig)."""
+
+    # Compute dtype of the calibration forward passes.
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    device: str = "auto"
-    batch_size: int = 8
+    device: str = "auto"  # auto (cuda when available) | cpu | cuda | cuda:N
+    batch_size: int = 8  # calibration windows per forward pass through a block
 
     def check(self, prefix: str) -> None:
         positive(prefix, batch_size=self.batch_size)
 
 
-def validate(cfg) -> None:
-    parse(cfg.stage.quantize, QuantizeConfig, "stage.quantize")
-    model_cfg(cfg)
-    data_cfg(cfg)
-    quant_cfg(cfg)
+CONFIG = QuantizeConfig
 
 
 def load_plan(
@@ -81,39 +83,39 @@ def load_plan(
     return {n: f for n, f in layers.items() if parse_format(f).kind != "float"}
 
 
-def run(ctx) -> dict:
-    p = parse(ctx.params, QuantizeConfig, "stage.quantize")
-    q = quant_cfg(ctx.cfg)
+def _device(choice: str, local_rank: int) -> str:
+    if choice == "auto":
+        return f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"
+    return choice
+
+
+def run(cfg: QuantizeConfig, run: RunConfig, io: StageIO) -> dict:
+    """Quantize the FP target into ``io.out_dir/model``; returns the stage metrics."""
+    from transformers import AutoConfig
+
     from pipeline.data.text import Corpus
     from pipeline.models.hf import load_tokenizer
 
-    target = ctx.target_dir()
-    corpus = Corpus(data_cfg(ctx.cfg), load_tokenizer(target))
-    calib = corpus.calibration(q.calib.samples, q.calib.seq_len, ctx.cfg.seed)  # (N, T)
-    from transformers import AutoConfig
-
-    plan = load_plan(ctx.inputs, AutoConfig.from_pretrained(target), q.candidates, q.keep_float)
-    device = p.device
-    if device == "auto":
-        device = f"cuda:{ctx.dist.local_rank}" if torch.cuda.is_available() else "cpu"
+    q = run.quant
+    target = fp_target(run.model, io.inputs)
+    corpus = Corpus(run.data, load_tokenizer(target))
+    calib = corpus.calibration(q.calib.samples, q.calib.seq_len, run.seed)  # (N, T)
+    plan = load_plan(io.inputs, AutoConfig.from_pretrained(target), q.candidates, q.keep_float)
+    device = _device(cfg.device, io.dist.local_rank)
+    ckpt = StreamingCheckpoint(target, dtype=_DTYPES[cfg.dtype], device=device)
+    walk = StreamOptions(q.segment_size, cfg.batch_size, q.activation_budget_gb)
     report = quantize_checkpoint(
-        target, ctx.out_dir / "model", plan, calib, method=q.method,
-        segment_size=q.segment_size, work_dir=ctx.work_dir, dist=ctx.dist,
-        act_budget_gb=q.activation_budget_gb, batch_size=p.batch_size, dtype=_DTYPES[p.dtype],
-        device=device, opts=QuantOptions(q.method, q.block_size, q.damp, q.act_order),
+        ckpt, io.out_dir / "model", plan, calib, quant_options(q), walk,
+        work_dir=io.work_dir, dist=io.dist,
     )  # fmt: skip
-    if ctx.dist.is_main:
+    if io.dist.is_main:
         # The file holds only what the weights determine, so a resumed or forced rerun leaves its
         # digest, and every reader's fingerprint, unchanged; times go to metrics and MLflow.
         stored = {k: v for k, v in report.items() if k not in _RUN_FACTS}
         stored["layers"] = {
             n: {k: v for k, v in r.items() if k != "seconds"} for n, r in report["layers"].items()
         }
-        (ctx.out_dir / "quant_report.json").write_text(json.dumps(stored, indent=1))
-        ctx.log.log_dict(
-            {n: r["seconds"] for n, r in report["layers"].items()}, "layer_seconds.json"
-        )
+        (io.out_dir / "quant_report.json").write_text(json.dumps(stored, indent=1))
+        seconds = {n: r["seconds"] for n, r in report["layers"].items()}
+        io.log.log_dict(seconds, "layer_seconds.json")
     return {k: v for k, v in report.items() if isinstance(v, int | float)}
-
-
-__all__ = ["QuantizeConfig", "load_plan", "quantize_checkpoint", "run", "validate"]

@@ -2,7 +2,8 @@
 
 The draft is trained on-policy on the acceptance scenarios (long contexts, heavy repetition,
 rare words, plain text; cut from the train split) with the loss of
-:mod:`pipeline.lit.reinforce` under Lightning (any `trainer=`).
+:func:`pipeline.lit.losses.reinforce_loss` under Lightning (any `trainer=`;
+:mod:`pipeline.lit.reinforce`).
 
 Selection: the draft is validated on `val_prompts` prompts per scenario cut from the validation
 split (never the test split the report's before/after numbers come from) before the first step
@@ -24,12 +25,13 @@ resumes from it with the batches (indexed by step), reward baseline, random stre
 validation history of the killed run, reuses the starting draft's scores (`before.json`), and
 writes the bytes an uninterrupted run with the same c writes (`pipeline.lit.resume`).
 
-Which target: the one the run will deploy. The distilled model when the run has one, else the
-quantized one, else the FP target: a low-bit target's distribution moves, and the draft's
-acceptance should follow it. Which draft: the user's (`model.draft.path`, FP or a lowbit
-quantized directory, whose step sizes and zero points are then what trains) or the bootstrap
-draft. Without a draft (a user target and no `model.draft.path`) the target drafts for itself;
-there is nothing to reinforce and the workflow skips the stage, saying so.
+Which target: the one the run will deploy (`pipeline.runmodels.final_target`). The distilled
+model when the run has one, else the quantized one, else the FP target: a low-bit target's
+distribution moves, and the draft's acceptance should follow it. Which draft: the user's
+(`model.draft.path`, FP or a lowbit quantized directory, whose step sizes and zero points are
+then what trains) or the bootstrap draft. Without a draft (a user target and no
+`model.draft.path`) the target drafts for itself; there is nothing to reinforce and the workflow
+skips the stage, saying so.
 
 Outputs: `draft/` (HF dir, or a lowbit quantized dir for a quantized draft, copied unchanged
 when the input is kept) and `reinforce.json`: the validation numbers (split, prompts, step-0,
@@ -42,7 +44,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,55 +51,92 @@ from typing import Literal
 
 import torch
 
-from pipeline.config import data_cfg, model_cfg, parse, positive
+from pipeline import runmodels
+from pipeline.config import ModelConfig, RunConfig, positive
 from pipeline.data.scenarios import SCENARIOS
 from pipeline.data.text import load_splits
-from pipeline.errors import ConfigError, LowbitError
-from pipeline.lit.guards import load_trained, pick_best
-from pipeline.lit.reinforce import DraftReinforce, LossWeights, ReinforceData, prepare_trainable
-from pipeline.lit.resume import ResumeCheckpoint, best_and_last, ckpt_interval, resume_from
-from pipeline.lit.trainer import build_trainer, trainer_kwargs
+from pipeline.errors import ConfigError
+from pipeline.io import write_json
+from pipeline.lit.fit import Fit, Selection, best_weights, fit_validated
+from pipeline.lit.losses import LossWeights
+from pipeline.lit.qat import is_quantized_dir, load_model
+from pipeline.lit.reinforce import DraftReinforce, ReinforceData, load_draft
+from pipeline.lit.trainer import trainer_kwargs
 from pipeline.models.hf import load_causal_lm, load_tokenizer, save_hf
-from pipeline.spec.evaluation import acceptance_table, column, heldout_scenarios, plot_acceptance
+from pipeline.models.quantized import read_quant_meta, save_quantized_model
+from pipeline.speculative.evaluation import (
+    acceptance_table,
+    column,
+    heldout_scenarios,
+    plot_acceptance,
+)
+from pipeline.stages import StageIO
 
 NEEDS: tuple[str, ...] = ("bootstrap",)
 USES: tuple[str, ...] = ("quantize", "distill")
-KEYS = ("model", "data", "trainer")
+SECTIONS: tuple[str, ...] = ("model", "data", "trainer")
 DISTRIBUTED = True  # trains with the configured Lightning strategy on every rank
 
-log = logging.getLogger("lowbit")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class ReinforceConfig:
+    """Acceptance-rate reinforcement of the draft against the (quantized, when the run has one)
+    target. Loss = pg_weight * policy gradient (R = w_acceptance * acceptance + w_throughput *
+    throughput, moving baseline) + tvd_weight * TVD(p, q) on visited positions + kl_weight *
+    KL(q || q_start) + context_tvd_weight * TVD(p, q) on context positions."""
+
     max_steps: int = 300
-    batch_size: int = 8
-    gamma: int = 4
-    lr: float = 3e-3
+    batch_size: int = 8  # contexts per step and rank (one scenario per step, equal lengths)
+    gamma: int = 4  # draft tokens proposed per context
+    lr: float = 3e-3  # for the bootstrap-sized draft; lower it for large drafts
     warmup_steps: int = 10
-    temperature: float = 1.0
+    temperature: float = 1.0  # decoding temperature the acceptance is trained and measured at
+    # T0 of the draft sampling schedule T = T0 * (1 + 0.1 * cos(step / 1000)).
     draft_t0: float = 1.0
     w_acceptance: float = 0.7
     w_throughput: float = 0.3
     baseline_momentum: float = 0.9
     pg_weight: float = 0.1
-    tvd_weight: float = 1.0
-    kl_weight: float = 0.05
+    tvd_weight: float = 1.0  # lambda_tvd
+    kl_weight: float = 0.05  # lambda_kl, anchor to the starting draft
+    # TVD(p, q) on context_positions teacher-forced positions of each context (DistillSpec's
+    # fixed-data term: K/gamma times the on-policy signal). Default pair, 300 steps, validation
+    # alpha gain: 0 -> +1.9 points, 1 -> +4.5, 2 -> +5.3, 4 -> +6.0 (lr 3e-3; docs/benchmarks.md).
     context_tvd_weight: float = 4.0
     context_positions: int = 64
     grad_clip: float = 1.0
+    # c = draft/target step time in the throughput reward. Set: a run is reproducible run to
+    # run, bit for bit. null: measured once when training starts (timing noise: differs between
+    # runs), recorded in the checkpoints, and reused by a rerun after a kill.
     cost_ratio: float | None = None
+    # Quantized draft: scale/zero gradient factor (bits | lsq | none).
     quant_grad_scale: Literal["bits", "lsq", "none"] = "bits"
+    # Resume checkpoint (last.ckpt, in the stage's work dir) every N steps and after each
+    # validation; null: a tenth of max_steps, so a kill loses at most ~10% of the training. A
+    # rerun resumes from it and writes what an uninterrupted run writes, byte for byte.
     checkpoint_every: int | None = None
-    monitor_window: int = 20
+    monitor_window: int = 20  # steps in the sliding-window acceptance monitor
     scenarios: list[str] = field(default_factory=lambda: list(SCENARIOS))
-    train_prompts: int = 64
+    train_prompts: int = 64  # prompts per scenario from the train split
+    # Held-out prompts per scenario (test split) for the reported before/after.
     eval_prompts: int = 8
     prompt_len: int = 128
-    long_len: int = 576
-    eval_new_tokens: int = 32
+    long_len: int = 576  # > 512: the long-context scenario
+    eval_new_tokens: int = 32  # tokens generated per held-out prompt for measured acceptance
+    # Validation on the validation split (never test): teacher-forced alpha = mean sum_x min(p, q)
+    # of the draft against the target on fixed prompts, before training (the starting draft) and
+    # every val_every steps; the best checkpoint is the result, and the starting draft is handed
+    # on unchanged when none beats it.
+    #
+    # val_prompts: per scenario: 128 prompts, ~30k scored positions. Per-prompt alpha differs by
+    # sd 0.02-0.035 between prompts and a draft's change by sd 0.003-0.008 (smoke models):
+    # standard errors ~0.003 (level) and ~0.001 (checkpoint vs checkpoint), well below the 0.011
+    # alpha the last-step draft lost (0.618 -> 0.607).
     val_prompts: int = 32
-    val_every: int = 50
+    val_every: int = 50  # validate (and keep the best.ckpt) every N steps, and at the last step
+    # Stop after N checks without a better alpha; null: train max_steps.
     early_stop_patience: int | None = None
 
     def check(self, prefix: str) -> None:
@@ -148,8 +186,11 @@ class ReinforceConfig:
             raise ConfigError(f"{prefix}.prompt_len", "and long_len must be >= 2")
 
 
-def skip_reason(cfg) -> str | None:
-    if cfg.model.target.path and not cfg.model.draft.path:
+CONFIG = ReinforceConfig
+
+
+def skip_reason(cfg: ReinforceConfig, run: RunConfig) -> str | None:
+    if run.model.target.path and not run.model.draft.path:
         return (
             "there is no draft (model.draft.path is null with a user target): the target "
             "drafts for itself, nothing to reinforce; set model.draft.path to train one"
@@ -157,37 +198,73 @@ def skip_reason(cfg) -> str | None:
     return None
 
 
-def validate(cfg) -> None:
-    parse(cfg.stage.reinforce, ReinforceConfig, "stage.reinforce")
-    model_cfg(cfg)
-    data_cfg(cfg)
-    trainer_kwargs(cfg.trainer)
+def check(cfg: ReinforceConfig, run: RunConfig) -> None:
+    trainer_kwargs(run.trainer)  # Lightning's arguments: a typo fails before any compute
 
 
-def pick_target(ctx) -> tuple[str, Path, bool]:
-    """(name, directory, is_quantized) of the target to reinforce against."""
-    for stage, name in (("distill", "target_distilled"), ("quantize", "target_quantized")):
-        if stage in ctx.inputs and (ctx.inputs[stage] / "model").is_dir():
-            return name, ctx.inputs[stage] / "model", True
-    return "target_fp", ctx.target_dir(), False
+def run(cfg: ReinforceConfig, run: RunConfig, io: StageIO) -> dict:
+    """Reinforce into `io.out_dir` (`io`: the workflow's StageIO); returns the stage metrics."""
+    allow_bin, seed = run.model.allow_bin, run.seed
+    torch.manual_seed(seed)
+    target_name, target_dir = _target(run.model, io.inputs)
+    draft_dir = runmodels.fp_draft(run.model, io.inputs)
+    tokenizer = load_tokenizer(runmodels.fp_target(run.model, io.inputs))
+    docs = load_splits(run.data)
+    sets = {
+        split: _scenarios(cfg, seed, io, tokenizer, docs, split, n)
+        for split, n in (
+            ("train", cfg.train_prompts),
+            ("validation", cfg.val_prompts),
+            ("test", cfg.eval_prompts),
+        )
+    }
+    target = load_model(target_dir, allow_bin).requires_grad_(False)
+    draft = load_draft(draft_dir, allow_bin, cfg.quant_grad_scale)
+    start = "draft_quantized" if is_quantized_dir(draft_dir) else "draft_fp"
+    trainable = sum(p.requires_grad for p in draft.parameters())
+    log.info(
+        "reinforce: %s (%s) against %s (%s); %d trainable tensors",
+        *(start, draft_dir, target_name, target_dir, trainable),
+    )
+    table = _before(cfg, seed, io, target_name, target, {start: draft.eval()}, sets["test"])
+    module = _module(cfg, draft, target, seed)
+    fit = _fit(cfg, run, io, module, sets)
+    if not io.dist.is_main:
+        return {}
+
+    device = next(target.parameters()).device  # Lightning may have moved the module back
+    draft = _result(cfg, fit, draft_dir, allow_bin).to(device).eval()
+    pairs = {"before": f"{start}@{target_name}", "after": f"{AFTER}@{target_name}"}
+    if fit.kept:
+        table[pairs["after"]] = table[pairs["before"]]
+    else:
+        table.update(_measure(cfg, seed, target_name, target, {AFTER: draft}, sets["test"]))
+    if target_name != "target_fp":  # the goal: at least the FP draft's acceptance on the FP target
+        fp_target = load_causal_lm(runmodels.fp_target(run.model, io.inputs), allow_bin=allow_bin)
+        fp_draft = {start: load_model(draft_dir, allow_bin).to(device)}
+        table.update(_measure(cfg, seed, "target_fp", fp_target.to(device), fp_draft, sets["test"]))
+        pairs["reference"] = f"{start}@target_fp"
+    _save_draft(draft, draft_dir, io.out_dir / "draft", fit.kept, tokenizer)
+    report = {
+        "target": target_name,
+        "target_dir": io.describe(target_dir),
+        "draft_dir": io.describe(draft_dir),
+        "draft_quantized": start == "draft_quantized",
+        **_summary(cfg, fit, module, sets),
+        "pairs": pairs,
+    }
+    return _report(io, report, table) | fit.resume_metrics()
 
 
-def is_quantized_dir(path: Path) -> bool:
-    from pipeline.models.quantized import QUANT_JSON
-
-    return (Path(path) / QUANT_JSON).is_file()
+AFTER = "draft_reinforced"  # the trained draft's name in the tables
 
 
-def load_model(path: Path, allow_bin: bool):
-    """A causal LM from an HF dir or a lowbit quantized dir (FakeQuantLinear layers)."""
-    if is_quantized_dir(path):
-        from pipeline.models.quantized import load_quantized
-
-        return load_quantized(path)
-    return load_causal_lm(path, allow_bin=allow_bin)
+def _target(model: ModelConfig, inputs: dict[str, Path]) -> tuple[str, Path]:
+    """(name, directory) of the target to reinforce against: the run's final target."""
+    return list(runmodels.targets(model, inputs).items())[-1]
 
 
-def _scenarios(ctx, p: ReinforceConfig, tokenizer, docs, split: str, n: int) -> dict:
+def _scenarios(cfg: ReinforceConfig, seed: int, io, tokenizer, docs, split: str, n: int) -> dict:
     """Prompt sets of one split, built on rank 0 and cached in the work dir for the others."""
 
     def build():
@@ -195,212 +272,153 @@ def _scenarios(ctx, p: ReinforceConfig, tokenizer, docs, split: str, n: int) -> 
             tokenizer,
             docs[split],
             n_prompts=n,
-            prompt_len=p.prompt_len,
-            long_len=p.long_len,
-            seed=ctx.cfg.seed,
-            cache_path=ctx.work_dir / f"scenarios_{split}.json",
+            prompt_len=cfg.prompt_len,
+            long_len=cfg.long_len,
+            seed=seed,
+            cache_path=io.work_dir / f"scenarios_{split}.json",
         )
-        return {s: sets[s] for s in p.scenarios}
+        return {s: sets[s] for s in cfg.scenarios}
 
-    out = build() if ctx.dist.is_main else None
-    ctx.dist.barrier()
+    out = build() if io.dist.is_main else None
+    io.dist.barrier()
     return out if out is not None else build()
 
 
-def _measure(ctx, p, target_name, target, drafts: dict, scenarios: dict) -> dict:
+def _measure(cfg: ReinforceConfig, seed: int, target_name, target, drafts: dict, scenarios) -> dict:
     return acceptance_table(
         {target_name: target},
         drafts,
         scenarios,
-        gamma=p.gamma,
-        temperature=p.temperature,
-        new_tokens=p.eval_new_tokens,
-        seed=ctx.cfg.seed,
+        gamma=cfg.gamma,
+        temperature=cfg.temperature,
+        new_tokens=cfg.eval_new_tokens,
+        seed=seed,
     )
 
 
-def run(ctx) -> dict:
-    p = parse(ctx.params, ReinforceConfig, "stage.reinforce")
-    data, allow_bin = data_cfg(ctx.cfg), ctx.cfg.model.allow_bin
-    torch.manual_seed(ctx.cfg.seed)
-    target_name, target_dir, target_quantized = pick_target(ctx)
-    draft_dir = ctx.draft_dir()
-    tokenizer = load_tokenizer(ctx.target_dir())
-    docs = load_splits(data)
-    train_sets = _scenarios(ctx, p, tokenizer, docs, "train", p.train_prompts)
-    val_sets = _scenarios(ctx, p, tokenizer, docs, "validation", p.val_prompts)
-    eval_sets = _scenarios(ctx, p, tokenizer, docs, "test", p.eval_prompts)
-
-    target = load_model(target_dir, allow_bin).requires_grad_(False)
-    draft = load_model(draft_dir, allow_bin)
-    draft_quantized = is_quantized_dir(draft_dir)
-    start_name = "draft_quantized" if draft_quantized else "draft_fp"
-    trainable = prepare_trainable(draft, p.quant_grad_scale)
-    log.info(
-        "reinforce: %s (%s) against %s (%s); %d trainable tensors",
-        start_name,
-        draft_dir,
-        target_name,
-        target_dir,
-        len(trainable),
-    )
-
-    before_file = ctx.work_dir / "before.json"  # survives a crash: the start draft is gone then
+def _before(cfg: ReinforceConfig, seed: int, io, target_name, target, drafts, scenarios) -> dict:
+    """The starting draft's test-split acceptance (rank 0; the others get {}), measured once:
+    `before.json` in the work dir survives a crash, after which the starting draft is gone."""
+    before_file = io.work_dir / "before.json"
     table: dict = {}
-    if ctx.dist.is_main:
+    if io.dist.is_main:
         if before_file.is_file():
             table = json.loads(before_file.read_text())
         else:
-            table = _measure(ctx, p, target_name, target, {start_name: draft.eval()}, eval_sets)
-            _write_json(before_file, table)
-    ctx.dist.barrier()
+            table = _measure(cfg, seed, target_name, target, drafts, scenarios)
+            write_json(before_file, table)
+    io.dist.barrier()
+    return table
 
-    resume = resume_from(ctx.work_dir, ctx.dist)
-    trainer, best = _trainer(ctx, p, resume is not None)
-    module = DraftReinforce(
+
+def _module(cfg: ReinforceConfig, draft, target, seed: int) -> DraftReinforce:
+    return DraftReinforce(
         draft,
         target,
-        gamma=p.gamma,
-        temperature=p.temperature,
-        draft_t0=p.draft_t0,
-        cost_ratio=p.cost_ratio,
+        gamma=cfg.gamma,
+        temperature=cfg.temperature,
+        draft_t0=cfg.draft_t0,
+        cost_ratio=cfg.cost_ratio,
         weights=LossWeights(
-            pg=p.pg_weight,
-            tvd=p.tvd_weight,
-            kl=p.kl_weight,
-            w_acceptance=p.w_acceptance,
-            w_throughput=p.w_throughput,
-            context_tvd=p.context_tvd_weight,
+            pg=cfg.pg_weight,
+            tvd=cfg.tvd_weight,
+            kl=cfg.kl_weight,
+            w_acceptance=cfg.w_acceptance,
+            w_throughput=cfg.w_throughput,
+            context_tvd=cfg.context_tvd_weight,
         ),
-        lr=p.lr,
-        warmup=p.warmup_steps,
-        max_steps=p.max_steps,
-        baseline_momentum=p.baseline_momentum,
-        monitor_window=p.monitor_window,
-        seed=ctx.cfg.seed,
-        context_positions=p.context_positions,
+        lr=cfg.lr,
+        warmup=cfg.warmup_steps,
+        max_steps=cfg.max_steps,
+        baseline_momentum=cfg.baseline_momentum,
+        monitor_window=cfg.monitor_window,
+        seed=seed,
+        context_positions=cfg.context_positions,
     )
+
+
+def _fit(cfg: ReinforceConfig, run: RunConfig, io, module: DraftReinforce, sets: dict) -> Fit:
+    """Train on the train prompts, validating on the validation ones; every checkpoint lives in
+    the work dir."""
     data = ReinforceData(
-        {s: torch.tensor(v) for s, v in train_sets.items()},
-        {s: torch.tensor(v) for s, v in val_sets.items()},
-        p.batch_size,
-        ctx.cfg.seed,
+        {s: torch.tensor(v) for s, v in sets["train"].items()},
+        {s: torch.tensor(v) for s, v in sets["validation"].items()},
+        cfg.batch_size,
+        run.seed,
     )
-    if resume:
-        log.info("reinforce: resuming from %s", resume)
-    module.draft.train()
-    trainer.fit(module, datamodule=data, ckpt_path=resume, weights_only=True)
+    return fit_validated(
+        "reinforce",
+        module,
+        data,
+        trainer_cfg=run.trainer,
+        work_dir=io.work_dir,
+        dist=io.dist,
+        logger=io.log.lightning_logger() or False,
+        select=Selection("val/alpha", "alpha", larger_is_better=True),
+        max_steps=cfg.max_steps,
+        val_every=cfg.val_every,
+        ckpt_every=cfg.checkpoint_every,
+        patience=cfg.early_stop_patience,
+        gradient_clip_val=cfg.grad_clip,
+        use_distributed_sampler=False,  # each rank draws its own batches (ReinforceData)
+    )
 
-    before = module.val_input
-    history = module.val_history
-    chosen, kept = pick_best("reinforce", before, history, "alpha", larger_is_better=True)
-    if not best.best_model_path:
-        raise LowbitError("reinforce: no checkpoint was written; check stage.reinforce.val_every")
-    if not ctx.dist.is_main:
-        return {}
 
-    after_name = "draft_reinforced"
-    device = next(target.parameters()).device  # Lightning may have moved the module back
-    # A fresh copy of the starting draft: kept as is, or given the best checkpoint's tensors
-    # (whatever the strategy did to the trained module, e.g. ZeRO-3 partitions).
-    draft = load_model(draft_dir, allow_bin)
-    if kept:
-        log.warning(
-            "reinforce: no checkpoint beat the starting draft on the validation split (best "
-            "teacher-forced alpha %.4f at step %d vs %.4f before training): keeping it unchanged",
-            chosen["alpha"],
-            chosen["step"],
-            before["alpha"],
+def _result(cfg: ReinforceConfig, fit: Fit, draft_dir: Path, allow_bin: bool):
+    """A fresh copy of the starting draft: kept as is, or given the best checkpoint's tensors
+    (whatever the strategy did to the trained module, e.g. ZeRO-3 partitions)."""
+    if not fit.kept:
+        return best_weights(
+            fit, "draft.", lambda: load_draft(draft_dir, allow_bin, cfg.quant_grad_scale)
         )
-        table[f"{after_name}@{target_name}"] = table[f"{start_name}@{target_name}"]
-    else:
-        prepare_trainable(draft, p.quant_grad_scale)
-        load_trained(draft, best.best_model_path, "draft.")
-    draft = draft.to(device).eval()
-    if not kept:
-        table.update(_measure(ctx, p, target_name, target, {after_name: draft}, eval_sets))
-    pairs = {"before": f"{start_name}@{target_name}", "after": f"{after_name}@{target_name}"}
-    if target_quantized:  # the goal: at least the FP draft's acceptance on the FP target
-        fp_target = load_causal_lm(ctx.target_dir(), allow_bin=allow_bin).to(device)
-        fp_draft = load_model(draft_dir, allow_bin).to(device)
-        table.update(_measure(ctx, p, "target_fp", fp_target, {start_name: fp_draft}, eval_sets))
-        pairs["reference"] = f"{start_name}@target_fp"
+    log.warning(
+        "reinforce: no checkpoint beat the starting draft on the validation split (best "
+        "teacher-forced alpha %.4f at step %d vs %.4f before training): keeping it unchanged",
+        fit.chosen["alpha"],
+        fit.chosen["step"],
+        fit.before["alpha"],
+    )
+    return load_model(draft_dir, allow_bin)
 
-    out = ctx.out_dir / "draft"
-    if kept and draft_quantized:
-        shutil.copytree(draft_dir, out)  # the input, byte for byte
-    elif draft_quantized:
-        from pipeline.models.quantized import read_quant_meta, save_quantized_model
 
+def _save_draft(draft, draft_dir: Path, out: Path, kept: bool, tokenizer) -> None:
+    """`draft/`: the input byte for byte when kept, else in the input's representation."""
+    if kept and is_quantized_dir(draft_dir):
+        shutil.copytree(draft_dir, out)
+    elif is_quantized_dir(draft_dir):
         save_quantized_model(draft.cpu(), out, draft_dir, read_quant_meta(draft_dir)["method"])
     else:
         save_hf(draft.cpu(), tokenizer, out)
-    report = {
-        "target": target_name,
-        "target_dir": ctx.describe(target_dir),
-        "draft_dir": ctx.describe(draft_dir),
-        "draft_quantized": draft_quantized,
+
+
+def _shapes(sets: dict) -> dict[str, list[int]]:
+    return {s: [len(v), len(v[0])] for s, v in sets.items()}
+
+
+def _summary(cfg: ReinforceConfig, fit: Fit, module: DraftReinforce, sets: dict) -> dict:
+    """The training, validation and test-split settings of reinforce.json."""
+    return {
         "steps": module.global_step,
-        "gamma": p.gamma,
-        "temperature": p.temperature,
+        "gamma": cfg.gamma,
+        "temperature": cfg.temperature,
         "cost_ratio": module.cost_ratio,
-        "kept_input": kept,
+        "kept_input": fit.kept,
         "validation": {
             "split": "validation",
-            "prompts": {s: [len(v), len(v[0])] for s, v in val_sets.items()},
+            "prompts": _shapes(sets["validation"]),
             "metric": "teacher-forced alpha = mean sum_x min(p, q), mean over scenarios; higher "
             "is better",
-            "input": before,
-            "best": chosen,
-            "history": history,
+            "input": fit.before,
+            "best": fit.chosen,
+            "history": fit.history,
         },
         "eval_split": "test",
-        "eval_prompts": {s: [len(v), len(v[0])] for s, v in eval_sets.items()},
-        "eval_new_tokens": p.eval_new_tokens,
-        "pairs": pairs,
+        "eval_prompts": _shapes(sets["test"]),
+        "eval_new_tokens": cfg.eval_new_tokens,
     }
-    metrics = _report(ctx, report, table)
-    resumed = next(c for c in trainer.callbacks if isinstance(c, ResumeCheckpoint))
-    return metrics | {"resumed": float(resume is not None), "resumed_step": resumed.resumed_step}
 
 
-def _write_json(path: Path, obj) -> None:
-    """Write through a temporary name: a kill mid-write must not leave a file a rerun trusts."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj))
-    os.replace(tmp, path)
-
-
-def _trainer(ctx, p: ReinforceConfig, resuming: bool):
-    """The Trainer and its checkpoint callback; every checkpoint lives in the work dir."""
-    val_every = min(p.val_every, p.max_steps)
-    ckpt, callbacks = best_and_last(
-        ctx.work_dir,
-        "val/alpha",
-        "max",
-        p.early_stop_patience,
-        every=ckpt_interval(p.checkpoint_every, p.max_steps),
-        val_every=val_every,
-    )
-    trainer = build_trainer(
-        ctx.cfg.trainer,
-        max_steps=p.max_steps,
-        logger=ctx.log.lightning_logger() or False,
-        callbacks=callbacks,
-        default_root_dir=str(ctx.work_dir),
-        gradient_clip_val=p.grad_clip,
-        val_check_interval=val_every,
-        check_val_every_n_epoch=None,
-        limit_val_batches=1.0,
-        # The sanity check scores the starting draft on every prompt (step 0); a resumed run
-        # restores that score from its checkpoint instead.
-        num_sanity_val_steps=0 if resuming else -1,
-        use_distributed_sampler=False,  # each rank draws its own batches (ReinforceData)
-    )
-    return trainer, ckpt
-
-
-def _report(ctx, report: dict, table: dict) -> dict:
+def _report(io, report: dict, table: dict) -> dict:
     """Write reinforce.json and the before/after plot; returns the stage metrics."""
     pairs = report["pairs"]
     alpha = {k: column(table, pair, "alpha") for k, pair in pairs.items()}
@@ -411,7 +429,7 @@ def _report(ctx, report: dict, table: dict) -> dict:
         "gain": {s: alpha["after"][s] - alpha["before"][s] for s in alpha["after"]},
     }
     report["acceptance"] = table
-    (ctx.out_dir / "reinforce.json").write_text(json.dumps(report, indent=1))
+    (io.out_dir / "reinforce.json").write_text(json.dumps(report, indent=1))
 
     import matplotlib.pyplot as plt
 
@@ -420,8 +438,8 @@ def _report(ctx, report: dict, table: dict) -> dict:
         ylabel="on-line acceptance alpha",
         title=f"draft acceptance on {report['target']}, before/after reinforce",
     )
-    fig.savefig(ctx.out_dir / "acceptance.png", dpi=120)
-    ctx.log.log_figure(fig, "acceptance.png")
+    fig.savefig(io.out_dir / "acceptance.png", dpi=120)
+    io.log.log_figure(fig, "acceptance.png")
     plt.close(fig)
     shown = "  ".join(
         f"{s} {alpha['before'][s]:.3f}->{alpha['after'][s]:.3f}" for s in alpha["after"]

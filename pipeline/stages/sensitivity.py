@@ -29,32 +29,49 @@ import torch
 from pipeline import plots
 from pipeline.analysis.sensitivity import analyze
 from pipeline.analysis.streamed import analyze_streamed
-from pipeline.config import data_cfg, model_cfg, parse, positive, quant_cfg
+from pipeline.config import RunConfig, positive
 from pipeline.data.text import Corpus
 from pipeline.errors import ConfigError, LowbitError
 from pipeline.models.checkpoint import StreamingCheckpoint
 from pipeline.models.hf import load_causal_lm, load_tokenizer
 from pipeline.quant.formats import parse_format
+from pipeline.runmodels import fp_target
+from pipeline.stages import StageIO
+from pipeline.streaming import StreamOptions
 
 NEEDS: tuple[str, ...] = ("bootstrap",)
 USES: tuple[str, ...] = ()
-# Only what changes ΔL: a new budget or fallback count re-runs allocate, not this stage.
-KEYS = ("model", "data", "quant.candidates", "quant.calib")
+# quant by field: a new budget or method reuses the analysis (it depends on none of them)
+SECTIONS: tuple[str, ...] = (
+    "model",
+    "data",
+    "quant.candidates",
+    "quant.float_fallback",
+    "quant.calib",
+    "quant.activation_budget_gb",
+)
 DISTRIBUTED = True
 
-log = logging.getLogger("lowbit")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class SensitivityConfig:
+    """Per-layer predicted loss increase ΔL_l(f) for every format in quant.candidates, from
+    quant.calib.samples calibration windows, plus input-activation outlier statistics."""
+
     method: Literal["fisher", "hutchinson", "gptq_proxy"] = "fisher"
+    # gptq_proxy only: full (Σ_rows δᵀHδ) | diag (Σ H_jj δ², per weight)
     gptq_weighting: Literal["full", "diag"] = "full"
+    # fisher only: data (empirical Fisher) | model (sampled next tokens: true Fisher)
     fisher_labels: Literal["data", "model"] = "data"
-    hutchinson_probes: int = 4
+    hutchinson_probes: int = 4  # hutchinson only: Rademacher probes per calibration sequence
+    # gptq_proxy only: sequences per forward (fisher/hutchinson: one per backward)
     batch_size: int = 8
-    include_lm_head: bool = True
-    include_embeddings: bool = True
-    device: Literal["auto", "cpu", "cuda"] = "auto"
+    include_lm_head: bool = True  # score lm_head (allocate may keep it float)
+    include_embeddings: bool = True  # score the embedding table (unless tied to lm_head)
+    device: Literal["auto", "cpu", "cuda"] = "auto"  # auto (cuda when present) | cpu | cuda
+    # gptq_proxy only: one decoder block at a time from the shards (targets bigger than memory)
     stream: bool = False
 
     def check(self, prefix: str) -> None:
@@ -68,18 +85,14 @@ class SensitivityConfig:
             )
 
 
-def skip_reason(cfg) -> str | None:
-    q = cfg.quant
-    if len(q.candidates) == 1 and not q.get("float_fallback", 0):
+CONFIG = SensitivityConfig
+
+
+def skip_reason(cfg: SensitivityConfig, run: RunConfig) -> str | None:
+    q = run.quant
+    if len(q.candidates) == 1 and not q.float_fallback:
         return f"quant.candidates has one format ({q.candidates[0]}): the plan is uniform"
     return None
-
-
-def validate(cfg) -> None:
-    parse(cfg.stage.sensitivity, SensitivityConfig, "stage.sensitivity")
-    model_cfg(cfg)
-    data_cfg(cfg)
-    quant_cfg(cfg)
 
 
 def _device(p: SensitivityConfig, local_rank: int) -> torch.device:
@@ -92,52 +105,46 @@ def _device(p: SensitivityConfig, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def run(ctx) -> dict:
-    p = parse(ctx.params, SensitivityConfig, "stage.sensitivity")
-    q = quant_cfg(ctx.cfg)
+def run(cfg: SensitivityConfig, run: RunConfig, io: StageIO) -> dict:
+    """Score every layer of the FP target into ``io.out_dir``; returns the stage metrics."""
+    q = run.quant
     candidates = [parse_format(c).name for c in q.candidates]
-    target = ctx.target_dir()
-    tokenizer = load_tokenizer(target)
-    windows = Corpus(data_cfg(ctx.cfg), tokenizer).calibration(
-        q.calib.samples, q.calib.seq_len, ctx.cfg.seed
+    target = fp_target(run.model, io.inputs)
+    windows = Corpus(run.data, load_tokenizer(target)).calibration(
+        q.calib.samples, q.calib.seq_len, run.seed
     )  # (S, T), identical on every rank
-    device = _device(p, ctx.dist.local_rank)
-    common = dict(
-        weighting=p.gptq_weighting,
-        batch_size=p.batch_size,
-        include_lm_head=p.include_lm_head,
-        include_embeddings=p.include_embeddings,
-        progress=True,
-    )
+    device = _device(cfg, io.dist.local_rank)
+    scope = dict(include_lm_head=cfg.include_lm_head, include_embeddings=cfg.include_embeddings)
     t0 = time.time()
-    if p.stream:
+    if cfg.stream:
         # fp32 like the loaded path and quantize: the stored dtype (often fp16) would score in
         # another precision, and fp16 matmuls run ~4x slower than fp32 on CPUs.
-        ckpt = StreamingCheckpoint(
-            target, ctx.cfg.model.allow_bin, dtype=torch.float32, device=device
-        )
+        ckpt = StreamingCheckpoint(target, run.model.allow_bin, dtype=torch.float32, device=device)
+        # One block per spill file, as the loaded path scores one block at a time anyway.
+        walk = StreamOptions(1, cfg.batch_size, q.activation_budget_gb)
         report = analyze_streamed(
-            ckpt, windows, candidates, ctx.dist, spill_dir=ctx.work_dir,
-            act_budget_gb=q.activation_budget_gb, **common,
+            ckpt, windows, candidates, walk, spill_dir=io.work_dir,
+            weighting=cfg.gptq_weighting, dist=io.dist, **scope,
         )  # fmt: skip
     else:
-        model = load_causal_lm(target, allow_bin=ctx.cfg.model.allow_bin).to(device)
+        model = load_causal_lm(target, allow_bin=run.model.allow_bin).to(device)
         report = analyze(
-            model, windows, candidates, p.method, ctx.dist, probes=p.hutchinson_probes,
-            fisher_labels=p.fisher_labels, seed=ctx.cfg.seed, **common,
+            model, windows, candidates, cfg.method, io.dist, probes=cfg.hutchinson_probes,
+            fisher_labels=cfg.fisher_labels, seed=run.seed, weighting=cfg.gptq_weighting,
+            batch_size=cfg.batch_size, progress=True, **scope,
         )  # fmt: skip
     seconds = time.time() - t0
     log.info(
         "sensitivity: %s on %d sequences x %d tokens, %d layers, %.1fs",
-        p.method,
+        cfg.method,
         *windows.shape,
         len(report["layers"]),
         seconds,
     )
-    if not ctx.dist.is_main:
+    if not io.dist.is_main:
         return {}
-    (ctx.out_dir / "sensitivity.json").write_text(json.dumps(report, indent=1))
-    write_plots(report, ctx.out_dir)
+    (io.out_dir / "sensitivity.json").write_text(json.dumps(report, indent=1))
+    write_plots(report, io.out_dir)
     layers = report["layers"]
     metrics = {"layers": len(layers), "samples": int(windows.shape[0]), "seconds": seconds}
     for f in candidates:

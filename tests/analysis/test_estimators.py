@@ -17,7 +17,7 @@ from pipeline.analysis.estimators import (
 )
 from pipeline.analysis.sensitivity import analyze
 from pipeline.dist import Dist
-from pipeline.quant.losses import kl_divergence
+from pipeline.lit.losses import kl_divergence
 from tests.analysis.conftest import tiny_llama, windows
 
 FORMATS = ["int2", "int4"]  # per channel: rows of 8 and 16 weights

@@ -10,8 +10,10 @@ from pipeline.analysis.streamed import analyze_streamed
 from pipeline.config import parse
 from pipeline.dist import Dist
 from pipeline.errors import ConfigError
-from pipeline.models import StreamingCheckpoint, write_synthetic_checkpoint
+from pipeline.models import StreamingCheckpoint
+from pipeline.models.synthetic import write_synthetic_checkpoint
 from pipeline.stages.sensitivity import SensitivityConfig
+from pipeline.streaming import StreamOptions
 
 FORMATS = ["int2g32", "int4", "int8"]
 TINY = dict(hidden=64, layers=3, intermediate=96, heads=4, kv_heads=2, vocab=61)
@@ -32,8 +34,9 @@ def ckpt(request, tmp_path_factory) -> StreamingCheckpoint:
 def test_streamed_equals_loaded_model(ckpt, tmp_path, budget_gb):
     x = torch.randint(0, TINY["vocab"], (5, 12), generator=torch.Generator().manual_seed(0))
     loaded = analyze(ckpt.full_model(), x, FORMATS, "gptq_proxy", Dist(), batch_size=2)
-    streamed = analyze_streamed(ckpt, x, FORMATS, Dist(), spill_dir=tmp_path, batch_size=2,
-                                act_budget_gb=budget_gb)  # fmt: skip
+    walk = StreamOptions(segment_size=1, batch_size=2, act_budget_gb=budget_gb, progress=False)
+    streamed = analyze_streamed(ckpt, x, FORMATS, walk, spill_dir=tmp_path, weighting="full",
+                                include_lm_head=True, include_embeddings=True)  # fmt: skip
     assert [la["name"] for la in streamed["layers"]] == [la["name"] for la in loaded["layers"]]
     assert streamed["fused_groups"] == loaded["fused_groups"]
     for a, b in zip(streamed["layers"], loaded["layers"]):

@@ -123,7 +123,7 @@ def test_an_undivided_source_is_split_by_hash(tmp_path, layout):
 def test_missing_validation_is_carved_from_train(tmp_path, caplog):
     train, test = _lines("trainline", 200), _lines("testmark", 20)
     _write(tmp_path / "tt", **{"train.txt": train, "test.txt": test})
-    with caplog.at_level(logging.INFO, logger="lowbit"):
+    with caplog.at_level(logging.INFO, logger="pipeline.data.text"):
         splits = load_splits(DataConfig(path=str(tmp_path / "tt")))
     assert splits["test"] == test
     assert splits["validation"] and set(splits["validation"]) <= set(train)

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import fields
 from pathlib import Path
+from typing import Any
 
 import torch
+
+from pipeline.export import ExportOptions
 
 HIDDEN, INTER, LAYERS = 256, 512, 1  # k = 256 / 512: two or more groups of 128
 DOCS = ["the quick brown fox jumps over the lazy dog and runs far away"] * 40
@@ -74,3 +78,11 @@ class QuantModels:
 def tokens(n: int = 12, batch: int = 2, vocab: int = 260, seed: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab, (batch, n), generator=g)
+
+
+def export_options(**changes: Any) -> ExportOptions:
+    """The options the export stage builds from its config's defaults, with ``changes``."""
+    from pipeline.stages.export import CONFIG
+
+    cfg = CONFIG(**changes)
+    return ExportOptions(**{f.name: getattr(cfg, f.name) for f in fields(ExportOptions)})

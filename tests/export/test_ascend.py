@@ -9,11 +9,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from pipeline.export import ExportError, ExportOptions, export_artifact
-from pipeline.export.ascend import ascend_type, description, pack_int, unpack_int
-from pipeline.export.lowbit_format import LayerInfo, plan_layer, unpack_linear
+from pipeline.artifact.ascend import ascend_type, description, pack_int, unpack_int
+from pipeline.artifact.lowbit_format import LayerInfo, plan_layer, unpack_linear
+from pipeline.export import ExportError, export_artifact
 from pipeline.export.source import Linear, Source
 from pipeline.quant.formats import parse_format
+from tests.export.models import export_options
 
 
 def test_int4_per_group_known_answer():
@@ -57,7 +58,7 @@ def _layer(sd, name):
 def test_ascend_int4_layout_and_dequant(qmodels, tmp_path):
     src = qmodels.get(("int4g128", "int4g128-sym", "int8"))
     art = tmp_path / "a"
-    m = export_artifact(src, art, ExportOptions(format="ascend", float_dtype="keep"))
+    m = export_artifact(src, art, export_options(format="ascend", float_dtype="keep"))
     sd = _stored(art, m)
     ref = {it.name: it.qt for it in Source.open(src).items() if isinstance(it, Linear)}
     for name, d in m["layers"].items():
@@ -80,7 +81,7 @@ def test_ascend_int4_layout_and_dequant(qmodels, tmp_path):
 
 def test_description_lists_every_tensor(qmodels, tmp_path):
     art = tmp_path / "a"
-    m = export_artifact(qmodels.get("int4g128"), art, ExportOptions(format="ascend"))
+    m = export_artifact(qmodels.get("int4g128"), art, export_options(format="ascend"))
     desc = json.loads((art / "quant_model_description.json").read_text())
     saved = set(_stored(art, m))
     assert saved == set(m["tensors"]) and saved <= set(desc)
@@ -119,7 +120,7 @@ def test_ascend_per_channel_when_group_spans_row():
 def test_ascend_refuses_before_writing(qmodels, tmp_path):
     src = qmodels.get(("int4g128", "int2g64", "int3g128"))
     with pytest.raises(ExportError, match=r"int2g64.*\(\d+ more layers likewise\)"):
-        export_artifact(src, tmp_path / "a", ExportOptions(format="ascend"))
+        export_artifact(src, tmp_path / "a", export_options(format="ascend"))
     assert not any((tmp_path / "a").glob("*.safetensors"))
 
 
@@ -127,7 +128,7 @@ def test_ascend_refuses_before_writing(qmodels, tmp_path):
 def test_widen_is_exact(qmodels, tmp_path, fmt):
     src = qmodels.get(fmt)
     art = tmp_path / "a"
-    m = export_artifact(src, art, ExportOptions(format="ascend", widen=True, shard_bytes=1))
+    m = export_artifact(src, art, export_options(format="ascend", widen=True, shard_bytes=1))
     sd = _stored(art, m)
     for it in Source.open(src).items():
         if isinstance(it, Linear):
@@ -147,7 +148,7 @@ def test_widen_is_exact(qmodels, tmp_path, fmt):
 def test_w8a8_dynamic_tagging(qmodels, tmp_path):
     art = tmp_path / "a"
     m = export_artifact(
-        qmodels.get(("int8-sym", "int8")), art, ExportOptions(format="ascend", w8a8_dynamic=True)
+        qmodels.get(("int8-sym", "int8")), art, export_options(format="ascend", w8a8_dynamic=True)
     )
     types = {n: d["type"] for n, d in m["layers"].items()}
     assert types["model.layers.0.self_attn.q_proj"] == "W8A8_DYNAMIC"  # symmetric per channel

@@ -8,9 +8,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from pipeline.export import ExportError, ExportOptions, export_artifact
+from pipeline.export import ExportError, export_artifact
 from pipeline.export.compressed_tensors import pack_int32
 from pipeline.export.source import Linear, Source
+from tests.export.models import export_options
 
 ct = pytest.importorskip("compressed_tensors")
 
@@ -35,7 +36,7 @@ def test_decompressing_gives_the_same_weights(qmodels, tmp_path):
     src = qmodels.get(("int4g128", "int4g128-sym", "int8", "int4"))
     art = tmp_path / "ct"
     m = export_artifact(
-        src, art, ExportOptions(format="compressed-tensors", float_dtype="keep"), draft=qmodels.fp
+        src, art, export_options(format="compressed-tensors", float_dtype="keep"), draft=qmodels.fp
     )
     assert m["format"] == "compressed-tensors"
     draft_config = json.loads((art / "draft" / "config.json").read_text())
@@ -64,7 +65,7 @@ def test_transformers_loads_symmetric_checkpoint(qmodels, tmp_path):
 
     src = qmodels.get(("int4g128-sym", "int8-sym"))
     art = tmp_path / "ct"
-    export_artifact(src, art, ExportOptions(format="compressed-tensors", float_dtype="keep"))
+    export_artifact(src, art, export_options(format="compressed-tensors", float_dtype="keep"))
     model = AutoModelForCausalLM.from_pretrained(art, dtype=torch.float32).eval()
     x = tokens()
     with torch.no_grad():
@@ -77,5 +78,5 @@ def test_refuses_formats_vllm_cannot_run(qmodels, tmp_path):
         export_artifact(
             qmodels.get(("int4g128", "int3g128")),
             tmp_path / "ct",
-            ExportOptions(format="compressed-tensors"),
+            export_options(format="compressed-tensors"),
         )

@@ -7,16 +7,17 @@ import shutil
 
 import pytest
 
-from pipeline.export import ArtifactError, ExportOptions, export_artifact
-from pipeline.export.manifest import ShardWriter, verify
+from pipeline.artifact.manifest import verify
+from pipeline.export import ArtifactError, export_artifact
 from pipeline.runtime import load
+from tests.export.models import export_options
 
 
 @pytest.fixture(scope="module")
 def artifact(qmodels, tmp_path_factory):
     art = tmp_path_factory.mktemp("man") / "artifact"
     export_artifact(
-        qmodels.get("int4g128"), art, ExportOptions(shard_bytes=300_000), draft=qmodels.fp
+        qmodels.get("int4g128"), art, export_options(shard_bytes=300_000), draft=qmodels.fp
     )
     return art
 
@@ -84,16 +85,3 @@ def test_missing_file_and_missing_manifest(copy):
     (copy / "manifest.json").unlink()
     with pytest.raises(ArtifactError, match="manifest.json is missing"):
         load(copy, "torch")
-
-
-def test_shard_writer_single_file_has_no_index(tmp_path):
-    import torch
-
-    w = ShardWriter(tmp_path, "m", 1 << 20)
-    w.add("a", torch.zeros(3))
-    assert w.close() == {"a": "m.safetensors"}
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.safetensors"]
-    with pytest.raises(ValueError, match="twice"):
-        w2 = ShardWriter(tmp_path / "x", "m", 10)
-        w2.add("a", torch.zeros(1))
-        w2.add("a", torch.zeros(1))

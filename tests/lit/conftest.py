@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from pipeline.lit.trainer import ASCEND_VISIBLE_DEVICES
+from pipeline.lit.devices import ASCEND_VISIBLE_DEVICES
 
 
 @pytest.fixture

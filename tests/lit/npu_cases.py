@@ -23,8 +23,9 @@ from torch import nn
 
 from pipeline.errors import ConfigError
 from pipeline.lit import npu as npu_mod
+from pipeline.lit.devices import ASCEND_VISIBLE_DEVICES
 from pipeline.lit.npu import NPUAccelerator, NPUDDPStrategy
-from pipeline.lit.trainer import ASCEND_VISIBLE_DEVICES, build_trainer, check_trainer
+from pipeline.lit.trainer import build_trainer, check_trainer
 from tests.conftest import make_cfg
 
 

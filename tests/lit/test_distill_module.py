@@ -9,15 +9,9 @@ import lightning as L
 import pytest
 import torch
 
-from pipeline.lit.distill import (
-    DistillData,
-    DistillHParams,
-    DistillModule,
-    apply_grad_scale,
-    keep_full_precision,
-    set_trainable,
-)
+from pipeline.lit.distill import DistillData, DistillHParams, DistillModule
 from pipeline.lit.guards import NanGuard
+from pipeline.lit.qat import apply_grad_scale, keep_full_precision, prepare_qat
 from pipeline.lit.resume import best_and_last, resume_path
 from pipeline.quant.fakequant import FakeQuantLinear, grad_scale_factor
 
@@ -51,10 +45,32 @@ def tiny_pair(seed: int = 0, fmt: str = "int2g32", learn_weights: bool = False):
     return teacher, student
 
 
+def hparams(**changes) -> DistillHParams:
+    """Settings of a short test run (every field is the stage config's to give)."""
+    base = dict(
+        max_steps=10,
+        lr=1e-3,
+        weight_lr=1e-3,
+        float_lr=5e-4,
+        warmup_steps=0,
+        weight_decay=0.0,
+        alpha=1.0,
+        beta=1.0,
+        temperature=1.0,
+        match="attention",
+        train=["scales"],
+        grad_scale="none",
+        fp32_modules=[],
+        teacher_dtype="float32",
+    )
+    return DistillHParams(**(base | changes))
+
+
 def make_module(cls=DistillModule, train=("scales",), lr=1e-3, max_steps=10, seed=0, **hp):
     teacher, student = tiny_pair(seed, learn_weights="weights" in train)
-    params = DistillHParams(max_steps=max_steps, lr=lr, weight_lr=lr, **hp)
-    return cls(student, teacher, params, torch.tensor([0.5, 0.5]), list(train))
+    params = hparams(max_steps=max_steps, lr=lr, weight_lr=lr, train=list(train), **hp)
+    groups = prepare_qat(student, params.train, params.grad_scale)
+    return cls(student, teacher, params, torch.tensor([0.5, 0.5]), groups)
 
 
 def batch(seed: int = 0, n: int = 4) -> torch.Tensor:
@@ -161,7 +177,7 @@ def test_trainable_sets(train):
     assert not any(p.requires_grad for p in module.teacher.parameters())
     for bad in (["weights"], ["scales", "scales"], ["scales", "head"]):
         with pytest.raises(ValueError, match="scales"):
-            set_trainable(module.student, bad)
+            prepare_qat(module.student, bad, "none")
 
 
 def test_full_precision_modules_under_bf16_autocast():
@@ -263,3 +279,19 @@ def test_resume_continues_at_the_checkpointed_step(tmp_path):
     for a, b in zip(second.at_start, first.after[1]):  # the weights of step 2, not the init's
         assert torch.equal(a, b)
     assert step_of(resume_path(tmp_path)) == 5  # the last step is validated and checkpointed
+
+
+def test_zero_checkpoints_leave_out_the_teacher_and_the_frozen_codes(tmp_path):
+    """They are reloaded from disk on resume; the module loads its checkpoints non-strictly."""
+    from types import SimpleNamespace
+
+    from pipeline.lit.deepspeed_cpu import make_deepspeed_strategy
+
+    config = tmp_path / "zero2.json"
+    config.write_text('{"zero_optimization": {"stage": 2}}')
+    strategy = make_deepspeed_strategy(config)
+    module = make_module()
+    module._trainer = SimpleNamespace(strategy=strategy)
+    assert not strategy.exclude_frozen_parameters
+    module.on_fit_start()
+    assert strategy.exclude_frozen_parameters and not module.strict_loading

@@ -1,6 +1,7 @@
 """The reinforce loss and LightningModule on tiny Llama pairs."""
 
 import copy
+from dataclasses import replace
 
 import lightning as L
 import pytest
@@ -8,19 +9,16 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from pipeline.lit.lm import step_loader
-from pipeline.lit.reinforce import (
-    DraftReinforce,
-    LossWeights,
-    ReinforceData,
-    ScenarioBatches,
-    prepare_trainable,
-    proposal_logits,
-    reinforce_loss,
-)
-from pipeline.spec.metrics import expected_acceptance
-from pipeline.spec.rewards import MovingAverageBaseline
-from pipeline.spec.rollout import draft_rollout
-from tests.spec.conftest import VOCAB, perturbed, tiny_llama
+from pipeline.lit.losses import LossWeights, proposal_logits, reinforce_loss
+from pipeline.lit.qat import prepare_qat
+from pipeline.lit.reinforce import DraftReinforce, ReinforceData, ScenarioBatches
+from pipeline.speculative.metrics import expected_acceptance
+from pipeline.speculative.rewards import MovingAverageBaseline
+from pipeline.speculative.rollout import draft_rollout
+from tests.speculative.conftest import VOCAB, perturbed, tiny_llama
+
+# The stage's default weights, without its context term.
+WEIGHTS = LossWeights(pg=0.1, tvd=1.0, kl=0.05, w_acceptance=0.7, w_throughput=0.3, context_tvd=0.0)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -75,7 +73,7 @@ def test_one_step_increases_expected_acceptance(target):
         temperature=1.0,
         draft_temp=1.05,
         cost_ratio=0.3,
-        weights=LossWeights(),
+        weights=WEIGHTS,
         advantages=MovingAverageBaseline().advantages,
         generator=gen,
     )
@@ -98,8 +96,8 @@ def test_context_term_raises_teacher_forced_acceptance_on_the_contexts(target):
 
     gains = {}
     for name, weights in {
-        "on_policy": LossWeights(pg=0.0, tvd=1.0, kl=0.0),
-        "context": LossWeights(pg=0.0, tvd=0.0, kl=0.0, context_tvd=1.0),
+        "on_policy": replace(WEIGHTS, pg=0.0, tvd=1.0, kl=0.0),
+        "context": replace(WEIGHTS, pg=0.0, tvd=0.0, kl=0.0, context_tvd=1.0),
     }.items():
         draft = _draft(target, 3).train()
         reference = copy.deepcopy(draft).requires_grad_(False)
@@ -157,7 +155,8 @@ def test_quantized_draft_trains_only_its_grid(target):
     for layer in draft.model.layers:
         attn = layer.self_attn
         attn.q_proj = FakeQuantLinear.from_linear(attn.q_proj, "int4g32")
-    names = prepare_trainable(draft)
+    prepare_qat(draft, ["scales"], "bits")
+    names = [n for n, p in draft.named_parameters() if p.requires_grad]
     assert names and all(n.endswith((".scale", ".zero")) for n in names)
     scale = draft.model.layers[0].self_attn.q_proj.scale
     before = scale.detach().clone()
@@ -170,7 +169,7 @@ def test_quantized_draft_trains_only_its_grid(target):
         temperature=1.0,
         draft_temp=1.0,
         cost_ratio=0.3,
-        weights=LossWeights(),
+        weights=WEIGHTS,
         advantages=MovingAverageBaseline().advantages,
         generator=torch.Generator().manual_seed(0),
     )
@@ -197,11 +196,14 @@ def _fit(tmp_path, target, draft, max_steps, ckpt=None):
         temperature=1.0,
         draft_t0=1.0,
         cost_ratio=None,
-        weights=LossWeights(),
+        weights=WEIGHTS,
         lr=1e-3,
         warmup=1,
         max_steps=5,
+        baseline_momentum=0.9,
+        monitor_window=20,
         seed=0,
+        context_positions=0,
     )
     data = ReinforceData(_prompts(), None, 2, seed=0)
     record = _Record()

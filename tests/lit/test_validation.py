@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from pipeline.lit.distill import HeldoutBatches, heldout_sums
+from pipeline.lit.losses import kl_divergence
 from pipeline.lit.reinforce import ScenarioPrompts
-from pipeline.quant.losses import kl_divergence
 
 
 def test_heldout_sums_match_cross_entropy_and_kl():

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.models import synthetic_config, write_synthetic_checkpoint
+from pipeline.models.synthetic import synthetic_config, write_synthetic_checkpoint
 
 TINY = dict(hidden=32, layers=3, intermediate=48, heads=4, kv_heads=2, vocab=61)
 

@@ -97,9 +97,9 @@ def test_load_block_reads_and_allocates_only_that_block(llama_dir, monkeypatch):
     assert block.self_attn.layer_idx == 1
 
 
-def test_load_segment_and_dtype_cast(llama_dir):
+def test_load_blocks_and_dtype_cast(llama_dir):
     ck = StreamingCheckpoint(llama_dir, dtype=torch.bfloat16)
-    blocks = ck.load_segment(1, 3)
+    blocks = [ck.load_block(1), ck.load_block(2)]
     assert [b.self_attn.layer_idx for b in blocks] == [1, 2]
     assert {p.dtype for b in blocks for p in b.parameters()} == {torch.bfloat16}
     kwargs = ck.block_forward_inputs((4, 6, 32))

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pipeline.errors import LowbitError
-from pipeline.models import CheckpointError, StreamingCheckpoint, write_synthetic_checkpoint
+from pipeline.models import CheckpointError, StreamingCheckpoint
 from pipeline.models.quantized import (
     QuantizedWriter,
     load_quantized,
@@ -17,6 +17,7 @@ from pipeline.models.quantized import (
     read_quant_meta,
     save_quantized_model,
 )
+from pipeline.models.synthetic import write_synthetic_checkpoint
 from pipeline.quant.fakequant import FakeQuantLinear
 from pipeline.quant.rtn import quantize_rtn
 

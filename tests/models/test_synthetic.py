@@ -7,7 +7,8 @@ import json
 import torch
 from safetensors import safe_open
 
-from pipeline.models import StreamingCheckpoint, write_synthetic_checkpoint
+from pipeline.models import StreamingCheckpoint
+from pipeline.models.synthetic import write_synthetic_checkpoint
 
 SIZES = dict(hidden=32, layers=2, intermediate=48, heads=4, kv_heads=2, vocab=40)
 

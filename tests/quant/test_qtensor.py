@@ -1,10 +1,10 @@
-"""QTensor: dequantization convention, the signed (Ascend) mapping, serialization."""
+"""QTensor: dequantization convention, the signed (Ascend) mapping, the flat state dict."""
 
 import pytest
 import torch
 
 from pipeline.quant.formats import parse_format
-from pipeline.quant.qtensor import QTensor, load_qtensors, save_qtensors
+from pipeline.quant.qtensor import QTensor
 from pipeline.quant.rtn import quantize_rtn
 from tests.quant.test_formats import ALL_FORMATS
 
@@ -58,22 +58,6 @@ def test_state_dict_round_trip(name):
 def test_missing_prefix_names_the_expected_keys():
     with pytest.raises(KeyError, match="x.format"):
         QTensor.from_state_dict(_qt("int4g32").to_state_dict("y"), "x")
-
-
-def test_save_and_load_many(tmp_path):
-    qts = {"a.q_proj": _qt("int4g128"), "a.k_proj": _qt("exp4g64", seed=1), "b": _qt("float")}
-    path = tmp_path / "q.safetensors"
-    save_qtensors(path, qts)
-    back = load_qtensors(path)
-    assert set(back) == set(qts)
-    for name, qt in qts.items():
-        assert back[name].fmt == qt.fmt
-        assert torch.equal(back[name].dequantize(), qt.dequantize())
-
-
-def test_load_missing_file_is_a_clear_error(tmp_path):
-    with pytest.raises(FileNotFoundError, match="nope"):
-        load_qtensors(tmp_path / "nope.safetensors")
 
 
 def test_inconsistent_shapes_are_rejected():

@@ -9,8 +9,8 @@ import types
 import pytest
 import torch
 
+from pipeline.artifact.lowbit_format import pack_linear, plan_layer, unpack_linear
 from pipeline.errors import LowbitError
-from pipeline.export.lowbit_format import pack_linear, plan_layer, unpack_linear
 from pipeline.quant.rtn import quantize_rtn
 from pipeline.runtime.backends import (
     NpuQuantLinear,
@@ -110,15 +110,15 @@ def test_resolve_backends(monkeypatch, fake_torch_npu):
 
 
 def test_whole_model_on_the_npu_path(fake_torch_npu, qmodels, tmp_path):
-    from pipeline.export import ExportOptions, export_artifact
+    from pipeline.export import export_artifact
     from pipeline.runtime import load
-    from tests.export.models import tokens
+    from tests.export.models import export_options, tokens
 
     art = tmp_path / "a"
     export_artifact(
         qmodels.get(("int4g128", "int8", "int2g64", "exp4g128")),
         art,
-        ExportOptions(float_dtype="keep"),
+        export_options(float_dtype="keep"),
     )
     npu = load(art, "npu", device="cpu", dtype=torch.float32)
     ref = load(art, "torch", device="cpu", kernel="reference")

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.export import ExportOptions, export_artifact
+from pipeline.export import export_artifact
 from pipeline.runtime.cli import main, parse_args
+from tests.export.models import export_options
 
 
 @pytest.fixture(scope="module")
 def artifact(qmodels, tmp_path_factory):
     art = tmp_path_factory.mktemp("cli") / "artifact"
-    export_artifact(qmodels.get("int4g128"), art, ExportOptions(), draft=qmodels.fp)
+    export_artifact(qmodels.get("int4g128"), art, export_options(), draft=qmodels.fp)
     return art
 
 

@@ -7,7 +7,7 @@ import logging
 import pytest
 import torch
 
-from pipeline.export.lowbit_format import pack_linear, plan_layer, unpack_linear
+from pipeline.artifact.lowbit_format import pack_linear, plan_layer, unpack_linear
 from pipeline.quant.rtn import quantize_rtn
 from pipeline.runtime import kernels
 from pipeline.runtime.backends import TorchQuantLinear, kernel_summary
@@ -73,7 +73,7 @@ def test_a_kernel_that_disagrees_is_replaced_and_named(monkeypatch, caplog):
         return torch.zeros(x.shape[0], 64)
 
     monkeypatch.setattr(kernels.Int4Pack, "forward", wrong)
-    with caplog.at_level(logging.WARNING, logger="lowbit"):
+    with caplog.at_level(logging.WARNING, logger="pipeline.runtime.kernels"):
         layer = build(codes, name="model.layers.0.mlp.up_proj")
     assert layer.name == "reference"
     assert "model.layers.0.mlp.up_proj" in caplog.text and "differs" in caplog.text
@@ -88,7 +88,7 @@ def test_a_kernel_that_raises_falls_back(monkeypatch, caplog):
         raise RuntimeError("no kernel for this device\nsecond line")
 
     monkeypatch.setattr(kernels.Int8Pack, "forward", refuse)
-    with caplog.at_level(logging.WARNING, logger="lowbit"):
+    with caplog.at_level(logging.WARNING, logger="pipeline.runtime.kernels"):
         assert build(codes, name="lm").name == "reference"
     assert "RuntimeError: no kernel for this device" in caplog.text
     assert "second line" not in caplog.text

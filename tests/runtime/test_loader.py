@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline.export import ArtifactError, ExportOptions, export_artifact
+from pipeline.export import ArtifactError, export_artifact
 from pipeline.models.quantized import load_quantized
 from pipeline.runtime import load
 from pipeline.runtime.backends import TorchQuantLinear
 from pipeline.runtime.kernels import relative_error
-from pipeline.spec.decoding import plain_generate
-from tests.export.models import tokens
+from pipeline.speculative.decoding import plain_generate
+from tests.export.models import export_options, tokens
 
 FORMATS = ["int2g64", "int3g128", "int4g128", "int4g128-sym", "int8", "exp4g128"]
 PACKED = {f: "int4pack" for f in FORMATS} | {"int8": "int8pack", "exp4g128": "dense-bf16"}
@@ -27,7 +27,7 @@ def _logits(model, x):
 def test_logits_equal_fake_quant(qmodels, tmp_path, fmt):
     src = qmodels.get(fmt)
     art = tmp_path / "a"
-    export_artifact(src, art, ExportOptions(format="lowbit", float_dtype="keep"))
+    export_artifact(src, art, export_options(format="lowbit", float_dtype="keep"))
     rt = load(art, "torch", draft=None, kernel="reference")
     quantized = [m for m in rt.model.modules() if isinstance(m, TorchQuantLinear)]
     assert len(quantized) == 7 and rt.backend == "torch"
@@ -46,13 +46,13 @@ def test_mixed_model_ascend_widened_and_fp16(qmodels, tmp_path):
     src = qmodels.get(("int4g128", "int2g128", "int8", "int3g128"))
     ref = _logits(load_quantized(src), tokens())
     art = tmp_path / "a"
-    export_artifact(src, art, ExportOptions(format="ascend", widen=True, float_dtype="keep"))
+    export_artifact(src, art, export_options(format="ascend", widen=True, float_dtype="keep"))
     rt = load(art, "torch", draft=None, kernel="reference")
     assert {i.type for i in rt.layers.values()} == {"W4A16", "W8A16"}
     torch.testing.assert_close(_logits(rt.model, tokens()), ref, atol=1e-5, rtol=1e-5)
     # default float16 storage of embeddings/norms/lm_head: close, not exact
     art16 = tmp_path / "b"
-    export_artifact(src, art16, ExportOptions(format="lowbit"))
+    export_artifact(src, art16, export_options(format="lowbit"))
     got = _logits(load(art16, "torch", draft=None, kernel="reference").model, tokens())
     torch.testing.assert_close(got, ref, atol=2e-2, rtol=2e-2)
 
@@ -60,7 +60,7 @@ def test_mixed_model_ascend_widened_and_fp16(qmodels, tmp_path):
 def test_speculative_from_artifacts_equals_greedy_target(qmodels, tmp_path):
     src = qmodels.get(("int4g128", "int3g128"))
     art = tmp_path / "a"
-    export_artifact(src, art, ExportOptions(float_dtype="keep"), draft=qmodels.get("int2g64"))
+    export_artifact(src, art, export_options(float_dtype="keep"), draft=qmodels.get("int2g64"))
     rt = load(art, "torch", kernel="reference")
     assert rt.draft is not None and len(rt.draft.layers) == 7  # the artifact's own draft
     assert set(rt.draft.kernels.values()) == {"reference"}  # the draft follows the target
@@ -80,7 +80,7 @@ def test_speculative_from_artifacts_equals_greedy_target(qmodels, tmp_path):
     assert seq[0, ids.shape[1] :].tolist() == plain.tokens
     # a separately given draft artifact works too, and sampling runs
     other = tmp_path / "d"
-    export_artifact(qmodels.fp, other, ExportOptions())
+    export_artifact(qmodels.fp, other, export_options())
     rt2 = load(art, "torch", draft=other, kernel="reference")
     assert rt2.generate(prompt, 24, 0.0).tokens == plain.tokens
     assert len(rt2.generate(prompt, 8, temperature=1.0, seed=3).tokens) <= 8
@@ -88,6 +88,6 @@ def test_speculative_from_artifacts_equals_greedy_target(qmodels, tmp_path):
 
 def test_compressed_tensors_artifact_is_refused(qmodels, tmp_path):
     art = tmp_path / "ct"
-    export_artifact(qmodels.get("int4g128"), art, ExportOptions(format="compressed-tensors"))
+    export_artifact(qmodels.get("int4g128"), art, export_options(format="compressed-tensors"))
     with pytest.raises(ArtifactError, match="vLLM"):
         load(art, "torch")

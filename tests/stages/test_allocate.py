@@ -13,7 +13,6 @@ from pipeline import workflow
 from pipeline.config import QuantConfig
 from pipeline.errors import ConfigError
 from pipeline.quant.allocate import layer_bits
-from pipeline.stages import allocate
 from pipeline.stages.allocate import make_plan
 from tests.conftest import make_cfg
 from tests.stages.conftest import boot_cfg
@@ -107,17 +106,17 @@ def test_infeasible_budget_names_the_key_and_minimum():
 
 
 @pytest.mark.parametrize(("budget", "fails"), [("2.2", True), ("2.3", False)])
-def test_validate_checks_the_budget_from_config_alone(budget, fails):
+def test_check_refuses_the_budget_from_config_alone(budget, fails):
     # default bootstrap model: hidden 256; int2g64 costs 2 + 18/64 = 2.28125 bits per weight
     cfg = make_cfg(f"quant.budget_bits={budget}")
     if fails:
         with pytest.raises(ConfigError, match=r"quant\.budget_bits.*2\.2813"):
-            allocate.validate(cfg)
+            workflow.check_stage(cfg, "allocate")
     else:
-        allocate.validate(cfg)
+        workflow.check_stage(cfg, "allocate")
 
 
-def test_validate_reads_shapes_of_a_user_checkpoint(tmp_path):
+def test_check_reads_shapes_of_a_user_checkpoint(tmp_path):
     config = {
         "model_type": "llama",
         "hidden_size": 96,
@@ -137,7 +136,7 @@ def test_validate_reads_shapes_of_a_user_checkpoint(tmp_path):
     # in=160: (4*160 + 20*3)/160 on down (15360); lm_head and embeddings stay float
     minimum = (67584 * (4 * 96 + 40) / 96 + 15360 * (4 * 160 + 60) / 160) / (67584 + 15360)
     with pytest.raises(ConfigError, match=f"minimum achievable: {math.ceil(minimum * 1e4) / 1e4}"):
-        allocate.validate(cfg)
+        workflow.check_stage(cfg, "allocate")
 
 
 def test_uniform_workflow_skips_sensitivity(boot, tmp_path):

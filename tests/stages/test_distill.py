@@ -182,18 +182,20 @@ def test_end_to_end_bf16_with_attention_and_hidden_matching(detuned, tmp_path):
         ("stage.distill.early_stop_patience=0", "stage.distill.early_stop_patience"),
     ],
 )
-def test_validate_names_the_bad_key(tmp_path, override, key):
-    from pipeline.stages.distill import validate
-
+def test_check_names_the_bad_key(tmp_path, override, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
-        validate(smoke_cfg(tmp_path, override))
+        workflow.check_stage(smoke_cfg(tmp_path, override), "distill")
 
 
 def test_alpha_and_beta_cannot_both_be_zero(tmp_path):
-    from pipeline.stages.distill import validate
-
     with pytest.raises(ConfigError, match="not both 0"):
-        validate(smoke_cfg(tmp_path, "stage.distill.alpha=0", "stage.distill.beta=0"))
+        cfg = smoke_cfg(tmp_path, "stage.distill.alpha=0", "stage.distill.beta=0")
+        workflow.check_stage(cfg, "distill")
+
+
+def test_check_refuses_an_unknown_trainer_argument(tmp_path):
+    with pytest.raises(ConfigError, match=r"trainer\.max_stepz"):
+        workflow.check_stage(smoke_cfg(tmp_path, "+trainer.max_stepz=3"), "distill")
 
 
 def test_rerun_after_a_kill_resumes_from_the_last_checkpoint(detuned, tmp_path, monkeypatch):
@@ -235,7 +237,7 @@ def test_no_checkpoint_better_than_the_input_keeps_it_byte_identical(
         "stage.distill.val_every=1",
         "stage.distill.early_stop_patience=1",
     )
-    with caplog.at_level("WARNING", logger="lowbit"):
+    with caplog.at_level("WARNING", logger="pipeline"):
         metrics = workflow.run(smoke_cfg(tmp_path, *args))["distill"]["metrics"]
     assert "keeping the quantize stage's model unchanged" in caplog.text
     assert metrics["kept_input"] == 1 and metrics["steps"] == 2  # stopped early

@@ -9,7 +9,6 @@ import torch
 
 from pipeline import workflow
 from pipeline.errors import ConfigError
-from pipeline.stages import export
 from tests.conftest import smoke_cfg
 from tests.stages.conftest import boot_cfg
 
@@ -84,12 +83,12 @@ def test_export_stage_end_to_end(boot, tmp_path):
         (["stage.export.shard_bytes=0"], "> 0"),
     ],
 )
-def test_validate_refuses_what_the_format_cannot_hold(tmp_path, overrides, fix):
+def test_check_refuses_what_the_format_cannot_hold(tmp_path, overrides, fix):
     cfg = smoke_cfg(tmp_path, "tracking=none", *overrides)
     with pytest.raises(ConfigError, match="stage.export"):
-        export.validate(cfg)
+        workflow.check_stage(cfg, "export")
     with pytest.raises(ConfigError) as err:
-        export.validate(cfg)
+        workflow.check_stage(cfg, "export")
     assert fix in str(err.value)
 
 
@@ -103,5 +102,5 @@ def test_validate_refuses_what_the_format_cannot_hold(tmp_path, overrides, fix):
         ["quant=e4g128"],  # the default lowbit format holds everything
     ],
 )
-def test_validate_accepts(tmp_path, overrides):
-    export.validate(smoke_cfg(tmp_path, "tracking=none", *overrides))
+def test_check_accepts(tmp_path, overrides):
+    workflow.check_stage(smoke_cfg(tmp_path, "tracking=none", *overrides), "export")

@@ -12,8 +12,8 @@ from pipeline.config import data_cfg
 from pipeline.data.text import load_splits
 from pipeline.errors import ConfigError
 from pipeline.models.hf import load_causal_lm, load_tokenizer
-from pipeline.spec.evaluation import heldout_scenarios
-from pipeline.spec.metrics import teacher_forced_acceptance
+from pipeline.speculative.evaluation import heldout_scenarios
+from pipeline.speculative.metrics import teacher_forced_acceptance
 from pipeline.stages import reinforce
 from tests.conftest import smoke_cfg
 from tests.stages.conftest import boot_cfg
@@ -97,10 +97,10 @@ def test_rerun_after_a_crash_resumes_from_the_checkpoint(boot, tmp_path, monkeyp
 
     measure = reinforce._measure
 
-    def crash(ctx, p, target_name, target, drafts, scenarios):
+    def crash(cfg, seed, target_name, target, drafts, scenarios):
         if "draft_reinforced" in drafts:
             raise RuntimeError("killed after training")
-        return measure(ctx, p, target_name, target, drafts, scenarios)
+        return measure(cfg, seed, target_name, target, drafts, scenarios)
 
     monkeypatch.setattr(reinforce, "_measure", crash)
     with pytest.raises(Exception, match="killed"):
@@ -131,7 +131,7 @@ def test_rerun_after_a_crash_resumes_from_the_checkpoint(boot, tmp_path, monkeyp
 def test_quantized_target_and_draft(boot, tmp_path):
     from pipeline.models.quantized import load_quantized, save_quantized_model
     from pipeline.quant.fakequant import FakeQuantLinear
-    from pipeline.workflow import StageContext
+    from pipeline.workflow import StageIO, stage_config
 
     def quantize(src, dst, fmt):
         model = load_causal_lm(src)
@@ -152,7 +152,8 @@ def test_quantized_target_and_draft(boot, tmp_path):
     out.mkdir()
     work.mkdir()
     inputs = {"bootstrap": boot["run_dir"] / "bootstrap", "quantize": tmp_path / "quantize"}
-    metrics = reinforce.run(StageContext("reinforce", cfg, out, work, run_dir, inputs))
+    io = StageIO("reinforce", out, work, run_dir, inputs)
+    metrics = reinforce.run(*stage_config(cfg, "reinforce"), io)
     report = json.loads((out / "reinforce.json").read_text())
     assert report["target"] == "target_quantized" and report["draft_quantized"]
     assert report["pairs"]["reference"] == "draft_quantized@target_fp"
@@ -176,7 +177,7 @@ def test_no_checkpoint_better_than_the_start_keeps_the_draft(boot, tmp_path, mon
         "stage.reinforce.early_stop_patience=1",
     )
     cfg = boot_cfg(boot, tmp_path, STAGES, *TINY, *overrides)
-    with caplog.at_level("WARNING", logger="lowbit"):
+    with caplog.at_level("WARNING", logger="pipeline"):
         metrics = workflow.run(cfg)["reinforce"]["metrics"]
     assert "keeping it unchanged" in caplog.text
     assert metrics["kept_input"] == 1 and metrics["steps"] == 2  # stopped early
@@ -209,7 +210,7 @@ def test_no_draft_means_self_speculation_and_a_skip(boot, tmp_path):
     target = tmp_path / "target"
     shutil.copytree(boot["target"], target)
     cfg = smoke_cfg(tmp_path, "tracking=none", "stages=[reinforce]", f"model.target.path={target}")
-    assert "nothing to reinforce" in reinforce.skip_reason(cfg)
+    assert "nothing to reinforce" in reinforce.skip_reason(*workflow.stage_config(cfg, "reinforce"))
     assert "reinforce" not in workflow.run(cfg)
 
 
@@ -227,7 +228,7 @@ def test_no_draft_means_self_speculation_and_a_skip(boot, tmp_path):
         ("stage.reinforce.early_stop_patience=0", "early_stop_patience"),
     ],
 )
-def test_validate_names_the_bad_key(tmp_path, override, key):
+def test_check_names_the_bad_key(tmp_path, override, key):
     cfg = smoke_cfg(tmp_path, "tracking=none", STAGES, override)
     with pytest.raises(ConfigError, match=f"stage.reinforce.{key}"):
-        reinforce.validate(cfg)
+        workflow.check_stage(cfg, "reinforce")

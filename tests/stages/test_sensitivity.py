@@ -9,7 +9,6 @@ import pytest
 from pipeline import workflow
 from pipeline.errors import ConfigError
 from pipeline.quant.allocate import layer_bits
-from pipeline.stages import sensitivity
 from tests.conftest import make_cfg
 from tests.stages.conftest import boot_cfg
 
@@ -55,7 +54,7 @@ def test_workflow_writes_sensitivity_and_bitplan(boot, tmp_path):
 
 def test_invalid_method_is_rejected_before_compute():
     with pytest.raises(ConfigError, match="stage.sensitivity.method"):
-        sensitivity.validate(make_cfg("stage.sensitivity.method=obd"))
+        workflow.check_stage(make_cfg("stage.sensitivity.method=obd"), "sensitivity")
 
 
 def test_streamed_stage_matches_the_loaded_one(boot, tmp_path):

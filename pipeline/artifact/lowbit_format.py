@@ -1,0 +1,200 @@
+"""The lowbit artifact layout: ascendv1 extended with 2-bit, 3-bit and exponential tensors.
+
+A lowbit artifact is an ascendv1 directory (same file names, same description JSON, W4A16 /
+W8A16 tensors exactly as MindIE expects them) in which layers Ascend cannot run get three more
+types, read by lowbit's runtime (`pipeline.runtime`):
+
+* W2A16 / W3A16: ``P.weight`` uint8 ``[n, ceil(k/8)*b]``, each row's signed codes ``q`` as
+  b-bit two's complement fields, first code in the lowest bits (2-bit: four per byte; 3-bit:
+  every 8 codes fill 3 bytes); ``P.weight_scale`` fp16 ``[n, k/G]``; ``P.weight_offset`` int8
+  (asymmetric formats only).
+* W4A16_EXP: ``P.weight`` uint8 ``[n, ceil(k/8)*4]``, unsigned 4-bit codes, low nibble first;
+  ``P.weight_scale`` fp16 (the base ``s``) and ``P.weight_ratio`` fp16 (the ratio ``r``).
+
+Dequantization: int types ``W = (q - offset) * scale`` as in ascendv1; W4A16_EXP ``W = lut[c]``
+with the per-group lookup table ``lut = [0, s, s*r, ..., s*r**6, -0, -s, ..., -s*r**6]``.
+The table is stored factored (``s``, ``r``: 4 bytes per group) rather than as 16 floats
+(0.25 instead of 2-4 extra bits per weight at G=128); the runtime builds it at load with the
+same arithmetic as the quantizer, so it decodes bit-exactly. Scales of these types are fp16
+and offsets int8 because that is exactly what the quantizer produced: lossless, and smaller
+than ascendv1's float32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import Tensor
+
+from pipeline.artifact import ascend
+from pipeline.quant.codec import exp_lut, expand_groups, to_groups
+from pipeline.quant.formats import Format
+from pipeline.quant.packing import pack_bits, unpack_bits
+from pipeline.quant.qtensor import QTensor
+
+LOWBIT_TYPES = ("W2A16", "W3A16", "W4A16_EXP")
+TYPE_BITS = {"W2A16": 2, "W3A16": 3, "W4A16": 4, "W4A16_EXP": 4, "W8A16": 8, "W8A8_DYNAMIC": 8}
+TARGETS = ("ascend", "lowbit")
+
+
+@dataclass(frozen=True)
+class LayerInfo:
+    """How one linear is stored (manifest.json ``layers`` entry).
+
+    Attributes:
+        type: Description type (W4A16, W2A16, W4A16_EXP, ...).
+        format: The lowbit format it was quantized in (e.g. ``int2g64``).
+        bits: Bits per stored code (4 for 2/3-bit codes widened to int4).
+        group_size: Weights per group along k; 0 = one group per output channel.
+        shape: ``(n_out, k_in)``.
+        symmetric: No offset is stored (lowbit types) / offsets are all zero (ascend types).
+    """
+
+    type: str
+    format: str
+    bits: int
+    group_size: int
+    shape: tuple[int, int]
+    symmetric: bool
+
+    def to_json(self) -> dict:
+        return asdict(self) | {"shape": list(self.shape)}
+
+    @classmethod
+    def from_json(cls, d: dict) -> LayerInfo:
+        return cls(
+            d["type"],
+            d["format"],
+            int(d["bits"]),
+            int(d["group_size"]),
+            tuple(int(x) for x in d["shape"]),
+            bool(d["symmetric"]),
+        )
+
+
+def plan_layer(
+    name: str,
+    fmt: Format,
+    shape: tuple[int, int],
+    target: str,
+    widen: bool = False,
+    w8a8_dynamic: bool = False,
+) -> LayerInfo:
+    """Choose the stored type of a quantized linear for ``target`` ("ascend" | "lowbit")."""
+    group = ascend.effective_group(fmt, shape[1])
+    if target == "ascend":
+        typ = ascend.ascend_type(name, fmt, shape, widen, w8a8_dynamic)
+    elif fmt.kind == "exp":
+        typ = "W4A16_EXP"
+    elif fmt.bits == 8:
+        typ = "W8A8_DYNAMIC" if w8a8_dynamic and fmt.symmetric and group == 0 else "W8A16"
+    elif fmt.bits == 4:
+        ascend.check_int4_shape(name, shape, group)
+        typ = "W4A16"
+    else:
+        typ = f"W{fmt.bits}A16"
+    bits = TYPE_BITS[typ]
+    return LayerInfo(typ, fmt.name, bits, group, tuple(shape), fmt.symmetric)
+
+
+# ---------------------------------------------------------------- row bit packing
+def pack_rows(codes: Tensor, bits: int) -> Tensor:
+    """(n, k) unsigned codes -> (n, ceil(k/8) * bits) uint8, each row packed on its own."""
+    n, k = codes.shape
+    pad = (-k) % 8  # 8 codes fill whole bytes for every width
+    c = torch.nn.functional.pad(codes.to(torch.uint8), (0, pad))
+    return pack_bits(c, bits).view(n, -1)
+
+
+def unpack_rows(packed: Tensor, bits: int, k: int) -> Tensor:
+    """Inverse of ``pack_rows``: (n, k) uint8 codes."""
+    n = packed.shape[0]
+    k8 = k + (-k) % 8
+    return unpack_bits(packed.reshape(-1), bits, (n, k8))[:, :k]
+
+
+def to_field(q: Tensor, bits: int) -> Tensor:
+    """Signed codes -> their ``bits``-bit two's-complement fields (uint8)."""
+    return (q.to(torch.int16) & ((1 << bits) - 1)).to(torch.uint8)
+
+
+def from_field(f: Tensor, bits: int) -> Tensor:
+    """Inverse of ``to_field``: sign-extended int8."""
+    half = 1 << (bits - 1)
+    return ((f.to(torch.int16) ^ half) - half).to(torch.int8)
+
+
+# ---------------------------------------------------------------- one linear
+@dataclass
+class LinearCodes:
+    """A stored linear, unpacked: what every runtime backend starts from.
+
+    ``q``: int types int8 signed codes (n, k); W4A16_EXP uint8 codes (n, k).
+    ``scale``: float32 (n, n_groups) (exp: the base ``s``); ``offset``: float32, int types;
+    ``ratio``: float32, exp only.
+    """
+
+    info: LayerInfo
+    q: Tensor
+    scale: Tensor
+    offset: Tensor | None = None
+    ratio: Tensor | None = None
+
+    @property
+    def group_len(self) -> int:
+        return self.info.group_size or self.info.shape[1]
+
+    def lut(self) -> Tensor:
+        """(n, n_groups, 16) float32 decode table (exp only)."""
+        return exp_lut(self.scale, self.ratio)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        """The (n, k) weight, with the quantizer's arithmetic (bit-exact in float32)."""
+        k = self.info.shape[1]
+        if self.info.type == "W4A16_EXP":
+            idx = to_groups(self.q.long(), self.group_len)  # (n, n_groups, G)
+            return torch.gather(self.lut(), -1, idx).flatten(1)[:, :k].to(dtype)
+        scale = expand_groups(self.scale, self.group_len, k)
+        offset = expand_groups(self.offset, self.group_len, k)
+        return ((self.q.float() - offset) * scale).to(dtype)
+
+
+def pack_linear(qt: QTensor, info: LayerInfo) -> dict[str, Tensor]:
+    """The stored tensors of one linear, by local name (``weight``, ``weight_scale``, ...)."""
+    if info.type == "W4A16_EXP":
+        return {
+            "weight": pack_rows(qt.codes, 4),
+            "weight_scale": qt.scales.half(),
+            "weight_ratio": qt.ratios.half(),
+        }
+    q, scale, offset = qt.signed()
+    if info.type in ascend.ASCEND_TYPES:
+        return ascend.pack_int(q, scale, offset, info.bits, info.group_size)
+    out = {"weight": pack_rows(to_field(q, info.bits), info.bits), "weight_scale": qt.scales.half()}
+    if not info.symmetric:
+        out["weight_offset"] = offset.to(torch.int8)  # integer code offsets, exact
+    return out
+
+
+def unpack_linear(tensors: dict[str, Tensor], info: LayerInfo) -> LinearCodes:
+    """Inverse of ``pack_linear`` (shared by every runtime backend)."""
+    n, k = info.shape
+    if info.type == "W4A16_EXP":
+        codes = unpack_rows(tensors["weight"], 4, k)
+        return LinearCodes(
+            info, codes, tensors["weight_scale"].float(), ratio=tensors["weight_ratio"].float()
+        )
+    if info.type in ascend.ASCEND_TYPES:
+        q, scale, offset = ascend.unpack_int(tensors, info.bits, info.group_size)
+    else:
+        q = from_field(unpack_rows(tensors["weight"], info.bits, k), info.bits)
+        scale = tensors["weight_scale"].float()
+        off = tensors.get("weight_offset")
+        offset = torch.zeros_like(scale) if off is None else off.float()
+    if tuple(q.shape) != (n, k) or scale.shape != offset.shape or scale.shape[0] != n:
+        raise ValueError(
+            f"stored tensors do not match {info.type} {info.shape}: weight "
+            f"{tuple(q.shape)}, scale {tuple(scale.shape)}"
+        )
+    return LinearCodes(info, q, scale, offset)

@@ -1,0 +1,84 @@
+"""The accelerator devices this machine has, and the DDP strategy on a chosen backend.
+
+Shared by the trainer's checks (`pipeline.lit.trainer`) and the NPU accelerator
+(`pipeline.lit.npu`), which both read the visible NPUs and the device indices a config names.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from typing import Any
+
+import torch
+
+from pipeline.errors import ConfigError, first_line
+
+ASCEND_VISIBLE_DEVICES = "ASCEND_RT_VISIBLE_DEVICES"
+DEVICES_ALLOWED = "a positive count, a list of device indices, auto or -1 (all visible)"
+
+
+def torch_npu_problem() -> str | None:
+    """None once torch_npu is imported (it adds `torch.npu` and the `npu` device), else why not."""
+    try:
+        importlib.import_module("torch_npu")
+    except ModuleNotFoundError as e:
+        if e.name == "torch_npu":
+            return "torch_npu (Ascend's PyTorch plug-in, on the CANN toolkit) is not installed"
+        why = first_line(e) or type(e).__name__
+        return f"torch_npu does not load ({why}); is the CANN toolkit installed?"
+    except (ImportError, OSError, RuntimeError) as e:
+        # Typically libascendcl/libhccl not found: CANN missing or its set_env.sh not sourced.
+        why = first_line(e) or type(e).__name__
+        return f"torch_npu does not load ({why}); source CANN's set_env.sh"
+    if getattr(torch, "npu", None) is None:
+        return "torch_npu imported but did not add torch.npu"
+    return None
+
+
+def visible_npus(env: str = ASCEND_VISIBLE_DEVICES) -> int:
+    """NPUs this process may use: torch.npu's count, capped by the entries of `env` when set.
+
+    The cap matters when torch_npu initialised before the variable was set: the runtime then
+    still reports every NPU, but the ranks started from here see only the listed ones.
+    """
+    if torch_npu_problem():
+        return 0
+    try:
+        count = int(torch.npu.device_count())
+    except RuntimeError:  # driver not loaded or no device node: nothing usable
+        return 0
+    mask = entries(os.environ.get(env, ""))
+    return min(count, len(mask)) if mask else count
+
+
+def entries(text: str) -> list[str]:
+    """The devices a visible-devices variable lists ("4, 5" -> ["4", "5"])."""
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def device_list(devices: Any) -> list[int] | None:
+    """The device indices when `devices` names them (a list, or "0,1,2"), else None."""
+    try:
+        if isinstance(devices, list | tuple):
+            return [int(d) for d in devices]
+        if isinstance(devices, str) and "," in devices:
+            return [int(x) for x in entries(devices)]
+    except (TypeError, ValueError):
+        raise ConfigError("trainer.devices", f"is {devices}", DEVICES_ALLOWED) from None
+    return None
+
+
+def ddp_with_backend(strategy: Any, backend: str, ddp_cls: type | None = None) -> Any:
+    """A DDP-family strategy name ("ddp", "ddp_spawn", ...) as a `ddp_cls` object on `backend`.
+
+    Other strategies (objects, "auto", FSDP, ...) are returned unchanged.
+    """
+    from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+
+    if isinstance(strategy, str) and strategy in StrategyRegistry:
+        entry = StrategyRegistry[strategy]
+        if entry["strategy"] is DDPStrategy:
+            cls = ddp_cls or DDPStrategy
+            return cls(**entry["init_params"], process_group_backend=backend)
+    return strategy

@@ -1,0 +1,310 @@
+"""The losses of the two training stages: distillation (QAT) and on-policy acceptance training.
+
+Both are pure functions of tensors and models' outputs (no Lightning, no config); the
+LightningModules of :mod:`pipeline.lit.distill` and :mod:`pipeline.lit.reinforce` wrap them.
+
+**Distillation: a quantized student mimics its FP teacher.**
+Logits: KL(p_teacher ‖ p_student) at temperature τ, multiplied by τ² so that its gradient keeps
+the same magnitude whatever τ (Hinton et al. 2015). Forward KL is mode-covering: the student is
+pushed to put mass wherever the teacher does, which is what perplexity measures.
+
+Intermediate matching (OneBit, NeurIPS 2024, uses logits + hidden states + attention): per decoder
+layer l the squared distance between teacher and student attention probabilities
+‖A_t^l − A_s^l‖² (summed over keys, averaged over batch, heads and queries), or the relative
+squared error of the layer's output hidden state. Layers are weighted by w_l, larger where the
+quantizer hurt more: w_l ∝ the mean relative output error of layer l's quantized linears, as
+measured by the quantize stage. The trade-off: matching intermediate maps gives dense,
+layer-local gradients (fast recovery of badly quantized layers) at the price of constraining
+the student to the teacher's internal solution, which at 2 bits may not be reachable; β sets how
+hard that constraint is.
+
+**Reinforce: the draft learns to be accepted by its target.**
+Each step the draft proposes gamma tokens after a batch of contexts; the frozen target verifies
+them exactly as speculative decoding would (:func:`pipeline.speculative.rollout.draft_rollout`). The
+loss (terms from :mod:`pipeline.speculative.rewards`) is
+
+    pg_weight * -(A * sum_k log q_T(x_k))             A = R - moving baseline,
+  + tvd_weight * TVD(p, q) on the verified positions   (= 1 - expected acceptance there),
+  + context_tvd_weight * TVD(p, q) on K context positions (teacher-forced),
+  + kl_weight * KL(q || q_start)                        (anchor to the starting draft),
+
+with R = w_a * accepted / gamma + w_t * (accepted + 1) / ((gamma * c + 1) * (gamma + 1)).
+Verified positions are the accepted ones plus the first rejection: position k is verified with
+probability prod_{j<k} beta_j, so averaging the TVD gradient over them is an unbiased estimate
+of sum_k P(reach k) * grad beta_k, the direct (pathwise) part of the gradient of the expected
+accepted length; the policy-gradient term carries the part through the sampled tokens. Tokens
+after the first rejection influence no reward and are left out of both terms (pure variance).
+
+Trade-off: the TVD term alone is on-policy distillation (DistillSpec); the reward adds what it
+cannot see (acceptance compounding along the block, the draft's cost), at the price of a noisy
+gradient, hence the baseline and the small default weight of the KL anchor. The on-policy terms
+see at most gamma positions per context; the context term is DistillSpec's fixed-data half: the
+same TVD on K random positions of the scenario text itself, teacher-forced, whose target logits
+come from the verification forward (no extra target pass). It gives the small draft K/gamma
+times more signal per step, on the text it will be asked to continue.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from pipeline.speculative.rewards import (
+    kl_to_reference,
+    policy_gradient_loss,
+    sampled_logprobs,
+    speculative_reward,
+    tvd_loss,
+)
+from pipeline.speculative.rollout import draft_rollout
+
+# Decoder-layer index inside a linear's name: Llama/Mistral/Qwen "model.layers.3.self_attn.q_proj",
+# GPT-2/Falcon "transformer.h.3.attn.c_attn", T5-like "block.3".
+_LAYER_RE = re.compile(r"(?:^|\.)(?:layers|h|blocks|block)\.(\d+)\.")
+
+
+# ------------------------------------------------------------------ distillation
+def kl_divergence(
+    teacher_logits: Tensor, student_logits: Tensor, temperature: float = 1.0
+) -> Tensor:
+    """τ²·KL(softmax(t/τ) ‖ softmax(s/τ)), averaged over tokens.
+
+    Args:
+        teacher_logits: (B, T, V) teacher logits (no gradient needed).
+        student_logits: (B, T, V) student logits.
+        temperature: τ > 0.
+
+    Returns:
+        Scalar float32 loss.
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    log_t = F.log_softmax(teacher_logits.float() / temperature, dim=-1)  # (B, T, V)
+    log_s = F.log_softmax(student_logits.float() / temperature, dim=-1)
+    kl = (log_t.exp() * (log_t - log_s)).sum(-1)  # (B, T)
+    return kl.mean() * temperature**2
+
+
+def attention_distances(teacher: Sequence[Tensor], student: Sequence[Tensor]) -> Tensor:
+    """Per-layer ‖A_t − A_s‖² of attention probabilities.
+
+    Args:
+        teacher: L tensors (B, H, T, T) of attention probabilities.
+        student: the student's, same shapes.
+
+    Returns:
+        (L,) float32: squared distance summed over keys, averaged over batch, heads, queries.
+    """
+    _same_length(teacher, student, "attention maps")
+    return torch.stack(
+        [(a_t.float() - a_s.float()).square().sum(-1).mean() for a_t, a_s in zip(teacher, student)]
+    )
+
+
+def hidden_distances(teacher: Sequence[Tensor], student: Sequence[Tensor]) -> Tensor:
+    """Per-layer relative squared error ‖h_t − h_s‖² / ‖h_t‖² of decoder-layer outputs.
+
+    The relative form keeps layers comparable: residual-stream norms grow with depth.
+
+    Args:
+        teacher: L tensors (B, T, C), the outputs of decoder layers 1..L (HF's `hidden_states`
+            without the embedding output at index 0).
+        student: the student's, same shapes.
+
+    Returns:
+        (L,) float32, each averaged over tokens.
+    """
+    _same_length(teacher, student, "hidden states")
+    out = []
+    for h_t, h_s in zip(teacher, student):
+        h_t, h_s = h_t.float(), h_s.float()
+        err = (h_t - h_s).square().sum(-1)  # (B, T)
+        out.append((err / h_t.square().sum(-1).clamp_min(1e-12)).mean())
+    return torch.stack(out)
+
+
+def _same_length(a: Sequence[Tensor], b: Sequence[Tensor], what: str) -> None:
+    if len(a) != len(b):
+        raise ValueError(f"teacher has {len(a)} {what}, student {len(b)}")
+
+
+def layer_of(name: str) -> int | None:
+    """Decoder-layer index of a module name, or None (embeddings, lm_head, ...)."""
+    m = _LAYER_RE.search(name)
+    return int(m.group(1)) if m else None
+
+
+def layer_weights(errors: Mapping[str, float], num_layers: int) -> Tensor:
+    """w_l ∝ mean quantization error of the linears of decoder layer l, normalised to Σ w_l = 1.
+
+    Args:
+        errors: {linear name: relative output error} (quant_report.json's rel_output_error).
+        num_layers: L, the number of decoder layers.
+
+    Returns:
+        (L,) float32 weights. Layers without a quantized linear get 0; when no layer has a positive
+        error (nothing measured, or everything exact) the weights are uniform.
+    """
+    total = torch.zeros(num_layers)
+    count = torch.zeros(num_layers)
+    for name, err in errors.items():
+        idx = layer_of(name)
+        if idx is None or not 0 <= idx < num_layers:
+            continue
+        if not err >= 0:  # NaN or negative: a broken report, not a weight
+            raise ValueError(f"quantization error of {name} is {err}; expected a value >= 0")
+        total[idx] += float(err)
+        count[idx] += 1
+    mean = total / count.clamp_min(1)
+    if mean.sum() <= 0:
+        return torch.full((num_layers,), 1.0 / num_layers)
+    return mean / mean.sum()
+
+
+def distill_loss(
+    teacher_logits: Tensor,
+    student_logits: Tensor,
+    weights: Tensor,
+    alpha: float,
+    beta: float,
+    temperature: float,
+    teacher_attn: Sequence[Tensor] | None = None,
+    student_attn: Sequence[Tensor] | None = None,
+    teacher_hidden: Sequence[Tensor] | None = None,
+    student_hidden: Sequence[Tensor] | None = None,
+) -> dict[str, Tensor]:
+    """α·KL + β·Σ_l w_l·d_l, with d_l from attention maps and/or hidden states.
+
+    Args:
+        teacher_logits, student_logits: (B, T, V).
+        weights: (L,) per-layer weights (see `layer_weights`).
+        alpha, beta: term weights; a term whose weight is 0 is not computed.
+        temperature: τ of the KL term.
+        teacher_attn, student_attn: L attention maps (B, H, T, T) each, or None.
+        teacher_hidden, student_hidden: L decoder-layer outputs (B, T, C) each, or None.
+
+    Returns:
+        {"kl", "attn", "hidden", "total"}: scalar tensors (unused terms are 0); "total" carries the
+        gradient.
+    """
+    zero = student_logits.new_zeros((), dtype=torch.float32)
+    kl = kl_divergence(teacher_logits, student_logits, temperature) if alpha else zero
+    attn = hidden = zero
+    if beta and teacher_attn is not None and student_attn is not None:
+        attn = (weights.to(zero.device) * attention_distances(teacher_attn, student_attn)).sum()
+    if beta and teacher_hidden is not None and student_hidden is not None:
+        hidden = (weights.to(zero.device) * hidden_distances(teacher_hidden, student_hidden)).sum()
+    total = alpha * kl + beta * (attn + hidden)
+    return {"kl": kl.detach(), "attn": attn.detach(), "hidden": hidden.detach(), "total": total}
+
+
+# ------------------------------------------------------------------ reinforce
+@dataclass(frozen=True)
+class LossWeights:
+    """The weights of the reinforce loss's terms and of the reward's two parts."""
+
+    pg: float
+    tvd: float
+    kl: float
+    w_acceptance: float
+    w_throughput: float
+    context_tvd: float
+
+
+def logits_at(model: torch.nn.Module, sequences: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Logits of ``sequences`` (B, S) at the positions ``rows`` (K,) -> (B, K, V)."""
+    if "logits_to_keep" in inspect.signature(model.forward).parameters:
+        # Only these rows go through the vocabulary projection.
+        return model(input_ids=sequences, logits_to_keep=rows.to(sequences.device)).logits
+    return model(input_ids=sequences).logits[:, rows.to(sequences.device)]
+
+
+def proposal_logits(model: torch.nn.Module, sequences: torch.Tensor, gamma: int) -> torch.Tensor:
+    """Logits predicting the last gamma tokens of ``sequences`` (B, T + G) -> (B, G, V)."""
+    s = sequences.shape[1]
+    return logits_at(model, sequences, torch.arange(s - gamma - 1, s - 1))
+
+
+def reinforce_loss(
+    target: torch.nn.Module,
+    draft: torch.nn.Module,
+    reference: torch.nn.Module,
+    contexts: torch.Tensor,
+    *,
+    gamma: int,
+    temperature: float,
+    draft_temp: float,
+    cost_ratio: float,
+    weights: LossWeights,
+    advantages: Callable[[torch.Tensor], torch.Tensor],
+    generator: torch.Generator | None = None,
+    context_positions: int = 0,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """One on-policy round on ``contexts`` (B, T) and the loss of the module docstring.
+
+    Args:
+        advantages: rewards (B,) -> advantages (B,), e.g. ``MovingAverageBaseline.advantages``.
+        context_positions: K, the context positions (drawn from ``generator``, the same for
+            every row) of the context TVD term; used when ``weights.context_tvd`` > 0.
+
+    Returns:
+        (loss with gradient into ``draft``, detached statistics for logging).
+    """
+    t = contexts.shape[1]
+    rows = None  # (K,) context positions of the context term, each predicting the next token
+    if weights.context_tvd > 0 and context_positions > 0 and t > 1:
+        device = generator.device if generator is not None else "cpu"
+        perm = torch.randperm(t - 1, generator=generator, device=device)
+        rows = perm[:context_positions].sort().values.cpu()
+    ro = draft_rollout(
+        target,
+        draft,
+        contexts,
+        gamma,
+        temperature=temperature,
+        draft_temperature=draft_temp,
+        generator=generator,
+        context_positions=rows,
+    )
+    ver = ro.verification
+    # (B, G) positions whose acceptance test ran: the accepted prefix and the first rejection.
+    mask = torch.arange(gamma, device=ver.n_verified.device) < ver.n_verified[:, None]
+    # One draft forward (with grad) for the context rows, if any, and the proposals.
+    proposed = torch.arange(t - 1, t + gamma - 1)
+    keep = proposed if rows is None else torch.cat([rows, proposed])
+    q_all = logits_at(draft, ro.sequences, keep)  # (B, K + G, V_q)
+    q_logits = q_all[:, -gamma:]
+    context_tvd = (
+        torch.zeros((), device=q_all.device)
+        if rows is None
+        else tvd_loss(ro.p_context.to(q_all.device), q_all[:, :-gamma], None, temperature)
+    )
+    with torch.no_grad():
+        ref_logits = proposal_logits(reference, ro.sequences, gamma)
+    vocab = min(q_logits.shape[-1], ro.p_logits.shape[-1])  # proposals come from the shared rows
+    reward = speculative_reward(
+        ver.n_accepted, gamma, cost_ratio, weights.w_acceptance, weights.w_throughput
+    )  # (B,)
+    adv = advantages(reward)
+    logq = sampled_logprobs(q_logits[..., :vocab], ro.tokens.to(q_logits.device), draft_temp)
+    pg = policy_gradient_loss(logq, adv.to(logq.device), mask)
+    tvd = tvd_loss(ro.p_logits[:, :gamma].to(q_logits.device), q_logits, mask, temperature)
+    kl = kl_to_reference(q_logits, ref_logits, mask)
+    loss = weights.pg * pg + weights.tvd * tvd + weights.kl * kl + weights.context_tvd * context_tvd
+    stats = {
+        "reward": reward.mean().item(),
+        "acceptance": ver.n_accepted.float().mean().item() / gamma,
+        "alpha": (ver.beta * mask).sum().item() / mask.sum().clamp_min(1).item(),
+        "tvd": tvd.item(),
+        "context_tvd": context_tvd.item(),
+        "kl": kl.item(),
+        "pg": pg.item(),
+        "draft_temperature": draft_temp,
+    }
+    return loss, stats

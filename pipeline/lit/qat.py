@@ -1,0 +1,132 @@
+"""Quantization-aware training set-up, shared by the two training stages (distill, reinforce).
+
+A model to train is loaded from an HF directory or from a lowbit quantized one, whose quantized
+linears come back as FakeQuantLinear layers that reproduce their codes, scales and zeros exactly
+(straight-through estimator). `prepare_qat` then chooses what trains, as EfficientQAT does: the
+step sizes and zero points (`scales`, codes frozen) and optionally the latent weights
+(`weights`, codes re-derived by rounding), the RMSNorm gains (`norms`) and the layers the
+quantizer kept in float (`float`: embeddings and lm_head), and gives every quantized linear the
+gradient factor of its scale and zero (`grad_scale`: 2^-bits, LSQ's 1/sqrt(N·Q_P), or none), so
+that step sizes of very different magnitudes learn at comparable rates.
+
+`keep_full_precision` keeps chosen modules (lm_head, the norms) out of bf16 autocast.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from pipeline.quant.fakequant import FakeQuantLinear, grad_scale_factor
+
+TRAINABLE = ("scales", "weights", "norms", "float")
+
+
+def train_sets_problem(train: Sequence[str]) -> str | None:
+    """Why `train` is not a valid choice of trainable sets, or None when it is."""
+    if set(train) - set(TRAINABLE) or "scales" not in train or len(set(train)) != len(train):
+        return f"must contain 'scales', each once, and only {', '.join(TRAINABLE)}"
+    return None
+
+
+def prepare_qat(
+    model: nn.Module, train: Sequence[str], grad_scale: str
+) -> dict[str, list[nn.Parameter]]:
+    """Freeze `model` except its `train` sets, and set each quantized linear's gradient factor.
+
+    Args:
+        model: a model whose quantized linears are FakeQuantLinear layers (in place).
+        train: the trainable sets, from TRAINABLE; `scales` is required.
+        grad_scale: the scale/zero gradient factor: bits, lsq or none
+            (`pipeline.quant.fakequant.grad_scale_factor`).
+
+    Returns:
+        {set: its parameters}, every set of TRAINABLE (empty when not trained): the optimizer's
+        parameter groups.
+    """
+    problem = train_sets_problem(train)
+    if problem:
+        raise ValueError(f"train={list(train)}: {problem}")
+    model.requires_grad_(False)
+    groups: dict[str, list[nn.Parameter]] = {k: [] for k in TRAINABLE}
+    for module in model.modules():
+        if isinstance(module, FakeQuantLinear):
+            groups["scales"] += [p for p in (module.scale, module.zero) if p is not None]
+            if "weights" in train:
+                groups["weights"] += [p for p in (module.weight, module.bias) if p is not None]
+        elif "norms" in train and "norm" in type(module).__name__.lower():
+            groups["norms"] += list(module.parameters(recurse=False))
+        elif "float" in train and isinstance(module, (nn.Linear, nn.Embedding)):
+            groups["float"] += list(module.parameters(recurse=False))
+    # Tied embeddings: lm_head and embed_tokens share one tensor, which the optimizer takes once.
+    groups["float"] = list({id(p): p for p in groups["float"]}.values())
+    for params in groups.values():
+        for p in params:
+            p.requires_grad_(True)
+    apply_grad_scale(model, grad_scale)
+    return groups
+
+
+def apply_grad_scale(model: nn.Module, mode: str) -> dict[str, float]:
+    """Give every FakeQuantLinear its scale/zero gradient factor; returns {name: factor}."""
+    factors = {}
+    for name, m in model.named_modules():
+        if isinstance(m, FakeQuantLinear):
+            factors[name] = grad_scale_factor(mode, m.fmt, m.out_features * m.in_features)
+            m.set_grad_scale(factors[name])
+    return factors
+
+
+def _fp32_forward(forward, module: nn.Module):
+    def wrapped(*args, **kwargs):
+        p = next(module.parameters(), None)
+        dtype = p.dtype if p is not None else torch.float32
+
+        def cast(x):
+            return x.to(dtype) if isinstance(x, Tensor) and x.is_floating_point() else x
+
+        with torch.autocast(device_type=p.device.type if p is not None else "cpu", enabled=False):
+            return forward(*map(cast, args), **{k: cast(v) for k, v in kwargs.items()})
+
+    return wrapped
+
+
+def keep_full_precision(model: nn.Module, patterns: Sequence[str]) -> list[str]:
+    """Run modules matching `patterns` outside autocast, in their parameters' dtype.
+
+    A pattern matches a module when it is a substring of the module's own name (`norm` matches
+    `input_layernorm` and `model.norm`) or an fnmatch pattern of its full name. Under bf16
+    autocast this keeps e.g. the lm_head's logits (the KL's input) and the norms in fp32.
+    Returns the matched names (children of a matched module are covered by it).
+    """
+    matched: list[str] = []
+    for name, module in model.named_modules():
+        if not name or any(name.startswith(m + ".") for m in matched):
+            continue
+        leaf = name.rsplit(".", 1)[-1]
+        if any(p in leaf or fnmatch.fnmatch(name, p) for p in patterns):
+            module.forward = _fp32_forward(module.forward, module)
+            matched.append(name)
+    return matched
+
+
+def is_quantized_dir(path: Path | str) -> bool:
+    """Whether `path` is a lowbit quantized model directory (else an HF one)."""
+    from pipeline.models.quantized import QUANT_JSON
+
+    return (Path(path) / QUANT_JSON).is_file()
+
+
+def load_model(path: Path | str, allow_bin: bool):
+    """A causal LM from an HF dir or a lowbit quantized dir (FakeQuantLinear layers)."""
+    if is_quantized_dir(path):
+        from pipeline.models.quantized import load_quantized
+
+        return load_quantized(path)
+    from pipeline.models.hf import load_causal_lm
+
+    return load_causal_lm(path, allow_bin=allow_bin)

@@ -1,0 +1,103 @@
+"""Adaptive draft length from a sliding-window acceptance estimate.
+
+Acceptance varies strongly with the text (repetitive spans are easy to draft, rare words are
+not), so a fixed gamma is either too short on easy spans or wastes draft calls on hard ones.
+After every verification round we re-estimate alpha over the last ``window`` rounds and pick
+the gamma in [gamma_min, gamma_max] that maximises the expected wall-time speed-up of
+Leviathan et al. (2023):
+
+    S(gamma) = (1 - alpha^(gamma+1)) / ((1 - alpha) * (gamma * c + v(gamma))),
+
+with c = draft cost / target cost and v(gamma) the cost of verifying gamma + 1 tokens in target
+steps (1 where decoding is memory-bound; measured by
+``pipeline.speculative.cost.measure_verify_cost`` where it is not, e.g. CPU kernels that process
+4 rows at a time). This is preferred over an up/down rule because it has no thresholds to tune:
+the only inputs are the measured alpha, c and v, and it reduces to "as long as allowed" when
+drafting and verifying are free and to gamma_min when alpha is low.
+
+Estimator: each round contributes its accepted count and the number of positions whose test
+actually ran (accepted + the first rejection). accepted / verified is the maximum-likelihood
+estimate of a per-token acceptance probability under the truncated-geometric model of the
+round; one pseudo-accept and one pseudo-reject (Laplace smoothing) keep it off 0 and 1 while
+the window is nearly empty.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Mapping
+
+from pipeline.speculative.metrics import theoretical_speedup
+
+__all__ = ["AdaptiveGamma"]
+
+
+class AdaptiveGamma:
+    """Chooses the draft length for the next round from recent acceptance.
+
+    Args:
+        gamma_min: smallest draft length (>= 1).
+        gamma_max: largest draft length (>= gamma_min).
+        window: number of recent rounds in the acceptance estimate.
+        cost_ratio: c = draft forward cost / target forward cost (see
+            :func:`pipeline.speculative.cost.measure_cost_ratio`); 0.2 is typical of a draft a few
+            times smaller than the target, or of a 2-bit self-draft on memory-bound hardware.
+        initial_gamma: draft length before any round was seen (default: the midpoint).
+        verify_cost: {gamma: v} verification costs in target steps; a gamma not listed
+            costs 1.
+    """
+
+    def __init__(
+        self,
+        gamma_min: int = 2,
+        gamma_max: int = 5,
+        window: int = 16,
+        cost_ratio: float = 0.2,
+        initial_gamma: int | None = None,
+        verify_cost: Mapping[int, float] | None = None,
+    ) -> None:
+        if not 1 <= gamma_min <= gamma_max:
+            raise ValueError(
+                f"need 1 <= gamma_min <= gamma_max, got gamma_min={gamma_min}, "
+                f"gamma_max={gamma_max}"
+            )
+        if window < 1:
+            raise ValueError(f"window must be >= 1, got {window}")
+        if cost_ratio < 0:
+            raise ValueError(f"cost_ratio must be >= 0, got {cost_ratio}")
+        self.gamma_min = gamma_min
+        self.gamma_max = gamma_max
+        self.cost_ratio = cost_ratio
+        self.verify_cost = dict(verify_cost or {})
+        start = (gamma_min + gamma_max) // 2 if initial_gamma is None else initial_gamma
+        self.gamma = min(max(start, gamma_min), gamma_max)
+        self._rounds: deque[tuple[int, int]] = deque(maxlen=window)
+        self.history: list[int] = []  # gamma used by each round, for plots and tests
+
+    @property
+    def alpha(self) -> float:
+        """Smoothed acceptance estimate over the window."""
+        accepted = sum(a for a, _ in self._rounds)
+        verified = sum(v for _, v in self._rounds)
+        return (accepted + 1.0) / (verified + 2.0)
+
+    def update(self, accepted: int, verified: int) -> int:
+        """Record one round and return the gamma for the next one.
+
+        Args:
+            accepted: draft tokens accepted in the round.
+            verified: positions whose acceptance test ran (accepted + 1, or gamma when all
+                were accepted).
+        """
+        if not 0 <= accepted <= verified:
+            raise ValueError(f"need 0 <= accepted <= verified, got {accepted}, {verified}")
+        self.history.append(self.gamma)
+        self._rounds.append((accepted, verified))
+        alpha = self.alpha
+        self.gamma = max(
+            range(self.gamma_min, self.gamma_max + 1),
+            key=lambda g: theoretical_speedup(
+                alpha, g, self.cost_ratio, self.verify_cost.get(g, 1.0)
+            ),
+        )
+        return self.gamma

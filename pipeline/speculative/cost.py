@@ -1,0 +1,130 @@
+"""Measured costs of speculative decoding: the cost ratio c and the verification cost v.
+
+c = draft step time / target step time enters the speed-up tau / (gamma * c + v), the
+adaptive draft length and the throughput reward. It is measured, not derived from parameter
+counts: a 2-bit self-draft has the target's FLOPs but a quarter of its weight bytes, and
+whether that matters depends on the hardware (memory-bound decoding on GPUs/NPUs, compute- or
+overhead-bound on small CPU models).
+
+v(gamma) = time of the target's verification forward (gamma + 1 tokens) / its single-token
+step. Leviathan et al. take v = 1, true where decoding is memory-bound (the weights are read
+once for all the tokens). On a CPU it is not: torch's int4 kernel processes 4 rows at a time
+(4 tokens cost ~1.8 steps, 5 tokens ~3.5), fp32 GEMM with 5 rows ~3 steps; so the best gamma
+and the speed-up to expect depend on v, and both are measured here.
+
+What is timed is one cached decode forward (``tokens`` tokens) after a prompt of
+``context_len`` tokens; the median over ``n_iters`` forwards resists scheduler noise. The cache
+is cropped back after every forward so each sees the same context.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from pipeline.speculative.decoding import CachedLM, vocab_size
+
+__all__ = ["forward_seconds", "measure_cost_ratio", "measure_verify_cost"]
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "npu" and hasattr(torch, "npu"):
+        torch.npu.synchronize(device)
+
+
+@torch.no_grad()
+def forward_seconds(
+    model: torch.nn.Module,
+    prompt: torch.Tensor,
+    tokens: int = 1,
+    n_warmup: int = 2,
+    n_iters: int = 10,
+) -> float:
+    """Median seconds of one cached forward of ``tokens`` tokens after ``prompt`` (1, T)."""
+    lm = CachedLM(model)
+    lm.forward(prompt, keep=1)
+    length = lm.length
+    feed = prompt[:, -1:].repeat(1, tokens)
+    times = []
+    for i in range(n_warmup + n_iters):
+        _synchronize(lm.device)
+        start = time.perf_counter()
+        lm.forward(feed, keep=tokens)
+        _synchronize(lm.device)
+        if i >= n_warmup:
+            times.append(time.perf_counter() - start)
+        lm.rollback(length)
+    return statistics.median(times)
+
+
+def _context(model: torch.nn.Module, input_ids, context_len: int, seed: int) -> torch.Tensor:
+    if input_ids is None:
+        gen = torch.Generator().manual_seed(seed)
+        input_ids = torch.randint(0, vocab_size(model), (1, context_len), generator=gen)
+    return torch.as_tensor(input_ids, dtype=torch.long).reshape(1, -1)
+
+
+def measure_cost_ratio(
+    target: torch.nn.Module,
+    draft: torch.nn.Module,
+    *,
+    input_ids: torch.Tensor | None = None,
+    context_len: int = 128,
+    n_warmup: int = 2,
+    n_iters: int = 10,
+    seed: int = 0,
+) -> float:
+    """Time one cached decode step of each model and return draft time / target time.
+
+    Args:
+        target: the verifying model.
+        draft: the proposing model.
+        input_ids: (1, T) context to decode after; random tokens of ``context_len`` if None.
+        context_len: length of the random context.
+        n_warmup: untimed steps (allocator and kernel warm-up).
+        n_iters: timed steps; the median is used.
+        seed: seed of the random context.
+
+    Returns:
+        c > 0.
+    """
+    if n_iters < 1:
+        raise ValueError(f"n_iters must be >= 1, got {n_iters}")
+    # the smaller vocabulary's ids are valid for both models
+    smaller = target if vocab_size(target) <= vocab_size(draft) else draft
+    input_ids = _context(smaller, input_ids, context_len, seed)
+    t_target = forward_seconds(target, input_ids, 1, n_warmup, n_iters)
+    t_draft = forward_seconds(draft, input_ids, 1, n_warmup, n_iters)
+    return t_draft / max(t_target, 1e-9)
+
+
+def measure_verify_cost(
+    target: torch.nn.Module,
+    gammas,
+    *,
+    input_ids: torch.Tensor | None = None,
+    context_len: int = 128,
+    n_warmup: int = 2,
+    n_iters: int = 10,
+    seed: int = 0,
+) -> dict[int, float]:
+    """v(gamma) = time of a (gamma + 1)-token target forward / a single-token one.
+
+    Args:
+        target: the verifying model.
+        gammas: the draft lengths to price (e.g. ``range(2, 6)``).
+        input_ids, context_len, n_warmup, n_iters, seed: as :func:`measure_cost_ratio`.
+
+    Returns:
+        {gamma: v}, v > 0.
+    """
+    input_ids = _context(target, input_ids, context_len, seed)
+    step = forward_seconds(target, input_ids, 1, n_warmup, n_iters)
+    return {
+        g: forward_seconds(target, input_ids, g + 1, n_warmup, n_iters) / max(step, 1e-9)
+        for g in gammas
+    }

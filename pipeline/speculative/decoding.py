@@ -1,0 +1,280 @@
+"""Speculative decoding with KV caches, and plain decoding as its baseline.
+
+Leviathan et al. (ICML 2023), Chen et al. (2023). Each round the draft proposes gamma tokens
+autoregressively (one cached forward per token), the target scores the last committed token
+plus all gamma drafts in ONE cached forward, and :func:`~pipeline.speculative.sampling.verify_draft`
+keeps the accepted prefix plus one correction/bonus token. Rejected positions are removed from
+both caches by cropping, so the next round continues from exactly the committed sequence.
+
+Cache invariant: after every round each model's cache holds a prefix of the committed sequence
+minus its last token; the next forward feeds the missing committed tokens (usually just the
+last one; for the draft also the last accepted draft token it never fed, when all gamma were
+accepted). Positions are passed explicitly (``position_ids`` = cache length + offset), so the
+rotary phases are right after a rollback whatever the cache implementation reports.
+
+Works with any HF-style causal LM called as ``model(input_ids=..., position_ids=...,
+cache=..., use_cache=True)`` (``past_key_values`` on transformers < 5.x) returning ``.logits``
+and a croppable cache: full-precision models, models with fake-quant linears, and a low-bit
+copy of the target as its own draft. Batch size is 1: speculative rounds accept different
+numbers of tokens per row, and batching them needs ragged caches; loop over prompts instead.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+
+import torch
+
+from pipeline.speculative.adaptive import AdaptiveGamma
+from pipeline.speculative.sampling import logits_to_probs, sample_tokens, verify_draft
+from pipeline.speculative.stats import SpecStats
+
+__all__ = [
+    "CachedLM",
+    "SpecStats",
+    "draft_block",
+    "draft_probs",
+    "plain_generate",
+    "speculative_generate",
+    "vocab_size",
+]
+
+
+class CachedLM:
+    """A causal LM with its KV cache: feeds tokens at the right positions and rolls back."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        params = inspect.signature(model.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self._keep_kw = "logits_to_keep" in params
+        param = next(model.parameters(), None)
+        self.device = param.device if param is not None else torch.device("cpu")
+        self.cache = None
+        self.length = 0  # tokens held by the cache
+
+    def forward(self, tokens: torch.Tensor, keep: int | torch.Tensor | None = None) -> torch.Tensor:
+        """Feed (B, n) tokens after the cached ones; returns their logits (B, k, V).
+
+        Args:
+            keep: the last ``keep`` rows (int), the rows at these indices into the n fed
+                tokens (1-D tensor), or every row (None).
+        """
+        n = tokens.shape[-1]
+        position_ids = torch.arange(self.length, self.length + n, device=self.device)[None]
+        kwargs = {} if self.cache is None else {self._cache_kw: self.cache}
+        if keep is not None and self._keep_kw:
+            kwargs["logits_to_keep"] = keep  # skip the vocabulary projection of unused rows
+        out = self.model(
+            input_ids=tokens.to(self.device), position_ids=position_ids, use_cache=True, **kwargs
+        )
+        cache = getattr(out, "cache", None)
+        self.cache = cache if cache is not None else getattr(out, "past_key_values", None)
+        if self.cache is None or not hasattr(self.cache, "crop"):
+            raise TypeError(
+                f"{type(self.model).__name__} did not return a croppable KV cache; speculative "
+                "decoding needs an HF causal LM returning a Cache (e.g. DynamicCache)"
+            )
+        self.length += n
+        logits = out.logits
+        if keep is None or self._keep_kw:  # (the model kept the rows itself)
+            return logits
+        return logits[:, -keep:] if isinstance(keep, int) else logits[:, keep.to(logits.device)]
+
+    def rollback(self, length: int) -> None:
+        """Keep only the first ``length`` cached tokens."""
+        if length < self.length:
+            # A negative argument means "remove this many" in both the 4.x and 5.x cache APIs.
+            self.cache.crop(length - self.length)
+            self.length = length
+
+
+def _as_prompt(input_ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
+    ids = torch.as_tensor(input_ids, dtype=torch.long)
+    if ids.dim() == 1:
+        ids = ids.unsqueeze(0)
+    if ids.dim() != 2 or ids.shape[0] != 1 or ids.shape[1] == 0:
+        raise ValueError(
+            f"input_ids must be one non-empty prompt of shape (1, T) or (T,), got "
+            f"{tuple(ids.shape)}; call the function once per prompt"
+        )
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    return ids
+
+
+def _eos_set(eos_token_id: int | list[int] | None) -> set[int]:
+    if eos_token_id is None:
+        return set()
+    return {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id)
+
+
+def _cut_at_eos(tokens: list[int], eos: set[int]) -> tuple[list[int], bool]:
+    for i, tok in enumerate(tokens):
+        if tok in eos:
+            return tokens[: i + 1], True
+    return tokens, False
+
+
+def draft_probs(logits: torch.Tensor, vocab: int, temperature: float) -> torch.Tensor:
+    """Draft distribution on the target's vocabulary: (1, V_q) logits -> (1, V_p) probs.
+
+    Extra draft rows (embedding padding) are cut before sampling; target tokens the draft
+    lacks get q = 0, which the residual distribution covers exactly.
+    """
+    q = logits_to_probs(logits[..., :vocab], temperature)
+    if q.shape[-1] < vocab:
+        q = torch.nn.functional.pad(q, (0, vocab - q.shape[-1]))
+    return q
+
+
+def draft_block(
+    drf: CachedLM,
+    pending: torch.Tensor,
+    g: int,
+    vocab: int,
+    temperature: float,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample ``g`` draft tokens autoregressively, one cached forward each.
+
+    The draft reads ``pending`` and then every draft but the last, which stays unread: the
+    next call feeds it (as its ``pending``) if it is kept, and nothing needs cropping if not.
+
+    Args:
+        drf: the draft and its cache.
+        pending: (1, m) tokens after the cached ones, m >= 1 when g >= 1.
+        g: number of tokens to propose (may be 0: nothing is fed).
+        vocab: the target's vocabulary size (see :func:`draft_probs`).
+        temperature: sampling temperature; 0 = greedy.
+        generator: randomness of the draft samples.
+
+    Returns:
+        (tokens, q): (1, g) int64 proposals on the draft's device, and (1, g, vocab) the
+        probabilities each was sampled from.
+    """
+    tokens, q_rows = [], []
+    for _ in range(g):
+        q_logits = drf.forward(pending, keep=1)[:, -1]  # (1, V_q)
+        q = draft_probs(q_logits, vocab, temperature)  # (1, V)
+        tok = sample_tokens(q, generator, temperature == 0)  # (1,)
+        tokens.append(tok)
+        q_rows.append(q)
+        pending = tok.view(1, 1)
+    if not g:
+        empty = torch.zeros(1, 0, dtype=torch.long, device=drf.device)
+        return empty, torch.zeros(1, 0, vocab, device=drf.device)
+    return torch.stack(tokens, 1), torch.stack(q_rows, 1)
+
+
+@torch.no_grad()
+def speculative_generate(
+    target: torch.nn.Module,
+    draft: torch.nn.Module,
+    input_ids: torch.Tensor,
+    max_new_tokens: int,
+    *,
+    gamma: int = 4,
+    adaptive: AdaptiveGamma | None = None,
+    temperature: float = 1.0,
+    generator: torch.Generator | None = None,
+    eos_token_id: int | list[int] | None = None,
+) -> tuple[torch.Tensor, SpecStats]:
+    """Generate up to ``max_new_tokens`` tokens distributed as the target's, using a draft.
+
+    Args:
+        target: the model whose distribution is reproduced (eval mode).
+        draft: the proposing model (same tokenizer), e.g. a small LM or a low-bit target copy.
+        input_ids: (1, T) or (T,) prompt.
+        max_new_tokens: generation budget; rounds near the end draft fewer tokens.
+        gamma: draft length per round (ignored when ``adaptive`` is given).
+        adaptive: chooses gamma per round from recent acceptance (updated in place).
+        temperature: applied to both models; 0 = greedy (output equals greedy target decoding).
+        generator: randomness for draft sampling and verification.
+        eos_token_id: stop after emitting any of these tokens.
+
+    Returns:
+        (sequence, stats): the (1, T + n) prompt plus new tokens, and the round statistics.
+    """
+    ids = _as_prompt(input_ids, max_new_tokens)
+    if gamma < 1:
+        raise ValueError(f"gamma must be >= 1, got {gamma}")
+    greedy = temperature == 0
+    eos = _eos_set(eos_token_id)
+    seq = ids[0].tolist()
+    tgt, drf = CachedLM(target), CachedLM(draft)
+    stats = SpecStats()
+    start = time.perf_counter()
+    if len(seq) > 1 and max_new_tokens > 0:
+        tgt.forward(ids[:, :-1], keep=1)
+        drf.forward(ids[:, :-1], keep=1)
+    vocab = vocab_size(target)
+    produced, done = 0, False
+    while produced < max_new_tokens and not done:
+        # Never draft past the budget: a round emits at most g + 1 tokens.
+        g = min(adaptive.gamma if adaptive is not None else gamma, max_new_tokens - produced - 1)
+        # Committed tokens the draft has not read yet: (1, 1), or (1, 2) after a full accept.
+        pending = torch.tensor([seq[drf.length :]], dtype=torch.long)
+        draft_t, q_probs = draft_block(drf, pending, g, vocab, temperature, generator)
+        draft_t = draft_t.to(tgt.device)  # (1, g)
+        feed = torch.cat([torch.tensor([seq[tgt.length :]], device=tgt.device), draft_t], dim=1)
+        p = logits_to_probs(tgt.forward(feed, keep=g + 1), temperature)  # (1, g+1, V)
+        ver = verify_draft(draft_t, q_probs.to(p.device), p, greedy=greedy, generator=generator)
+
+        n = int(ver.n_accepted.item())
+        n_verified = min(n + 1, g)
+        new, done = _cut_at_eos(draft_t[0, :n].tolist() + [int(ver.next_token.item())], eos)
+        seq.extend(new)
+        produced += len(new)
+        stats.record_round(g, n, len(new), ver.beta[0, :n_verified].tolist())
+        if adaptive is not None:
+            adaptive.update(n, n_verified)
+        # Drop rejected drafts: the target keeps all but the last committed token, the draft
+        # keeps whatever of its cache is still a prefix of the committed sequence.
+        tgt.rollback(len(seq) - 1)
+        drf.rollback(min(drf.length, len(seq) - 1))
+    stats.seconds = time.perf_counter() - start
+    return torch.tensor([seq], device=ids.device), stats
+
+
+@torch.no_grad()
+def plain_generate(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    generator: torch.Generator | None = None,
+    eos_token_id: int | list[int] | None = None,
+) -> tuple[torch.Tensor, SpecStats]:
+    """Token-by-token decoding with a KV cache (the baseline speculative decoding must beat).
+
+    Returns:
+        (sequence, stats) as :func:`speculative_generate`; here target_calls = new_tokens
+        (the prompt forward emits the first token) and nothing is drafted.
+    """
+    ids = _as_prompt(input_ids, max_new_tokens)
+    eos = _eos_set(eos_token_id)
+    seq = ids[0].tolist()
+    lm = CachedLM(model)
+    stats = SpecStats()
+    start = time.perf_counter()
+    feed = ids
+    for _ in range(max_new_tokens):
+        logits = lm.forward(feed, keep=1)[:, -1]  # (1, V)
+        tok = sample_tokens(logits_to_probs(logits, temperature), generator, temperature == 0)
+        seq.append(int(tok.item()))
+        stats.record_round(0, 0, 1, [])
+        if seq[-1] in eos:
+            break
+        feed = tok.view(1, 1)
+    stats.seconds = time.perf_counter() - start
+    return torch.tensor([seq], device=ids.device), stats
+
+
+def vocab_size(model: torch.nn.Module) -> int:
+    """Vocabulary size of a causal LM (from its config, else its output embedding)."""
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    if vocab is None:
+        vocab = model.get_output_embeddings().weight.shape[0]
+    return int(vocab)

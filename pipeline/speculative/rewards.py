@@ -1,0 +1,169 @@
+"""Reward and loss terms for acceptance-oriented training of the draft (reinforce stage).
+
+The draft is trained on its own proposals (on-policy, DistillSpec, Zhou et al. 2024):
+- a policy-gradient term with reward R = 0.7 * acceptance + 0.3 * throughput, minus a
+  moving-average baseline (REINFORCE with a baseline; the variance-reduction idea of TVD++,
+  Goel et al. 2024), which optimises what decoding actually measures, including how far into
+  the block acceptance survives;
+- the direct TVD term on the visited positions: expected acceptance is 1 - TVD(p, q) exactly,
+  so its gradient is dense and low-variance where the reward is sparse;
+- a KL anchor to the starting draft, so acceptance is not bought with language-model quality;
+- a slowly oscillating draft temperature, which varies how sharp the proposals are.
+
+Everything here is a pure function of tensors; the LightningModule wires them together.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from pipeline.speculative.cost import measure_cost_ratio
+from pipeline.speculative.metrics import align_vocab, masked_mean
+
+__all__ = [
+    "MovingAverageBaseline",
+    "draft_temperature",
+    "kl_to_reference",
+    "measure_cost_ratio",
+    "policy_gradient_loss",
+    "sampled_logprobs",
+    "speculative_reward",
+    "tvd_loss",
+]
+
+
+def speculative_reward(
+    n_accepted: torch.Tensor,
+    gamma: int,
+    cost_ratio: float,
+    w_acceptance: float = 0.7,
+    w_throughput: float = 0.3,
+) -> torch.Tensor:
+    """Per-round reward R = w_a * acceptance + w_t * throughput, both in [0, 1].
+
+    acceptance = n_accepted / gamma. throughput is the round's speed-up over plain decoding,
+    accepted_length / (gamma * c + 1) with accepted_length = n_accepted + 1 (the correction or
+    bonus token included), divided by gamma + 1, the largest accepted_length. The division
+    keeps it in [0, 1] like the acceptance term, while the cost still counts: the same accepted
+    length is worth less with a costlier draft or a longer block.
+
+    Args:
+        n_accepted: (B,) accepted draft tokens of each round.
+        gamma: draft length of the rounds (>= 1).
+        cost_ratio: c = draft forward cost / target forward cost.
+
+    Returns:
+        (B,) float rewards.
+    """
+    if gamma < 1:
+        raise ValueError(f"gamma must be >= 1, got {gamma}")
+    n = n_accepted.float()
+    throughput = (n + 1) / ((gamma * cost_ratio + 1) * (gamma + 1))
+    return w_acceptance * n / gamma + w_throughput * throughput
+
+
+class MovingAverageBaseline:
+    """Exponential moving average of the reward, subtracted to form advantages.
+
+    Args:
+        momentum: weight of the past; 0.9 averages over roughly the last ten batches.
+    """
+
+    def __init__(self, momentum: float = 0.9) -> None:
+        if not 0.0 <= momentum < 1.0:
+            raise ValueError(f"momentum must be in [0, 1), got {momentum}")
+        self.momentum = momentum
+        self.value: float | None = None
+
+    def advantages(self, rewards: torch.Tensor) -> torch.Tensor:
+        """Rewards minus the baseline (taken before this batch updates it), detached.
+
+        The first batch is centred on its own mean, so early advantages are not all positive.
+        """
+        rewards = rewards.detach().float()
+        mean = rewards.mean().item()
+        base = mean if self.value is None else self.value
+        self.value = (
+            mean if self.value is None else self.momentum * self.value + (1 - self.momentum) * mean
+        )
+        return rewards - base
+
+    def state_dict(self) -> dict:
+        return {"momentum": self.momentum, "value": self.value}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.momentum = state["momentum"]
+        self.value = state["value"]
+
+
+def sampled_logprobs(
+    q_logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0
+) -> torch.Tensor:
+    """Log-probabilities of sampled tokens under the tempered draft, (B, G, V), (B, G) -> (B, G)."""
+    if temperature <= 0:
+        raise ValueError(f"policy gradients need a sampling temperature > 0, got {temperature}")
+    logp = torch.log_softmax(q_logits.float() / temperature, dim=-1)
+    return logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def policy_gradient_loss(
+    logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """REINFORCE loss -E[A * sum_k log q(x_k)], averaged over rounds.
+
+    Args:
+        logprobs: (B, G) draft log-probabilities of the proposed tokens (with grad).
+        advantages: (B,) reward minus baseline (treated as constants).
+        mask: optional (B, G) bool, the draft positions that count (e.g. all proposed ones).
+    """
+    if mask is not None:
+        logprobs = logprobs * mask.to(logprobs.dtype)
+    return -(advantages.detach().unsqueeze(-1) * logprobs).sum(-1).mean()
+
+
+def tvd_loss(
+    p_logits: torch.Tensor,
+    q_logits: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """Mean TVD(p, q) = 1 - expected acceptance over the visited positions.
+
+    Args:
+        p_logits: (..., V) target logits (no gradient flows into the target).
+        q_logits: (..., V) draft logits.
+        mask: optional (...) bool of positions to average over.
+        temperature: > 0, the decoding temperature the acceptance should hold at.
+    """
+    if temperature <= 0:
+        raise ValueError(
+            f"tvd_loss needs a temperature > 0 to be differentiable, got {temperature}"
+        )
+    p_logits, q_logits = align_vocab(p_logits.detach(), q_logits)
+    p = torch.softmax(p_logits.float() / temperature, dim=-1)
+    q = torch.softmax(q_logits.float() / temperature, dim=-1)
+    return masked_mean(0.5 * (p - q).abs().sum(-1), mask)
+
+
+def kl_to_reference(
+    q_logits: torch.Tensor,
+    ref_logits: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """KL(q || q_ref), the anchor to the starting draft, averaged over positions.
+
+    Reverse KL (current policy first) as in KL-regularised policy optimisation: it penalises
+    the draft for putting mass where the reference had little, and is computed exactly over
+    the vocabulary rather than from samples.
+    """
+    logq = torch.log_softmax(q_logits.float() / temperature, dim=-1)
+    logr = torch.log_softmax(ref_logits.detach().float() / temperature, dim=-1)
+    return masked_mean((logq.exp() * (logq - logr)).sum(-1), mask)
+
+
+def draft_temperature(step: int, t0: float = 1.0) -> float:
+    """Draft sampling temperature schedule T = T0 * (1 + 0.1 * cos(step / 1000))."""
+    return t0 * (1.0 + 0.1 * math.cos(step / 1000.0))

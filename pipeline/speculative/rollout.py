@@ -1,0 +1,133 @@
+"""Batched on-policy rollouts: one speculative round on many contexts at once.
+
+The reinforce stage trains the draft on its own proposals (on-policy, as DistillSpec and OSD
+find most reliable). A rollout takes B equal-length contexts (scenario windows), lets the
+draft propose gamma tokens for every row with its KV cache, has the target score all rows in
+one forward, and runs the exact verification of :func:`~pipeline.speculative.sampling.verify_draft`
+row by row in one vectorised call. The result holds everything the loss terms of
+:mod:`pipeline.speculative.rewards` need: the proposed tokens (policy-gradient actions), the target
+logits at the visited positions (TVD term), and the accepted counts (reward).
+
+Nothing here carries gradients: the training step re-runs the draft on ``sequences`` with
+gradients enabled, which costs one batched forward and keeps the rollout cheap and free of
+autograd state across the gamma sampling steps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pipeline.speculative.decoding import CachedLM, draft_probs, vocab_size
+from pipeline.speculative.sampling import Verification, logits_to_probs, sample_tokens, verify_draft
+
+__all__ = ["Rollout", "draft_rollout"]
+
+
+@dataclass(frozen=True)
+class Rollout:
+    """One speculative round on a batch of contexts.
+
+    Attributes:
+        sequences: (B, T + G) contexts followed by the draft's proposals.
+        tokens: (B, G) the proposals.
+        p_logits: (B, G + 1, V) target logits predicting each proposal and the bonus position.
+        q_logits: (B, G, V_q) draft logits the proposals were sampled from.
+        verification: accepted counts, correction/bonus tokens and beta per position.
+        context_len: T.
+        p_context: (B, K, V) target logits at the requested context positions, or None.
+    """
+
+    sequences: torch.Tensor
+    tokens: torch.Tensor
+    p_logits: torch.Tensor
+    q_logits: torch.Tensor
+    verification: Verification
+    context_len: int
+    p_context: torch.Tensor | None = None
+
+    def draft_positions(self) -> slice:
+        """Positions of ``sequences`` whose logits predict the proposals (T - 1 .. T + G - 2)."""
+        t, g = self.context_len, self.tokens.shape[1]
+        return slice(t - 1, t + g - 1)
+
+
+@torch.no_grad()
+def draft_rollout(
+    target: torch.nn.Module,
+    draft: torch.nn.Module,
+    contexts: torch.Tensor,
+    gamma: int,
+    *,
+    temperature: float = 1.0,
+    draft_temperature: float | None = None,
+    generator: torch.Generator | None = None,
+    context_positions: torch.Tensor | None = None,
+) -> Rollout:
+    """Propose ``gamma`` tokens per context with the draft and verify them with the target.
+
+    Args:
+        target: verifying causal LM.
+        draft: proposing causal LM (same tokenizer).
+        contexts: (B, T) token ids, all rows the same length (no padding).
+        gamma: tokens proposed per row (>= 1).
+        temperature: sampling temperature of both models (0 = greedy).
+        draft_temperature: the draft samples at this temperature instead (exploration during
+            training); verification stays exact because it uses the distribution each proposal
+            was actually drawn from. None = ``temperature``.
+        generator: randomness for proposals and verification.
+        context_positions: (K,) indices < T - 1 into the contexts whose target logits (each
+            predicting the next context token) the rollout also returns, from the same target
+            forward: what a teacher-forced loss on the contexts needs, at no extra forward.
+
+    Returns:
+        The :class:`Rollout`.
+    """
+    contexts = torch.as_tensor(contexts, dtype=torch.long)
+    if contexts.dim() != 2 or contexts.shape[1] == 0:
+        raise ValueError(f"contexts must be (B, T) token ids, got {tuple(contexts.shape)}")
+    if gamma < 1:
+        raise ValueError(f"gamma must be >= 1, got {gamma}")
+    greedy = temperature == 0
+    t_draft = temperature if draft_temperature is None else draft_temperature
+    if greedy and t_draft != 0:
+        raise ValueError("greedy verification (temperature=0) needs a greedy draft")
+    drf = CachedLM(draft)
+    vocab = vocab_size(target)
+    feed, tokens, q_logits, q_probs = contexts, [], [], []
+    for _ in range(gamma):
+        logits = drf.forward(feed, keep=1)[:, -1]  # (B, V_q)
+        q = draft_probs(logits, vocab, t_draft)  # (B, V)
+        tok = sample_tokens(q, generator, greedy)  # (B,)
+        tokens.append(tok)
+        q_logits.append(logits)
+        q_probs.append(q)
+        feed = tok[:, None]
+    tokens_t = torch.stack(tokens, dim=1)  # (B, G)
+    sequences = torch.cat([contexts.to(tokens_t.device), tokens_t], dim=1)  # (B, T + G)
+    # The target reads every proposal in one forward; a fresh cache, so positions start at 0.
+    t = contexts.shape[1]
+    keep: int | torch.Tensor = gamma + 1
+    if context_positions is not None:
+        keep = torch.cat([context_positions.cpu(), torch.arange(t - 1, t + gamma)])
+    p_all = CachedLM(target).forward(sequences, keep=keep)  # (B, K + G + 1, V)
+    p_logits = p_all[:, -gamma - 1 :]  # (B, G + 1, V)
+    p_context = None if context_positions is None else p_all[:, : -gamma - 1]
+    p = logits_to_probs(p_logits, temperature)
+    verification = verify_draft(
+        tokens_t.to(p.device),
+        torch.stack(q_probs, dim=1).to(p.device),
+        p,
+        greedy=greedy,
+        generator=generator,
+    )
+    return Rollout(
+        sequences=sequences,
+        tokens=tokens_t,
+        p_logits=p_logits,
+        q_logits=torch.stack(q_logits, dim=1),
+        verification=verification,
+        context_len=t,
+        p_context=p_context,
+    )

@@ -1,0 +1,120 @@
+"""Counters of a speculative (or plain) decoding run and the rates derived from them.
+
+Two acceptance numbers are kept apart on purpose (see REFERENCES.md):
+- ``acceptance_rate`` = accepted / drafted counts every drafted token, including those after
+  the first rejection that were never tested, so it sits below alpha for gamma > 1;
+- ``alpha_hat`` = mean of beta = sum_x min(p, q) over the positions whose test actually ran,
+  an unbiased, low-variance (Rao-Blackwellised) estimate of the per-token acceptance alpha.
+``tau`` (new tokens per target forward, correction/bonus token included) is the block
+efficiency EAGLE-style evaluations report.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["SpecStats"]
+
+
+@dataclass
+class SpecStats:
+    """Statistics of one or more decoding runs (merge runs with :meth:`merge`).
+
+    Attributes:
+        drafted: draft tokens proposed.
+        accepted: draft tokens accepted.
+        target_calls: target forwards that emitted tokens (the prompt prefill of speculative
+            decoding emits none and is not counted).
+        draft_calls: single-token draft forwards.
+        new_tokens: tokens emitted.
+        seconds: wall time, prompt processing included.
+        beta_sum: sum of beta = sum_x min(p, q) over verified positions.
+        beta_count: number of verified positions.
+        position_accepted: per draft position k, how often it was accepted.
+        position_verified: per draft position k, how often its test ran.
+        gammas: draft length used by each round.
+    """
+
+    drafted: int = 0
+    accepted: int = 0
+    target_calls: int = 0
+    draft_calls: int = 0
+    new_tokens: int = 0
+    seconds: float = 0.0
+    beta_sum: float = 0.0
+    beta_count: int = 0
+    position_accepted: list[int] = field(default_factory=list)
+    position_verified: list[int] = field(default_factory=list)
+    gammas: list[int] = field(default_factory=list)
+
+    def record_round(self, gamma: int, n_accepted: int, n_new: int, betas: list[float]) -> None:
+        """Add one verification round.
+
+        Args:
+            gamma: tokens drafted this round (0 for a plain decoding step).
+            n_accepted: leading draft tokens accepted.
+            n_new: tokens emitted (n_accepted + 1 unless cut at an end-of-sequence token).
+            betas: beta at each verified position, len = min(n_accepted + 1, gamma).
+        """
+        self.drafted += gamma
+        self.draft_calls += gamma
+        self.accepted += n_accepted
+        self.target_calls += 1
+        self.new_tokens += n_new
+        self.beta_sum += float(sum(betas))
+        self.beta_count += len(betas)
+        if gamma:
+            self.gammas.append(gamma)
+        grow = len(betas) - len(self.position_verified)
+        if grow > 0:
+            self.position_verified.extend([0] * grow)
+            self.position_accepted.extend([0] * grow)
+        for k in range(len(betas)):
+            self.position_verified[k] += 1
+            self.position_accepted[k] += int(k < n_accepted)
+
+    @property
+    def acceptance_rate(self) -> float:
+        """accepted / drafted."""
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def alpha_hat(self) -> float:
+        """Mean expected acceptance over verified positions."""
+        return self.beta_sum / self.beta_count if self.beta_count else 0.0
+
+    @property
+    def tau(self) -> float:
+        """New tokens per target forward (acceptance length, bonus token included)."""
+        return self.new_tokens / self.target_calls if self.target_calls else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Emitted tokens per wall-clock second."""
+        return self.new_tokens / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def position_acceptance(self) -> list[float]:
+        """Empirical acceptance probability at each draft position, given it was tested."""
+        return [a / v if v else 0.0 for a, v in zip(self.position_accepted, self.position_verified)]
+
+    def merge(self, other: SpecStats) -> SpecStats:
+        """Sum of two runs' counters (e.g. over the prompts of a scenario)."""
+        out = SpecStats(
+            **{
+                k: getattr(self, k) + getattr(other, k)
+                for k in ("drafted", "accepted", "target_calls", "draft_calls", "new_tokens")
+            },
+            seconds=self.seconds + other.seconds,
+            beta_sum=self.beta_sum + other.beta_sum,
+            beta_count=self.beta_count + other.beta_count,
+            gammas=self.gammas + other.gammas,
+        )
+        n = max(len(self.position_verified), len(other.position_verified))
+
+        def add(a: list[int], b: list[int]) -> list[int]:
+            return [x + y for x, y in zip(a + [0] * (n - len(a)), b + [0] * (n - len(b)))]
+
+        out.position_accepted = add(self.position_accepted, other.position_accepted)
+        out.position_verified = add(self.position_verified, other.position_verified)
+        return out

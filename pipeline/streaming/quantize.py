@@ -1,0 +1,211 @@
+"""Segment-wise streaming quantization of a checkpoint (the quantize stage's core).
+
+The model is never materialised (DESIGN.md, "Segment-wise quantization"): the engine
+(:mod:`pipeline.streaming.engine`) walks the checkpoint segment by segment, and this step
+quantizes each block in GPTQ's sequential order (:func:`pipeline.quant.sequential.quantize_block`)
+on the inputs produced by the *already quantized* earlier blocks, so later layers compensate
+earlier rounding errors; each segment becomes one output shard of the quantized model directory
+(:class:`~pipeline.models.quantized.QuantizedWriter`: embeddings, one part per segment, the head).
+
+Durability: the work dir holds the committed segments (:class:`~pipeline.streaming.workdir.WorkDir`)
+and the finished shards (``parts/``); a killed run resumes after the last finished segment from
+the same activations, hence with the same codes. With several ranks the calibration windows are
+split across ranks, Hessians are all-reduced, every rank computes the same codes, rank 0 writes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor, nn
+
+from pipeline.dist import Dist
+from pipeline.errors import LowbitError
+from pipeline.models.adapters import linear_names
+from pipeline.models.checkpoint import StreamingCheckpoint
+from pipeline.models.quantized import QuantizedWriter
+from pipeline.quant.formats import parse_format
+from pipeline.quant.qtensor import QTensor
+from pipeline.quant.sequential import QuantOptions, block_groups, quantize_block
+from pipeline.streaming.engine import Batches, BlockSource, BlockWalk, StreamOptions
+from pipeline.streaming.workdir import WorkDir
+
+if TYPE_CHECKING:
+    from pipeline.config import QuantConfig
+
+
+def quant_options(quant: QuantConfig) -> QuantOptions:
+    """The per-layer quantizer settings of the run's ``quant`` section."""
+    return QuantOptions(
+        method=quant.method, block_size=quant.block_size, damp=quant.damp, act_order=quant.act_order
+    )
+
+
+class _Head(nn.Module):
+    """Final norm + lm_head, so the head is quantized like a one-linear block."""
+
+    def __init__(self, norm: nn.Module, lm_head: nn.Module) -> None:
+        super().__init__()
+        self.norm, self.lm_head = norm, lm_head
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.lm_head(self.norm(x))
+
+
+class _QuantizeStep:
+    """Quantizes each block before its output pass; one output part per segment.
+
+    Part 0 holds the embeddings, part ``k + 1`` segment ``k``, part ``n_seg + 1`` the head.
+    Float tensors are copied from ``raw`` in their stored dtype (fp16 stays fp16).
+    """
+
+    def __init__(self, raw, plan, opts, reduce, writer: QuantizedWriter | None, n_seg: int):
+        self.raw, self.a, self.plan, self.opts = raw, raw.adapter, plan, opts
+        self.reduce, self.writer, self.n_seg = reduce, writer, n_seg
+        self.groups = block_groups(self.a.linears, self.a.fused)
+        self.qtensors: dict[str, QTensor] = {}
+        self.floats: dict[str, Tensor] = {}
+        self.report: dict[str, dict] = {}
+
+    def embed(self, ids: Tensor) -> Tensor:
+        # The stored table: fp16 is half the fp32 copy, and part 0 keeps the stored dtype.
+        table = self.raw.tensor(self.a.embed + ".weight")  # (vocab, C)
+        if self.writer and not self.writer.has_part(0):
+            self.writer.write_part(0, {self.a.embed + ".weight": table})
+        return table
+
+    def before(self, i: int, block: nn.Module, batches: Batches, kwargs: dict) -> None:
+        prefix = self.a.block_prefix(i)
+        formats = {n[len(prefix) :]: f for n, f in self.plan.items() if n.startswith(prefix)}
+        qts, rep = quantize_block(
+            block, formats, batches, kwargs, self.groups, self.opts, self.reduce
+        )
+        self.qtensors.update({prefix + n: qt for n, qt in qts.items()})
+        self.report.update({prefix + n: r for n, r in rep.items()})
+        skip = {prefix + n + ".weight" for n in qts}
+        names = [n for n in self.raw.names() if n.startswith(prefix) and n not in skip]
+        self.floats.update({n: self.raw.tensor(n) for n in names})
+
+    def after(self, i: int, block: nn.Module) -> None:
+        pass
+
+    def end_segment(self, k: int) -> dict:
+        if self.writer:
+            self.writer.write_part(k + 1, self.floats, self.qtensors)
+        report = self.report
+        self.qtensors, self.floats, self.report = {}, {}, {}
+        return report
+
+    def head(self, source: BlockSource, batches: Batches) -> dict:
+        """Final norm (float) and lm_head (quantized only if the plan lists it): the last part."""
+        a = self.a
+        floats = {a.final_norm + ".weight": self.raw.tensor(a.final_norm + ".weight")}
+        qtensors, report = {}, {}
+        if "lm_head" in self.plan:
+            head = _Head(source.norm(), source.lm_head())
+            formats, groups = {"lm_head": self.plan["lm_head"]}, [("lm_head",)]
+            qtensors, report = quantize_block(
+                head, formats, batches, {}, groups, self.opts, self.reduce
+            )
+            del head
+        elif a.lm_head + ".weight" in self.raw:
+            floats[a.lm_head + ".weight"] = self.raw.tensor(a.lm_head + ".weight")
+        if self.writer:
+            self.writer.write_part(self.n_seg + 1, floats, qtensors)
+        return report
+
+
+def _check_plan(plan: dict[str, str], config: Any) -> None:
+    unknown = sorted(set(plan) - set(linear_names(config)))
+    if unknown:
+        raise LowbitError(
+            f"the quantization plan names layers the model does not have: "
+            f"{unknown[:5]}; re-run allocate for this model"
+        )
+    for f in set(plan.values()):
+        parse_format(f)
+
+
+@torch.no_grad()
+def quantize_checkpoint(
+    ckpt: StreamingCheckpoint,
+    out_dir: str | Path,
+    plan: dict[str, str],
+    calib: Tensor,
+    opts: QuantOptions,
+    walk: StreamOptions,
+    *,
+    work_dir: str | Path,
+    dist: Dist | None = None,
+) -> dict[str, Any]:
+    """Quantize a HF checkpoint segment by segment into a quantized model directory.
+
+    Args:
+        ckpt: The FP checkpoint, opened with the compute dtype and device.
+        out_dir: The quantized model directory to write (rank 0).
+        plan: ``{linear name: format}``; linears not listed stay float.
+        calib: (N, T) token ids of all calibration windows (each rank takes its share).
+        opts: Method and GPTQ settings (:func:`quant_options`).
+        walk: Segment size, batch size, activation budget.
+        work_dir: Persistent folder for committed segments (same path on every rank).
+        dist: Ranks; None = a single process.
+
+    Returns:
+        The quant report: ``{"layers": {name: {format, shape, gptq_loss, rel_output_error,
+        seconds}}, "method", "segments", ...}``.
+    """
+    t_start = time.time()
+    dist = dist or Dist()
+    raw = StreamingCheckpoint(ckpt.path, ckpt.allow_bin)  # float tensors in their stored dtype
+    _check_plan(plan, ckpt.config)
+    key = [str(ckpt.path.resolve()), plan, dataclasses.asdict(opts), str(ckpt.dtype)]
+    work = WorkDir(work_dir, key)
+    engine = BlockWalk("quantize", ckpt, calib, walk, dist, work)
+    writer = QuantizedWriter(out_dir, parts_dir=work.path / "parts") if dist.is_main else None
+    reduce = dist.all_reduce_ if dist.world_size > 1 else None
+    n_seg = len(engine.segments)
+    result = engine.run(_QuantizeStep(raw, plan, opts, reduce, writer, n_seg))
+    layers: dict[str, dict] = {}
+    for report in result.reports:
+        layers.update(report)
+    layers.update(result.head)
+    overrides = {}
+    if "lm_head" in plan and getattr(ckpt.config, "tie_word_embeddings", False):
+        overrides["tie_word_embeddings"] = False  # the quantized head is its own tensor now
+    if writer:
+        writer.close(
+            n_seg + 2,
+            src_dir=ckpt.path,
+            method=opts.method,
+            layers=plan,
+            config_overrides=overrides,
+        )
+    dist.barrier()
+    return _summary(layers, opts.method, n_seg, result.resumed, dist, calib, time.time() - t_start)
+
+
+def _summary(layers, method, n_seg, start, dist, calib, seconds) -> dict[str, Any]:
+    bits = numel = 0
+    for r in layers.values():
+        out_f, in_f = r["shape"]
+        bits += parse_format(r["format"]).bits_per_weight(in_f) * out_f * in_f
+        numel += out_f * in_f
+    errors = [r["rel_output_error"] for r in layers.values()]
+    return {
+        "method": method,
+        "segments": n_seg,
+        "resumed_segments": start,
+        "world_size": dist.world_size,
+        "calib_samples": int(calib.shape[0]),
+        "calib_seq_len": int(calib.shape[1]),
+        "quantized_layers": len(layers),
+        "avg_bits": bits / numel if numel else 16.0,
+        "mean_rel_output_error": sum(errors) / len(errors) if errors else 0.0,
+        "max_rel_output_error": max(errors, default=0.0),
+        "seconds": round(seconds, 3),
+        "layers": layers,
+    }

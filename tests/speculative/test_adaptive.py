@@ -1,0 +1,74 @@
+"""Adaptive draft length: stays in bounds and follows the measured acceptance."""
+
+import random
+
+import pytest
+
+from pipeline.speculative.adaptive import AdaptiveGamma
+from pipeline.speculative.metrics import theoretical_speedup
+
+
+def test_gamma_stays_within_bounds_under_random_rounds():
+    adaptive = AdaptiveGamma(gamma_min=2, gamma_max=5, window=8)
+    rng = random.Random(0)
+    for _ in range(500):
+        gamma = adaptive.gamma
+        assert 2 <= gamma <= 5
+        accepted = rng.randint(0, gamma)
+        adaptive.update(accepted, min(accepted + 1, gamma))
+    assert set(adaptive.history) <= {2, 3, 4, 5}
+
+
+def test_gamma_follows_acceptance():
+    adaptive = AdaptiveGamma(gamma_min=2, gamma_max=6, window=10, cost_ratio=0.2)
+    for _ in range(10):
+        adaptive.update(adaptive.gamma, adaptive.gamma)  # everything accepted
+    assert adaptive.gamma == 6
+    for _ in range(10):
+        adaptive.update(0, 1)  # everything rejected at the first position
+    assert adaptive.gamma == 2
+
+
+def test_chosen_gamma_maximises_expected_speedup():
+    adaptive = AdaptiveGamma(gamma_min=1, gamma_max=8, window=100, cost_ratio=0.3)
+    for _ in range(40):
+        adaptive.update(3, 4)  # alpha ~ 0.75
+    best = max(range(1, 9), key=lambda g: theoretical_speedup(adaptive.alpha, g, 0.3))
+    assert adaptive.gamma == best
+    assert 1 < best < 8
+
+
+def test_a_costly_verification_shortens_the_block():
+    # All accepted: with v = 1 the longest block wins; when 5+ tokens cost twice what 4 do
+    # (a CPU kernel working 4 rows at a time), gamma 3 (4 tokens verified) wins instead.
+    steps = {2: 1.6, 3: 1.8, 4: 3.5, 5: 3.6}
+    for verify_cost, want in (({}, 5), (steps, 3)):
+        adaptive = AdaptiveGamma(2, 5, cost_ratio=0.1, verify_cost=verify_cost)
+        for _ in range(10):
+            adaptive.update(adaptive.gamma, adaptive.gamma)
+        assert adaptive.gamma == want
+
+
+def test_free_drafting_always_uses_the_longest_block():
+    adaptive = AdaptiveGamma(gamma_min=2, gamma_max=5, cost_ratio=0.0)
+    for _ in range(5):
+        adaptive.update(0, 1)
+    assert adaptive.gamma == 5
+
+
+def test_window_forgets_old_rounds():
+    adaptive = AdaptiveGamma(gamma_min=2, gamma_max=5, window=3)
+    for _ in range(20):
+        adaptive.update(0, 1)
+    for _ in range(3):
+        adaptive.update(5, 5)
+    assert adaptive.alpha == pytest.approx(16 / 17)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"gamma_min": 0}, {"gamma_min": 4, "gamma_max": 3}, {"window": 0}, {"cost_ratio": -1}],
+)
+def test_invalid_settings_are_rejected(kwargs):
+    with pytest.raises(ValueError):
+        AdaptiveGamma(**kwargs)

@@ -1,0 +1,70 @@
+"""The benchmarks still run: each parses its command line, every library import it makes (those
+inside functions too, which `--help` never reaches) resolves, and the memory benchmark quantizes
+a tiny checkpoint end to end through `python -m bench.streaming_memory`. Benchmarks measure; this
+only catches an import or call site that a change of the library left broken in them."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO
+
+BENCH = REPO / "bench"
+NAMES = sorted(p.stem for p in BENCH.glob("*.py") if not p.stem.startswith("_"))
+FIRST_PARTY = ("pipeline", "bench")
+
+
+def library_imports(path: Path) -> list[tuple[str, str | None]]:
+    """(module, imported name or None) of every first-party import in the file, at any depth."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(FIRST_PARTY):
+            found += [(node.module, alias.name) for alias in node.names]
+        elif isinstance(node, ast.Import):
+            found += [(a.name, None) for a in node.names if a.name.startswith(FIRST_PARTY)]
+    return found
+
+
+def test_every_bench_is_found():
+    assert {"packing", "export_size", "streaming_memory", "scaling"} <= set(NAMES)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_help_exits_zero(name, monkeypatch, capsys):
+    module = importlib.import_module(f"bench.{name}")
+    monkeypatch.setattr(sys, "argv", [f"bench.{name}", "--help"])
+    with pytest.raises(SystemExit) as stop:
+        module.main()
+    assert stop.value.code == 0
+    assert "usage:" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_library_import_resolves(name):
+    missing = []
+    for module_name, attr in library_imports(BENCH / f"{name}.py"):
+        try:
+            module = importlib.import_module(module_name)
+            if attr is not None and not hasattr(module, attr):
+                importlib.import_module(f"{module_name}.{attr}")  # a submodule
+        except ImportError as err:
+            missing.append(f"{module_name}: {attr or ''} ({err})")
+    assert not missing, f"bench/{name}.py imports what the library no longer has: {missing}"
+
+
+def test_streaming_memory_quantizes_a_tiny_checkpoint(tmp_path):
+    cmd = [sys.executable, "-m", "bench.streaming_memory", "--gb", "0.002", "--hidden", "128",
+           "--intermediate", "384", "--vocab", "512", "--samples", "2", "--seq-len", "16",
+           "--dir", str(tmp_path)]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [line.split(" | ") for line in proc.stdout.splitlines()]
+    rows = [r for r in rows if r[0] in ("stream", "full")]  # mode, ckpt, seg, cache, base, peak
+    assert [r[0] for r in rows] == ["stream", "full"]
+    assert all(float(r[5]) >= float(r[4]) > 0 for r in rows)
