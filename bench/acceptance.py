@@ -42,8 +42,8 @@ from bench._common import goal, report_goals
 from pipeline import runmodels
 from pipeline.config import DataConfig, ModelConfig
 from pipeline.data.text import load_splits
-from pipeline.lit.qat import load_model
 from pipeline.models.hf import load_tokenizer
+from pipeline.models.quantized import load_model
 from pipeline.quant.fakequant import FakeQuantLinear
 from pipeline.runtime.inmemory import to_runtime
 from pipeline.runtime.speed import decode_speed, format_speed

@@ -293,6 +293,13 @@ SHARED: dict[str, type] = {
 RUN_SECTIONS = ("name", "model", "data", "quant", "trainer")
 
 
+def _plain(value: Any) -> Any:
+    """A parsed section (dataclass or Fields) as plain values; anything else as it is."""
+    if isinstance(value, Fields):
+        return value.asdict()
+    return dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value
+
+
 class Fields:
     """Some fields of a parsed section: what a stage gets when its SECTIONS names them
     (`quant.calib`) rather than the whole section. Reading any other field raises, so a field the
@@ -316,8 +323,7 @@ class Fields:
         return f"Fields({self._section}, {self._values!r})"
 
     def asdict(self) -> dict[str, Any]:
-        return {k: dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v
-                for k, v in self._values.items()}  # fmt: skip
+        return {k: _plain(v) for k, v in self._values.items()}
 
 
 @dataclass(frozen=True)
@@ -355,13 +361,7 @@ class RunConfig:
 
     def asdict(self) -> dict[str, Any]:
         """The plain values (a Fields section as its fields), for fingerprints and MLflow."""
-        out = {}
-        for f in dataclasses.fields(self):
-            v = getattr(self, f.name)
-            out[f.name] = v.asdict() if isinstance(v, Fields) else (
-                dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v
-            )  # fmt: skip
-        return out
+        return {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
 
 
 def run_config(cfg: DictConfig) -> RunConfig:

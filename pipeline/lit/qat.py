@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import fnmatch
 from collections.abc import Sequence
-from pathlib import Path
 
 import torch
 from torch import Tensor, nn
@@ -112,21 +111,3 @@ def keep_full_precision(model: nn.Module, patterns: Sequence[str]) -> list[str]:
             module.forward = _fp32_forward(module.forward, module)
             matched.append(name)
     return matched
-
-
-def is_quantized_dir(path: Path | str) -> bool:
-    """Whether `path` is a lowbit quantized model directory (else an HF one)."""
-    from pipeline.models.quantized import QUANT_JSON
-
-    return (Path(path) / QUANT_JSON).is_file()
-
-
-def load_model(path: Path | str, allow_bin: bool):
-    """A causal LM from an HF dir or a lowbit quantized dir (FakeQuantLinear layers)."""
-    if is_quantized_dir(path):
-        from pipeline.models.quantized import load_quantized
-
-        return load_quantized(path)
-    from pipeline.models.hf import load_causal_lm
-
-    return load_causal_lm(path, allow_bin=allow_bin)

@@ -35,7 +35,8 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from pipeline.lit.lm import batch_rows, cosine_with_warmup, next_batch, step_loader
 from pipeline.lit.losses import LossWeights, reinforce_loss
-from pipeline.lit.qat import load_model, prepare_qat
+from pipeline.lit.qat import prepare_qat
+from pipeline.models.quantized import load_model
 from pipeline.quant.fakequant import FakeQuantLinear
 from pipeline.speculative.cost import measure_cost_ratio
 from pipeline.speculative.metrics import expected_acceptance

@@ -30,6 +30,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from pipeline.errors import LowbitError
+from pipeline.models.hf import load_causal_lm
 from pipeline.models.shards import CheckpointError, read_safetensors_header
 from pipeline.quant.fakequant import FakeQuantLinear
 from pipeline.quant.qtensor import QTensor
@@ -311,3 +312,15 @@ def save_quantized_model(
 
 def _tensors_of(key: str, t: Tensor | QTensor) -> list[Tensor]:
     return list(t.to_state_dict(key).values()) if isinstance(t, QTensor) else [t]
+
+
+def is_quantized_dir(path: Path | str) -> bool:
+    """Whether `path` is a lowbit quantized model directory (else an HF one)."""
+    return (Path(path) / QUANT_JSON).is_file()
+
+
+def load_model(path: Path | str, allow_bin: bool):
+    """A causal LM from an HF dir or a lowbit quantized dir (FakeQuantLinear layers)."""
+    if is_quantized_dir(path):
+        return load_quantized(path)
+    return load_causal_lm(path, allow_bin=allow_bin)

@@ -28,7 +28,8 @@ from pipeline.analysis.harness import LmEvalConfig, lm_eval_metrics, run_lm_eval
 from pipeline.config import RunConfig, positive
 from pipeline.data.heldout import corpus_heldout
 from pipeline.data.text import Corpus
-from pipeline.models.hf import load_causal_lm, load_tokenizer, perplexity
+from pipeline.models.hf import load_tokenizer, perplexity
+from pipeline.models.quantized import load_model
 from pipeline.speculative.evaluation import (
     acceptance_table,
     column,
@@ -92,17 +93,16 @@ CONFIG = EvaluateConfig
 
 def _models(run: RunConfig, inputs: dict) -> tuple[dict, dict]:
     """({name: target-like model}, {name: draft model}) present in this run."""
-    from pipeline.models.quantized import load_quantized
-
     allow_bin = run.model.allow_bin
-    targets = {}
-    for name, path in runmodels.targets(run.model, inputs).items():
-        fp = name == "target_fp"
-        targets[name] = load_causal_lm(path, allow_bin=allow_bin) if fp else load_quantized(path)
-    drafts = {}
-    for name, path in runmodels.drafts(run.model, inputs).items():
-        # Only the user's own checkpoint may be a .bin one; reinforce writes safetensors.
-        drafts[name] = load_causal_lm(path, allow_bin=allow_bin and name == "draft_fp")
+    targets = {
+        name: load_model(path, allow_bin)
+        for name, path in runmodels.targets(run.model, inputs).items()
+    }
+    # Only the user's own checkpoint may be a .bin one; reinforce writes safetensors.
+    drafts = {
+        name: load_model(path, allow_bin and name == "draft_fp")
+        for name, path in runmodels.drafts(run.model, inputs).items()
+    }
     return targets, drafts
 
 

@@ -59,11 +59,15 @@ from pipeline.errors import ConfigError
 from pipeline.io import write_json
 from pipeline.lit.fit import Fit, Selection, best_weights, fit_validated
 from pipeline.lit.losses import LossWeights
-from pipeline.lit.qat import is_quantized_dir, load_model
 from pipeline.lit.reinforce import DraftReinforce, ReinforceData, load_draft
 from pipeline.lit.trainer import trainer_kwargs
 from pipeline.models.hf import load_causal_lm, load_tokenizer, save_hf
-from pipeline.models.quantized import read_quant_meta, save_quantized_model
+from pipeline.models.quantized import (
+    is_quantized_dir,
+    load_model,
+    read_quant_meta,
+    save_quantized_model,
+)
 from pipeline.speculative.evaluation import (
     acceptance_table,
     column,
