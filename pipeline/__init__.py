@@ -8,8 +8,11 @@ __version__ = "0.1.0"
 
 
 def conf_dir() -> Path:
-    """The Hydra config tree: the checkout's `conf/`, or LOWBIT_CONF for installed copies."""
+    """The Hydra config tree: LOWBIT_CONF when set, else the one an installed wheel carries inside
+    the package (`pipeline/conf`, mapped there by setup.py), else the checkout's top-level
+    `conf/`."""
     env = os.environ.get("LOWBIT_CONF")
     if env:
         return Path(env)
-    return Path(__file__).resolve().parents[1] / "conf"
+    packaged = Path(__file__).resolve().parent / "conf"
+    return packaged if packaged.is_dir() else Path(__file__).resolve().parents[1] / "conf"

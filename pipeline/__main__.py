@@ -5,7 +5,13 @@ lowbit experiment=smoke run_dir=/tmp/r   # tiny, ~2 minutes
 lowbit --force stages=[quantize]         # rerun chosen stages
 lowbit --verify                          # hash every recorded output, not only changed ones
 lowbit --no-repair                       # stop at a damaged stage folder instead of rerunning it
-lowbit --version                         # lowbit's version (Hydra's `--cfg job` prints the config)
+lowbit --dry-run                         # which stages would run and why; runs and writes nothing
+lowbit -m quant.budget_bits=2.5,3,4      # a sweep: each point in its own run dir
+lowbit --cfg job --resolve               # the composed config, without running (Hydra's flag)
+lowbit --version                         # lowbit's version
+
+Each invocation that runs keeps its resolved config and overrides in
+`<run_dir>/.hydra/<time>/` (config.yaml, overrides.yaml), beside its log.
 """
 
 from __future__ import annotations
@@ -13,9 +19,12 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
+from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from pipeline import __version__, conf_dir
@@ -31,11 +40,89 @@ def _under_launcher() -> bool:
 
 
 # Flags friendlier than their config keys; Hydra does not accept unknown flags.
-FLAGS = {"--force": "force=true", "--verify": "verify=true", "--no-repair": "repair=false"}
+FLAGS = {
+    "--force": "force=true",
+    "--verify": "verify=true",
+    "--no-repair": "repair=false",
+    "--dry-run": "dry_run=true",
+}
+# A dry run writes nothing, Hydra's log file included: it logs to the console only (the file
+# handler goes: logging opens a handler's file when it is configured, used or not), and its
+# output dir is the working directory, which exists (Hydra creates it before the run).
+DRY_RUN_HYDRA = [
+    "hydra.run.dir=.",
+    "~hydra.job_logging.handlers.file",
+    "hydra.job_logging.root.handlers=[console]",
+]
+# Keys that say where or how a run happens, not what it computes: never in a point's run dir name.
+NOT_IN_POINT_NAME = {"run_dir", "name", "cluster", "tracking", "hydra"} | {
+    "force", "verify", "repair", "print_config", "dry_run"
+}  # fmt: skip
 
 
 def _with_flags(argv: list[str]) -> list[str]:
-    return [FLAGS.get(a, a) for a in argv]
+    argv = [FLAGS.get(a, a) for a in argv]
+    if {"-m", "--multirun"} & set(argv):
+        extra = _point_name_keys(argv)
+    elif {"dry_run=true", "dry_run=True"} & set(argv):
+        extra = DRY_RUN_HYDRA
+    else:
+        return argv
+    # Beside the given overrides: Hydra reads them as one run of positional arguments.
+    at = max((i + 1 for i, a in enumerate(argv) if _is_override(a)), default=len(argv))
+    return argv[:at] + extra + argv[at:]
+
+
+def _is_override(arg: str) -> bool:
+    return "=" in arg and not arg.startswith("-")
+
+
+def _point_name_keys(argv: list[str]) -> list[str]:
+    """In a sweep, Hydra's `override_dirname` names each point's run dir: only by the keys the
+    sweep varies (`quant.budget_bits=3`), not by every override on the command line."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    given = [a for a in argv if _is_override(a) and not a.startswith("hydra.")]
+    try:
+        parsed = OverridesParser.create().parse_overrides(given)
+    except Exception:  # Hydra reports the bad override itself, with its own message
+        return []
+    fixed = {
+        o.key_or_group
+        for o in parsed
+        if not o.is_sweep_override() or o.key_or_group.split(".")[0] in NOT_IN_POINT_NAME
+    }
+    quoted = ",".join(f"'{k}'" for k in sorted(fixed))
+    return [f"hydra.job.config.override_dirname.exclude_keys=[{quoted}]"]
+
+
+def _key(override: str) -> str:
+    return override.lstrip("+~").split("=", 1)[0]
+
+
+def point_run_dir(run_dir: str, point: str) -> str:
+    """A sweep point's run dir: the configured one plus the point's swept values
+    (`outputs/default/quant.budget_bits=3`), so the points of `lowbit -m` never share stage
+    folders. `/` in a value would nest folders: it becomes `_`."""
+    return f"{run_dir}/{point.replace('/', '_')}" if point else run_dir
+
+
+def _snapshot(cfg: DictConfig, overrides: list[str], hydra_cfg) -> Path:
+    """Keep this invocation's resolved config and overrides in `<run_dir>/.hydra/<time>/`: with a
+    single run that is Hydra's own output dir, beside the invocation's log."""
+    run_dir = Path(cfg.run_dir).resolve()
+    hydra_dir = Path(hydra_cfg.runtime.output_dir).resolve()
+    if hydra_dir.parent == run_dir / ".hydra":
+        where = hydra_dir
+    else:  # a sweep point (its log is in the sweep dir) or a custom hydra.run.dir
+        stamp = time.strftime("%Y-%m-%d_%H-%M-%S")
+        if hydra_cfg.mode == RunMode.MULTIRUN:  # points sharing a run dir, in the same second
+            stamp += f"_{hydra_cfg.job.num}"
+        where = run_dir / ".hydra" / stamp
+    where.mkdir(parents=True, exist_ok=True)
+    (where / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    (where / "overrides.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(list(overrides))))
+    return where
 
 
 def _relaunch(nproc: int) -> None:
@@ -57,25 +144,32 @@ def _relaunch(nproc: int) -> None:
     os.execv(sys.executable, cmd)
 
 
-@hydra.main(config_path=str(conf_dir()), config_name="config", version_base="1.3")
 def _main(cfg: DictConfig) -> None:
-    from pathlib import Path
-
     from pipeline import workflow
+    from pipeline.stageplan import describe
 
+    hydra_cfg = HydraConfig.get()
+    given = list(hydra_cfg.overrides.task)
+    if hydra_cfg.mode == RunMode.MULTIRUN and "run_dir" not in {_key(o) for o in given}:
+        cfg.run_dir = point_run_dir(cfg.run_dir, hydra_cfg.job.override_dirname)
     trainer = cfg.get("trainer") or {}
     devices = trainer.get("devices", 1)
+    main_rank = os.environ.get("RANK", "0") == "0"
     try:
         # Validate once, here, before starting ranks or touching any model.
         planned = workflow.plan(cfg, Path(cfg.run_dir).resolve())
+        if cfg.dry_run:
+            if main_rank:
+                print(describe(Path(cfg.run_dir).resolve(), workflow.preview(cfg, planned)))
+            return
         # A list (`trainer.devices=[4,5]`) names which devices: one rank each.
         count = len(devices) if OmegaConf.is_list(devices) else devices
         local_ranks = isinstance(count, int) and count > 1 and trainer.get("num_nodes", 1) == 1
         if local_ranks and not _under_launcher():
             _relaunch(count)
-        if os.environ.get("RANK", "0") == "0":
-            given = HydraConfig.get().overrides.task
+        if main_rank:
             log.info("lowbit %s; overrides: %s", __version__, " ".join(given) or "none")
+            _snapshot(cfg, given, hydra_cfg)
             if cfg.print_config:
                 print(OmegaConf.to_yaml(cfg), flush=True)
         workflow.run(cfg, planned)
@@ -93,16 +187,17 @@ def main() -> None:
         print(f"lowbit {__version__}")
         return
     sys.argv = sys.argv[:1] + _with_flags(sys.argv[1:])
-    from pipeline.stages import register_configs
-
-    register_configs()  # the defaults Hydra composes on, from the dataclasses
     if not sys.stderr.isatty():
-        # Read when huggingface_hub, datasets and mlflow are used (by the stages, later): their
-        # bars, written to a log file or a pipe, are one line growing with every refresh.
+        # Their bars, written to a log file or a pipe, are one line growing with every refresh.
+        # Set before anything imports transformers (register_configs does): it reads the hub's
+        # flag once, at import, for its "Loading weights" bar.
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
         os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
         os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # model logging
-    _main()
+    from pipeline.stages import register_configs
+
+    register_configs()  # the defaults Hydra composes on, from the dataclasses
+    hydra.main(config_path=str(conf_dir()), config_name="config", version_base="1.3")(_main)()
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ what is allowed.
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -127,6 +128,10 @@ class ModelSpec:
     """One model: a local HF checkpoint, or the size of the one bootstrap trains."""
 
     path: str | None = None  # a local HF checkpoint dir replaces the bootstrap model
+    # The dtype the checkpoint is loaded in; "auto" keeps the saved one (float32 for the
+    # bootstrap models, usually bfloat16 for a hub LLM: half the memory of float32). Stages
+    # that train a model upcast what they train themselves.
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     layers: int = 4
     hidden: int = 128
     heads: int = 2
@@ -162,6 +167,27 @@ class ModelConfig:
     draft: ModelSpec = field(default_factory=lambda: ModelSpec(layers=1))
     tokenizer: TokenizerSpec = field(default_factory=TokenizerSpec)
     allow_bin: bool = False  # load .bin pickles (unsafe) instead of refusing them
+    # transformers' device_map for whole-model loads: null loads onto the stage's device
+    # directly; "auto" spreads a model too large for one device over all of them (needs
+    # accelerate); "cuda:1" pins one device.
+    device_map: str | None = None
+
+    def check(self, prefix: str) -> None:
+        multi = ("auto", "balanced", "balanced_low_0", "sequential")
+        # Checked by name, not with torch.device: "npu:0" is valid before torch_npu is imported.
+        device = re.fullmatch(r"(cpu|cuda|npu|xpu|mps|hpu)(:\d+)?", self.device_map or "cpu")
+        if self.device_map not in multi and device is None:
+            raise ConfigError(
+                f"{prefix}.device_map",
+                f"is {self.device_map!r}",
+                f"null, a device (cpu, cuda:0, npu:0) or one of {', '.join(multi)}",
+            )
+
+    def load_options(self, role: Literal["target", "draft"]) -> dict[str, Any]:
+        """The keyword arguments of ``pipeline.models.hf.load_causal_lm`` / ``quantized.
+        load_model`` this section sets for ``role``: ``dtype`` and ``device_map``."""
+        spec = self.target if role == "target" else self.draft
+        return {"dtype": spec.dtype, "device_map": self.device_map}
 
 
 # Installed packages whose docstrings extend the built-in corpus, in reading order.

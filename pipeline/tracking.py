@@ -125,13 +125,18 @@ class StageRun:
         if self.active:
             self.client.log_dict(self.run_id, data, name)
 
-    def lightning_logger(self):
-        """A Lightning MLFlowLogger writing into this run (None when tracking is off)."""
+    def lightning_logger(self, prefix: str = ""):
+        """A Lightning MLFlowLogger writing into this run (None when tracking is off).
+
+        Args:
+            prefix: put before every metric name with a dash, so that several trainings of one
+                stage share its run apart ("target" -> target-train_loss).
+        """
         if not self.active:
             return None
         from lightning.pytorch.loggers import MLFlowLogger
 
-        return MLFlowLogger(tracking_uri=self.uri, run_id=self.run_id)
+        return MLFlowLogger(tracking_uri=self.uri, run_id=self.run_id, prefix=prefix)
 
     def end(self, status: str = "FINISHED") -> None:
         if self._monitor is not None:

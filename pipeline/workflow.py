@@ -3,11 +3,13 @@
 The config is parsed once (`plan`): each stage's `run(cfg, run, io)` gets its parsed
 `stage.<name>`, a RunConfig holding only the sections it lists in SECTIONS, and a StageIO. Its
 fingerprint hashes exactly those two parsed objects, the fingerprints and output digests of the
-stages it reads, and the package version. A stage folder is written atomically: the stage
-writes into `<run_dir>/.<stage>.tmp/`, the workflow adds `_done.json` and renames it into place,
-so a crash or Ctrl-C never leaves a half-written stage folder. Work that must survive a crash
-inside a stage (Lightning checkpoints, finished quantization segments) goes to
-`<run_dir>/.work/<stage>-<fingerprint>/`, which the same fingerprint finds again on resume.
+stages it reads, and the package version; `pipeline.stageplan` decides from it which stages run
+and why, and `preview` reports that decision without running anything (`lowbit dry_run=true`).
+A stage folder is written atomically: the stage writes into `<run_dir>/.<stage>.tmp/`, the
+workflow adds `_done.json` and renames it into place, so a crash or Ctrl-C never leaves a
+half-written stage folder. Work that must survive a crash inside a stage (Lightning checkpoints,
+finished quantization segments) goes to `<run_dir>/.work/<stage>-<fingerprint>/`, which the same
+fingerprint finds again on resume.
 
 Before a stage's folder is trusted (skipped as up to date, or read by a later stage) its files are
 checked against `_done.json` (`pipeline.rundir`); a damaged folder is named and its stage rerun
@@ -19,7 +21,6 @@ Every rank runs this loop (torchrun/srun); rank 0 writes, the others wait at bar
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import shutil
@@ -28,7 +29,6 @@ import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 from omegaconf import DictConfig
@@ -40,40 +40,24 @@ from pipeline.errors import ConfigError, LowbitError, StageFailed, record_failur
 from pipeline.inputs import check_inputs
 from pipeline.lit.trainer import check_trainer
 from pipeline.report import write_report
-from pipeline.rundir import (
-    DONE,
-    RunLock,
-    commit,
-    find_damage,
-    outputs_digest,
-    read_done,
-    record_outputs,
-)
+from pipeline.rundir import DONE, RunLock, commit, outputs_digest, read_done, record_outputs
+from pipeline.stageplan import PENDING, Damage, Stage, Step, fingerprint, steps
 from pipeline.stages import StageIO
 from pipeline.tracking import StageRun, Tracker
 
-__all__ = ["Plan", "Stage", "StageIO", "check_stage", "fingerprint", "plan", "run", "stage_config"]
+__all__ = [
+    "Plan",
+    "Stage",
+    "StageIO",
+    "check_stage",
+    "fingerprint",
+    "plan",
+    "preview",
+    "run",
+    "stage_config",
+]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Stage:
-    """A stage as the workflow runs it: its module and the parsed configs `run` receives."""
-
-    name: str
-    mod: ModuleType
-    cfg: Any  # the parsed stage.<name> (an instance of mod.CONFIG)
-    run: RunConfig  # only the sections mod.SECTIONS lists are set
-
-    def skip_reason(self) -> str | None:
-        skip = getattr(self.mod, "skip_reason", None)
-        return skip(self.cfg, self.run) if skip else None
-
-    def check(self) -> None:
-        check = getattr(self.mod, "check", None)
-        if check:
-            check(self.cfg, self.run)
 
 
 def make_stage(cfg: DictConfig, name: str, run: RunConfig) -> Stage:
@@ -104,16 +88,8 @@ class Plan:
     stages: list[Stage]
 
 
-def fingerprint(stage: Stage, inputs: dict[str, dict]) -> str:
-    """Hash of what determines the stage's result (see the module docstring)."""
-    payload = {
-        "version": __version__,
-        "config": {"stage": asdict(stage.cfg), "run": stage.run.asdict()},
-        "inputs": {
-            k: [v["fingerprint"], v.get("outputs_digest")] for k, v in sorted(inputs.items())
-        },
-    }
-    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
+# The top-level switches of one invocation (conf/config.yaml); none is part of a fingerprint.
+FLAGS = ("force", "verify", "repair", "print_config", "dry_run")
 
 
 def plan(cfg: DictConfig, run_dir: Path) -> Plan:
@@ -126,6 +102,10 @@ def plan(cfg: DictConfig, run_dir: Path) -> Plan:
     order = [n for n in stages.ORDER if n in selected]
     if order != selected:
         raise ConfigError("stages", f"is out of order {selected}", f"this order: {order}")
+    for flag in FLAGS:
+        value = cfg.get(flag, False)
+        if not isinstance(value, bool):  # `dry_run=no` would be the string "no": true
+            raise ConfigError(flag, f"must be a boolean, got {value!r}", "true, false")
     # The shared sections are checked whatever the stages, so a typo never waits for its stage.
     run = run_config(cfg)
     tracking = tracking_cfg(cfg)
@@ -216,33 +196,21 @@ def _run_locked(cfg: DictConfig, planned: Plan, run_dir: Path, dist: Dist) -> di
     dist.barrier()
 
     results: dict[str, dict] = {}
-    known: dict[str, dict] = {}  # stage -> its _done.json, for fingerprints of readers
     t_start = time.time()
     status = "FAILED"
     try:
-        damage = Damage(cfg, run_dir, dist)
+        damage = _damage(cfg, run_dir, dist)
         todo = damage.add_repairs(planned.stages, lambda n: make_stage(cfg, n, planned.run))
-        running = {stage.name for stage in todo}
-        for stage in todo:
-            reason = stage.skip_reason()
-            if reason:
-                log.info("%-12s not needed: %s", stage.name, reason)
-                continue
-            inputs, input_done = {}, {}
-            for dep in sorted(_reads(stage.mod)):
-                done = known.get(dep) if dep in running else read_done(run_dir / dep)
-                if done is not None:
-                    inputs[dep], input_done[dep] = run_dir / dep, done
-            fp = fingerprint(stage, input_done)
-            done = read_done(run_dir / stage.name)
-            fresh = done and done.get("fingerprint") == fp and not cfg.force
-            if fresh and damage.of(stage.name) is None:
-                log.info("%-12s up to date (fingerprint %s), skipped", stage.name, fp[:12])
-                known[stage.name] = results[stage.name] = done
-                continue
-            known[stage.name] = results[stage.name] = _run_stage(
-                stage, fp, inputs, input_done, run_dir, dist, tracker
-            )
+        known: dict[str, dict] = {}  # stage -> its _done.json, for fingerprints of readers
+        for step in steps(todo, run_dir, damage, bool(cfg.force), known):
+            name = step.stage.name
+            if step.action == "not needed":
+                log.info("%-12s not needed: %s", name, step.why)
+            elif not step.runs:
+                log.info("%-12s up to date (fingerprint %s), skipped", name, step.fingerprint[:12])
+                results[name] = step.done
+            else:
+                known[name] = results[name] = _run_stage(step, run_dir, dist, tracker)
         status = "FINISHED"
     except KeyboardInterrupt:
         status = "KILLED"
@@ -261,54 +229,22 @@ def _run_locked(cfg: DictConfig, planned: Plan, run_dir: Path, dist: Dist) -> di
     return results
 
 
-def _reads(mod: ModuleType) -> set[str]:
-    return set(mod.NEEDS) | set(getattr(mod, "USES", ()))
+def _damage(cfg: DictConfig, run_dir: Path, dist: Dist, report: bool = True) -> Damage:
+    return Damage(run_dir, dist, verify=cfg.verify, repair=cfg.repair, report=report)
 
 
-class Damage:
-    """Which finished stage folders no longer hold what their `_done.json` recorded.
-
-    Rank 0 reads the files; every rank gets its verdict. Each folder is checked once per run.
-    """
-
-    def __init__(self, cfg: DictConfig, run_dir: Path, dist: Dist):
-        self.verify, self.repair = bool(cfg.verify), bool(cfg.repair)
-        self.run_dir, self.dist = run_dir, dist
-        self.found: dict[str, str | None] = {}
-
-    def of(self, name: str) -> str | None:
-        if name not in self.found:
-            problem = None
-            if self.dist.is_main:
-                done = read_done(self.run_dir / name)
-                if done is not None:
-                    problem = find_damage(self.run_dir / name, done, full=self.verify)
-            self.found[name] = self.dist.broadcast(problem)
-            if self.found[name] is not None:
-                self._report(name, self.found[name])
-        return self.found[name]
-
-    def _report(self, name: str, problem: str) -> None:
-        if not self.repair:
-            raise LowbitError(
-                f"stage {name}'s outputs are damaged: {problem}; rerun without --no-repair "
-                "(repair=true) to recompute them"
-            )
-        log.warning("%-12s outputs damaged: %s; rerunning the stage", name, problem)
-
-    def add_repairs(self, chosen: list[Stage], make) -> list[Stage]:
-        """`chosen` plus every unselected stage they read whose folder is damaged, in order;
-        `make(name)` builds an added one."""
-        by_name = {s.name: s for s in chosen}
-        grew = True
-        while grew:
-            grew = False
-            wanted = set().union(*(_reads(s.mod) for s in by_name.values())) - set(by_name)
-            for dep in sorted(wanted):
-                if read_done(self.run_dir / dep) is not None and self.of(dep) is not None:
-                    by_name[dep] = make(dep)
-                    grew = True
-        return [by_name[n] for n in stages.ORDER if n in by_name]
+def preview(cfg: DictConfig, planned: Plan) -> list[Step]:
+    """What `run` would do, stage by stage, without running or writing anything (a dry run)."""
+    run_dir = Path(cfg.run_dir).resolve()
+    damage = _damage(cfg, run_dir, Dist(), report=False)
+    todo = damage.add_repairs(planned.stages, lambda n: make_stage(cfg, n, planned.run))
+    known: dict[str, dict] = {}
+    decided = []
+    for step in steps(todo, run_dir, damage, bool(cfg.force), known):
+        if step.runs:  # its outputs are unknown until it has run
+            known[step.stage.name] = {"fingerprint": step.fingerprint, "outputs_digest": PENDING}
+        decided.append(step)
+    return decided
 
 
 def stage_log_path(run_dir: Path, name: str, rank: int = 0) -> Path:
@@ -353,7 +289,8 @@ def _params(stage: Stage) -> dict[str, Any]:
     return {"stage": asdict(stage.cfg), **sections}
 
 
-def _run_stage(stage: Stage, fp, inputs, input_done, run_dir, dist, tracker) -> dict:
+def _run_stage(step: Step, run_dir: Path, dist: Dist, tracker: Tracker) -> dict:
+    stage, fp, inputs, input_done = step.stage, step.fingerprint, step.inputs, step.input_done
     name = stage.name
     work = run_dir / ".work" / f"{name}-{fp[:12]}"
     tmp = run_dir / f".{name}.tmp"
@@ -371,7 +308,7 @@ def _run_stage(stage: Stage, fp, inputs, input_done, run_dir, dist, tracker) -> 
     t0 = time.time()
     error = None
     with _stage_log(log_path):
-        log.info("%-12s running (fingerprint %s)", name, fp[:12])
+        log.info("%-12s running (fingerprint %s): %s", name, fp[:12], step.why)
         try:
             runs_here = stage.mod.DISTRIBUTED or dist.is_main
             metrics = stage.mod.run(stage.cfg, stage.run, io) if runs_here else {}
@@ -399,6 +336,7 @@ def _run_stage(stage: Stage, fp, inputs, input_done, run_dir, dist, tracker) -> 
         done = {
             "stage": name,
             "fingerprint": fp,
+            "config": stage.config_record(),  # what the fingerprint hashed: reruns name the change
             "outputs_digest": outputs_digest(outputs),
             "inputs": {k: v["fingerprint"] for k, v in input_done.items()},
             "metrics": metrics,

@@ -1,4 +1,5 @@
-"""The CLI's contract for things going wrong: one line on stderr, an exit code, nothing lost."""
+"""The CLI's contract: one line on stderr and an exit code when things go wrong, nothing lost; a dry
+run that writes nothing; a run dir per sweep point; a config snapshot per invocation; `--help`."""
 
 from __future__ import annotations
 
@@ -6,6 +7,9 @@ import json
 import subprocess
 import sys
 
+import yaml
+
+from pipeline import conf_dir
 from pipeline.rundir import RunLock
 from tests.conftest import lowbit_cmd
 
@@ -74,17 +78,108 @@ def test_an_npu_trainer_without_an_npu_is_one_line_before_any_rank(tmp_path):
     assert "starting" not in proc.stdout + proc.stderr and "Traceback" not in proc.stderr
 
 
-def test_version_help_and_log_file_say_lowbit(tmp_path):
+def test_version_and_help(tmp_path):
     version = subprocess.run(lowbit_cmd("--version"), capture_output=True, text=True)
     assert version.returncode == 0 and version.stdout.strip().startswith("lowbit ")
-    helped = subprocess.run(lowbit_cmd("--help"), capture_output=True, text=True)
-    assert helped.stdout.startswith("lowbit is powered by Hydra")
+    helped = subprocess.run(lowbit_cmd("--help"), capture_output=True, text=True, cwd=tmp_path)
+    assert helped.returncode == 0 and helped.stdout.startswith("lowbit: compress an LLM")
+    # Every config group with every option, the common overrides, the config printer.
+    for group in ("model", "data", "quant", "trainer", "cluster", "tracking", "experiment"):
+        options = sorted(p.stem for p in (conf_dir() / group).glob("*.yaml"))
+        assert f"{group}: {', '.join(options)}" in helped.stdout
+    for shown in ("dry_run=true", "stages=[", "quant.budget_bits=", "--cfg job --resolve", "-m "):
+        assert shown in helped.stdout
+    assert list(tmp_path.iterdir()) == []
+
+
+def _snapshots(run_dir):
+    """{overrides: resolved config} of each invocation's snapshot, oldest first."""
+    found = []
+    for folder in sorted((run_dir / ".hydra").iterdir()):
+        overrides = yaml.safe_load((folder / "overrides.yaml").read_text())
+        found.append((tuple(overrides), yaml.safe_load((folder / "config.yaml").read_text())))
+    return found
+
+
+def test_each_invocation_logs_and_snapshots_its_resolved_config(tmp_path):
     run_dir = tmp_path / "r"
-    proc, errors = lowbit(
-        tmp_path, "experiment=smoke", "stages=[bootstrap]", f"run_dir={run_dir}",
-        "stage.bootstrap.max_steps=2", "stage.bootstrap.draft_max_steps=2", "print_config=true",
-    )  # fmt: skip
+    args = ["experiment=smoke", "stages=[bootstrap]", f"run_dir={run_dir}",
+            "stage.bootstrap.max_steps=2", "stage.bootstrap.draft_max_steps=2"]  # fmt: skip
+    proc, errors = lowbit(tmp_path, *args, "print_config=true")
     assert proc.returncode == 0 and not errors
     out = proc.stdout + proc.stderr
     assert -1 < out.index("print_config: true") < out.index("bootstrap    running")
     assert [p.name for p in (run_dir / ".hydra").glob("*/*.log")] == ["lowbit.log"]
+    proc, errors = lowbit(tmp_path, *args, "verify=true")  # up to date: nothing reruns
+    assert proc.returncode == 0 and not errors and "bootstrap    up to date" in proc.stdout
+    (first, config), (second, again) = _snapshots(run_dir)
+    assert first == (*args, "print_config=true", "tracking=none")
+    assert second == (*args, "verify=true", "tracking=none")
+    # Resolved: the interpolations are values (hydra.run.dir holds ${run_dir}, run_dir itself
+    # is given; name comes from the experiment), and the log sits beside the snapshot.
+    assert config["run_dir"] == str(run_dir) and config["name"] == "smoke"
+    assert config["stage"]["bootstrap"]["max_steps"] == 2 and again["verify"] is True
+    for folder in (run_dir / ".hydra").iterdir():
+        assert "${" not in (folder / "config.yaml").read_text()
+
+
+def test_a_dry_run_of_a_finished_run_lists_every_stage_up_to_date(smoke_run):
+    run_dir = smoke_run["run_dir"]
+    before = {p: p.stat().st_mtime_ns for p in run_dir.rglob("*")}
+
+    def dry(*extra):
+        proc = subprocess.run(
+            lowbit_cmd(*smoke_run["args"], "--dry-run", *extra),
+            cwd=smoke_run["dir"], capture_output=True, text=True,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        lines = [ln.strip() for ln in proc.stdout.splitlines() if ln.startswith("  ")]
+        return {ln.split()[0]: ln.split(None, 1)[1] for ln in lines}
+
+    verdicts = dry()
+    assert list(verdicts) == list(smoke_run_stages(smoke_run))
+    assert all(v.startswith("up to date (fingerprint ") for v in verdicts.values()), verdicts
+    # The budget is read by allocate and quantize: they and what reads them will run, what comes
+    # before will not.
+    verdicts = dry("quant.budget_bits=2.5")
+    assert verdicts["bootstrap"].startswith("up to date")
+    assert verdicts["sensitivity"].startswith("up to date")
+    changed = "will run: config changed: quant.budget_bits 3.0 -> 2.5"
+    assert verdicts["allocate"] == verdicts["quantize"] == changed
+    assert verdicts["distill"] == "will run (after quantize reruns)"
+    assert verdicts["evaluate"] == "will run (after quantize, distill, reinforce rerun)"
+    # Nothing was written: no stage folder, no lock, no log folder, no snapshot.
+    assert {p: p.stat().st_mtime_ns for p in run_dir.rglob("*")} == before
+
+
+def smoke_run_stages(smoke_run):
+    """The stages the smoke run ran, in order (each has its folder)."""
+    from pipeline import stages
+
+    return [s for s in stages.ORDER if (smoke_run["run_dir"] / s / "_done.json").exists()]
+
+
+def test_each_point_of_a_sweep_gets_its_own_run_dir(tmp_path):
+    proc, errors = lowbit(
+        tmp_path, "-m", "experiment=smoke", "stages=[bootstrap]", "dry_run=true",
+        "quant.budget_bits=2.5,3",
+    )  # fmt: skip
+    assert proc.returncode == 0 and not errors, proc.stderr[-3000:]
+    dirs = [ln.split()[3] for ln in proc.stdout.splitlines() if ln.startswith("dry run of ")]
+    base = tmp_path / "outputs" / "smoke"
+    # Named by what the sweep varies only, not by every override on the command line.
+    assert dirs == [str(base / "quant.budget_bits=2.5"), str(base / "quant.budget_bits=3")]
+
+
+def test_a_single_run_keeps_its_run_dir(tmp_path):
+    proc, _ = lowbit(tmp_path, "experiment=smoke", "stages=[bootstrap]", "quant.budget_bits=3",
+                     "--dry-run")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"dry run of {tmp_path / 'outputs' / 'smoke'} " in proc.stdout
+    assert list(tmp_path.iterdir()) == []  # a dry run writes no Hydra log either
+    # The documented way to see the config a run gets, interpolations resolved.
+    shown = subprocess.run(
+        lowbit_cmd("--cfg", "job", "--resolve", "experiment=smoke"),
+        cwd=tmp_path, capture_output=True, text=True,
+    )  # fmt: skip
+    assert shown.returncode == 0 and "\nrun_dir: outputs/smoke\n" in shown.stdout

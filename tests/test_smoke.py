@@ -94,6 +94,7 @@ def test_the_log_is_lowbits_lines_and_lightnings_once(smoke_run):
     # Progress bars are off without a terminal: no line of glued-together refreshes.
     assert max(len(ln) for ln in lines) < 1000
     assert "Downloading artifacts" not in smoke_run["log"]  # MLflow's bar while registering
+    assert "Loading weights" not in smoke_run["log"]  # transformers' bar, read at its import
     assert not [ln for ln in lines if "site-packages/lightning" in ln]  # expected warnings
     # The run's where and what come first, before any stage.
     first = next(i for i, ln in enumerate(lines) if "running (fingerprint" in ln)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import types
+from pathlib import Path
 
 import pytest
 
@@ -263,3 +264,65 @@ def test_a_mixed_recipe_without_a_bit_plan_is_refused(tmp_path):
         workflow.plan(c, tmp_path)
     assert "add sensitivity and allocate" in str(err.value)
     workflow.plan(make_cfg("stages=[bootstrap,quantize]", "quant=w3g128"), tmp_path)
+
+
+def _tree(root):
+    """Every file and folder under `root` with its size and mtime: what a dry run must not move."""
+    return {
+        p.relative_to(root): (p.is_dir() or p.stat().st_size, p.stat().st_mtime_ns)
+        for p in root.rglob("*")
+    }
+
+
+def _verdicts(c):
+    """{stage: (action, why)} of a dry run of the composed config `c`."""
+    steps = workflow.preview(c, workflow.plan(c, Path(c.run_dir)))
+    return {s.stage.name: (s.action, s.why) for s in steps}
+
+
+def test_a_dry_run_names_each_stage_and_why_and_touches_nothing(toy_stages, tmp_path):
+    workflow.run(cfg(tmp_path))
+    CALLS.clear()
+    before = _tree(tmp_path)
+    got = _verdicts(cfg(tmp_path))
+    assert {a for a, _ in got.values()} == {"up to date"}
+    # One stage's key changed: that stage, then the stages reading it (it would rerun first).
+    got = _verdicts(cfg(tmp_path, "quant.budget_bits=2.5"))
+    assert got["bootstrap"][0] == "up to date"
+    assert got["sensitivity"] == ("will run", "config changed: quant.budget_bits 3.0 -> 2.5")
+    assert got["evaluate"] == ("will run", "(after sensitivity reruns)")
+    # The stage's own key; then an unfinished stage.
+    got = _verdicts(cfg(tmp_path, "stage.evaluate.gamma=2"))
+    assert CALLS == [] and _tree(tmp_path) == before
+    (tmp_path / "sensitivity" / "_done.json").unlink()
+    got = _verdicts(cfg(tmp_path))
+    assert got["sensitivity"] == ("will run", "no finished outputs")
+    # Its fingerprint is the one evaluate read: the same bytes again would leave evaluate alone.
+    assert got["evaluate"] == ("may run", "if sensitivity reruns with different outputs")
+
+
+def test_a_dry_run_says_a_reader_of_a_repaired_stage_may_run(toy_stages, tmp_path):
+    workflow.run(cfg(tmp_path))
+    (tmp_path / "sensitivity" / "out.txt").unlink()
+    got = _verdicts(cfg(tmp_path))
+    assert got["sensitivity"][0] == "will run" and "outputs damaged" in got["sensitivity"][1]
+    # Same fingerprint again: evaluate reruns only if sensitivity writes different bytes.
+    assert got["evaluate"] == ("may run", "if sensitivity reruns with different outputs")
+    got = _verdicts(cfg(tmp_path, "force=true"))
+    assert {a for a, _ in got.values()} == {"will run"}
+    assert not (tmp_path / "sensitivity" / "out.txt").exists()  # not repaired by a dry run
+
+
+def test_a_rerun_logs_why_the_stage_runs(toy_stages, tmp_path, caplog):
+    caplog.set_level("INFO")
+    workflow.run(cfg(tmp_path))
+    done = json.loads((tmp_path / "sensitivity" / "_done.json").read_text())
+    assert done["config"]["run"]["quant"]["budget_bits"] == 3.0
+    workflow.run(cfg(tmp_path, "quant.budget_bits=2.5"))
+    assert "config changed: quant.budget_bits 3.0 -> 2.5" in caplog.text
+    assert "evaluate     running" in caplog.text and "input sensitivity changed" in caplog.text
+
+
+def test_switches_must_be_booleans(tmp_path):
+    with pytest.raises(ConfigError, match=r"`dry_run` must be a boolean, got 'no'"):
+        workflow.plan(cfg(tmp_path, "dry_run=no"), tmp_path)

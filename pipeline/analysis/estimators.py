@@ -37,18 +37,33 @@ from tqdm.auto import tqdm
 from pipeline.dist import Dist
 
 
+def logits_loss(logits: Tensor, x: Tensor, gen: torch.Generator | None = None) -> Tensor:
+    """Mean next-token cross-entropy of the logits (B, T, V) of windows x (B, T).
+
+    The targets are x's own next tokens, or with ``gen`` tokens sampled from the logits' own
+    distribution (the true Fisher's labels). Shared by the loaded and the streamed estimators,
+    so both define the loss identically.
+    """
+    logits = logits[:, :-1].float().reshape(-1, logits.shape[-1])  # (B·(T-1), V)
+    if gen is None:
+        labels = x[:, 1:].reshape(-1)
+    else:
+        probs = logits.detach().softmax(-1).cpu()
+        labels = torch.multinomial(probs, 1, generator=gen).squeeze(1).to(logits.device)
+    return F.cross_entropy(logits, labels)
+
+
+def label_generator(labels: str, seed: int, s: int) -> torch.Generator | None:
+    """The label sampler of sequence ``s``: seeded by (seed, s), so the result does not depend on
+    how sequences are split across ranks; None for the data's own labels."""
+    if labels not in ("data", "model"):
+        raise ValueError(f"labels must be 'data' or 'model', got {labels!r}")
+    return torch.Generator().manual_seed(seed * 1_000_003 + s) if labels == "model" else None
+
+
 def sequence_loss(model: nn.Module, x: Tensor) -> Tensor:
     """Mean next-token cross-entropy of the windows x (B, T)."""
-    logits = model(input_ids=x).logits[:, :-1].float()  # (B, T-1, V)
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1))
-
-
-def sampled_sequence_loss(model: nn.Module, x: Tensor, gen: torch.Generator) -> Tensor:
-    """Mean cross-entropy of x (B, T) against next tokens sampled from the model itself."""
-    logits = model(input_ids=x).logits[:, :-1].float()  # (B, T-1, V)
-    probs = logits.detach().softmax(-1).reshape(-1, logits.shape[-1]).cpu()
-    labels = torch.multinomial(probs, 1, generator=gen).squeeze(1).to(logits.device)
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels)
+    return logits_loss(model(input_ids=x).logits, x)
 
 
 def _bar(dist: Dist, items, desc: str, progress: bool):
@@ -79,11 +94,7 @@ def fisher_diagonal(
     device = tensors[0].device
     for s in _bar(dist, dist.shard(len(windows)), "fisher", progress):
         x = windows[s : s + 1].to(device)  # (1, T): one backward per sequence
-        if labels == "model":
-            gen = torch.Generator().manual_seed(seed * 1_000_003 + s)
-            loss = sampled_sequence_loss(model, x, gen)
-        else:
-            loss = sequence_loss(model, x)
+        loss = logits_loss(model(input_ids=x).logits, x, label_generator(labels, seed, s))
         grads = torch.autograd.grad(loss, tensors)
         for f, g in zip(fisher, grads):
             g = g.float()

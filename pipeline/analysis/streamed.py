@@ -24,9 +24,20 @@ from pipeline.analysis.capture import Capture
 from pipeline.analysis.scores import embedding_weigh, hessian_weigh, layer_dloss
 from pipeline.analysis.sensitivity import NO_STATS, layer_entry, report
 from pipeline.dist import Dist
+from pipeline.models.adapters import Adapter
 from pipeline.models.checkpoint import StreamingCheckpoint
 from pipeline.streaming.engine import Batches, BlockSource, BlockWalk, StreamOptions
 from pipeline.streaming.workdir import Scratch
+
+
+def block_capture(
+    adapter: Adapter, i: int, block: nn.Module, hessians: bool
+) -> tuple[dict[str, nn.Module], Capture]:
+    """Block ``i``'s linears by full name and hooks on them (fused groups share one input)."""
+    prefix = adapter.block_prefix(i)
+    linears = {prefix + n: block.get_submodule(n) for n in adapter.linears}
+    shared = {prefix + n: prefix + g[0] for g in adapter.fused for n in g[1:]}
+    return linears, Capture(linears, hessians=hessians, shared=shared)
 
 
 class _ScoreStep:
@@ -60,10 +71,7 @@ class _ScoreStep:
         return table
 
     def before(self, i: int, block: nn.Module, batches: Batches, kwargs: dict) -> None:
-        prefix = self.a.block_prefix(i)
-        self.linears = {prefix + n: block.get_submodule(n) for n in self.a.linears}
-        shared = {prefix + n: prefix + g[0] for g in self.a.fused for n in g[1:]}
-        self.capture = Capture(self.linears, hessians=True, shared=shared)
+        self.linears, self.capture = block_capture(self.a, i, block, hessians=True)
 
     def after(self, i: int, block: nn.Module) -> None:
         self.capture.remove()

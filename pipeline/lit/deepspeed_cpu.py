@@ -98,6 +98,7 @@ def make_deepspeed_strategy(config_path: Path | str, **kwargs) -> AnyDeviceDeepS
     Args:
         config_path: a DeepSpeed config (ZeRO stage, buckets, offload, ...). Optimizer and scheduler
             come from the LightningModule, so the JSON should not define them.
-        **kwargs: further DeepSpeedStrategy arguments (e.g. `process_group_backend`).
+        **kwargs: further DeepSpeedStrategy arguments (`process_group_backend`,
+            `exclude_frozen_parameters`, ...).
     """
     return AnyDeviceDeepSpeedStrategy(config=load_config(config_path), **kwargs)

@@ -34,7 +34,6 @@ from pathlib import Path
 
 import lightning as L
 import torch
-from lightning.pytorch.strategies import DeepSpeedStrategy
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, IterableDataset
 
@@ -168,7 +167,9 @@ class DistillModule(L.LightningModule):
         self.teacher.requires_grad_(False)
         self.groups = groups  # the trainable sets `prepare_qat` chose
         self.register_buffer("layer_w", layer_weights.float(), persistent=False)  # (L,)
-        self.strict_loading = False  # checkpoints hold the student only
+        # Checkpoints hold the student only; under DeepSpeed the frozen teacher and codes are
+        # also left out of them (pipeline.lit.fit).
+        self.strict_loading = False
         # Validation results: the input model's (the sanity check, step 0) and one per check.
         self.val_input: dict[str, float] | None = None
         self.val_history: list[dict[str, float]] = []
@@ -177,10 +178,6 @@ class DistillModule(L.LightningModule):
 
     def on_fit_start(self) -> None:
         self.train()  # loaded models come in eval mode; Lightning does not switch them
-        if isinstance(self.trainer.strategy, DeepSpeedStrategy):
-            # The teacher and the frozen codes are reloaded from disk on resume: keep them out
-            # of every ZeRO checkpoint (the module loads non-strictly).
-            self.trainer.strategy.exclude_frozen_parameters = True
 
     def train(self, mode: bool = True):
         super().train(mode)
@@ -217,7 +214,6 @@ class DistillModule(L.LightningModule):
     def training_step(self, batch: Tensor, batch_idx: int) -> Tensor:
         terms = self.losses(batch)
         self.log_dict({f"loss/{k}": v.detach() for k, v in terms.items()}, on_step=True)
-        self.log("lr", self.trainer.optimizers[0].param_groups[0]["lr"], on_step=True)
         return terms["total"]
 
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:

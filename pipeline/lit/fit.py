@@ -10,7 +10,15 @@ rerun resumes from it (`pipeline.lit.resume`); early stopping optionally ends th
 unless no check beat the input, in which case the stage hands its input on unchanged
 (`Fit.kept`).
 
-DeepSpeed: the best checkpoint is then a directory of ZeRO shards, and the trained module may
+The trainer: the schedule above is the stage's to set, so a `trainer.<key>` for a Trainer argument
+`fit_validated` derives from it (`max_steps`, `val_check_interval`, ...) is refused with the stage
+key to set instead (`fit_owned`), as is one for an argument the stage passes itself (gradient
+clipping, ...); every other `trainer.*` key reaches the Trainer as given.
+
+DeepSpeed: frozen parameters are left out of the checkpoints exactly when the module loads its
+checkpoints non-strictly (`strict_loading = False`: it reloads them itself, as distill does with its
+teacher), the only setting under which Lightning's DeepSpeed strategy can load them back. The
+best checkpoint is then a directory of ZeRO shards, and the trained module may
 be partitioned (ZeRO-3); `best_weights` consolidates the trained tensors from the shards of every
 rank into a freshly loaded model.
 """
@@ -19,7 +27,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,7 +42,13 @@ from pipeline.lit.resume import (
     load_checkpoint,
     resume_from,
 )
-from pipeline.lit.trainer import build_trainer
+from pipeline.lit.trainer import (
+    Owned,
+    build_trainer,
+    refuse_owned,
+    trainer_kwargs,
+    training_owned,
+)
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +87,26 @@ class Fit:
         return {"resumed": float(self.resume is not None), "resumed_step": self.resumed_step}
 
 
+def fit_owned(stage: str) -> dict[str, str]:
+    """The Trainer arguments `fit_validated` sets for `stage`, and what a user sets instead."""
+    section = f"stage.{stage}"
+    val_every = f"set {section}.val_every instead"
+    return training_owned(stage) | {
+        "max_steps": f"set {section}.max_steps instead",
+        "val_check_interval": val_every,
+        "check_val_every_n_epoch": f"validation counts steps; {val_every}",
+        "limit_val_batches": f"every check scores the whole validation set, sized under {section}",
+        "num_sanity_val_steps": "it scores the input on the whole validation set before step 1",
+    }
+
+
+def check_fit_trainer(stage: str, trainer_cfg) -> dict:
+    """The stage's trainer group, checked before any compute: Trainer arguments only
+    (`trainer_kwargs`), none of those `fit_validated` sets (`fit_owned`)."""
+    refuse_owned(trainer_cfg, stage, fit_owned(stage))
+    return trainer_kwargs(trainer_cfg)
+
+
 def fit_validated(
     stage: str,
     module: L.LightningModule,
@@ -88,6 +122,7 @@ def fit_validated(
     ckpt_every: int | None,
     patience: int | None,
     callbacks: Sequence[L.Callback] = (),
+    stage_keys: Mapping[str, str] | None = None,
     **overrides,
 ) -> Fit:
     """Train `module` on `data` with the stage's checkpoints, resuming a killed run.
@@ -101,7 +136,9 @@ def fit_validated(
         logger: a Lightning logger, or False.
         max_steps, val_every, ckpt_every, patience: the schedule (module docstring).
         callbacks: the stage's own callbacks, run before the checkpoints.
-        **overrides: further Trainer arguments (gradient clipping, ...).
+        stage_keys: for arguments in `overrides`, the stage key that sets each, for the message
+            refusing a `trainer.<key>` ({"gradient_clip_val": "clip_norm"}).
+        **overrides: further Trainer arguments the stage sets (gradient clipping, ...).
     """
     resume = resume_from(work_dir, dist)
     val_every = min(val_every, max_steps)
@@ -113,19 +150,29 @@ def fit_validated(
         every=ckpt_interval(ckpt_every, max_steps),
         val_every=val_every,
     )
-    trainer = build_trainer(
-        trainer_cfg,
-        max_steps=max_steps,
-        logger=logger,
-        callbacks=[*callbacks, *ckpts],
-        default_root_dir=str(work_dir),
-        val_check_interval=val_every,
-        check_val_every_n_epoch=None,  # count steps across epochs, as max_steps does
-        limit_val_batches=1.0,
+    schedule = {
+        "max_steps": max_steps,
+        "val_check_interval": val_every,
+        "check_val_every_n_epoch": None,  # count steps across epochs, as max_steps does
+        "limit_val_batches": 1.0,
         # The sanity check scores the input on all of the validation data (step 0); a resumed
         # run restores that score from its checkpoint instead.
-        num_sanity_val_steps=0 if resume else -1,
-        **overrides,
+        "num_sanity_val_steps": 0 if resume else -1,
+        "default_root_dir": str(work_dir),
+        "logger": logger,
+        "callbacks": [*callbacks, *ckpts],
+        "enable_checkpointing": True,
+    }
+    instead = fit_owned(stage)
+    keys = stage_keys or {}
+    for key in overrides:
+        name = keys.get(key)
+        instead[key] = f"set stage.{stage}.{name} instead" if name else f"see stage.{stage}"
+    trainer = build_trainer(
+        trainer_cfg,
+        stage=stage,
+        owned={k: Owned(v, instead[k]) for k, v in (schedule | overrides).items()},
+        exclude_frozen_parameters=not module.strict_loading,
     )
     if resume:
         log.info("%s: resuming from %s", stage, resume)
@@ -167,8 +214,8 @@ def pick_best(
     finite = [r for r in history if math.isfinite(r[key])] or history
     if not finite:
         raise LowbitError(
-            f"{stage}: training ended without a validation; check trainer.limit_val_batches "
-            f"and stage.{stage}.val_every"
+            f"{stage}: training ended without a validation; check stage.{stage}.val_every and "
+            "that the validation split is not empty"
         )
     sign = -1.0 if select.larger_is_better else 1.0
     chosen = min(finite, key=lambda r: sign * r[key])

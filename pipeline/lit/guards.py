@@ -1,4 +1,4 @@
-"""Training hygiene for long QAT runs: a NaN/Inf guard.
+"""Training hygiene for long QAT and reinforce runs: a NaN/Inf guard, and lowering the lr.
 
 Low-bit training diverges now and then (a scale collapsing to 0, an exploding KL on a rare
 token, bf16 overflow). The guard keeps an in-memory copy of the last good training state and,
@@ -40,14 +40,34 @@ def _clone(x):
     return x.detach().clone() if isinstance(x, Tensor) else x
 
 
+def scale_lr(trainer, factor: float) -> None:
+    """Multiply the learning rate of every optimizer by ``factor``, now and for the rest of the
+    run: the step scheduler recomputes lr = base_lr * lambda(step) every step, so its base
+    learning rates are scaled too."""
+    for opt in trainer.optimizers:
+        for group in opt.param_groups:
+            group["lr"] *= factor
+    for cfg in trainer.lr_scheduler_configs:
+        sched = cfg.scheduler
+        if hasattr(sched, "base_lrs"):
+            sched.base_lrs = [lr * factor for lr in sched.base_lrs]
+
+
 class NanGuard(L.Callback):
     """Skip a non-finite step: restore the last good state and halve the learning rate.
 
     Logs `guard/skipped` (steps rolled back so far) and `guard/lr_scale` (product of halvings).
+
+    Args:
+        factor: learning-rate factor after each skipped step.
+        max_skips: skipped steps after which training stops with an error.
+        lr_key: the config key of the learning rate, named in that error.
     """
 
-    def __init__(self, factor: float = 0.5, max_skips: int = 20) -> None:
-        self.factor, self.max_skips = factor, max_skips
+    def __init__(
+        self, factor: float = 0.5, max_skips: int = 20, lr_key: str = "stage.distill.lr"
+    ) -> None:
+        self.factor, self.max_skips, self.lr_key = factor, max_skips, lr_key
         self.skipped = 0
         self.lr_scale = 1.0
         self._snapshot: dict | None = None
@@ -85,14 +105,7 @@ class NanGuard(L.Callback):
 
     def _halve_lr(self, trainer) -> None:
         self.lr_scale *= self.factor
-        for opt in trainer.optimizers:
-            for group in opt.param_groups:
-                group["lr"] *= self.factor
-        # The scheduler recomputes lr = base_lr * lambda(step) every step: halve its base too.
-        for cfg in trainer.lr_scheduler_configs:
-            sched = cfg.scheduler
-            if hasattr(sched, "base_lrs"):
-                sched.base_lrs = [lr * self.factor for lr in sched.base_lrs]
+        scale_lr(trainer, self.factor)
 
     # -------------------------------------------------------------- hooks
     def on_train_start(self, trainer, pl_module) -> None:
@@ -110,7 +123,7 @@ class NanGuard(L.Callback):
             if self.skipped > self.max_skips:
                 raise FloatingPointError(
                     f"{self.skipped} non-finite steps: training diverges even at "
-                    f"{self.lr_scale:.3g}x the learning rate; lower stage.distill.lr or check "
+                    f"{self.lr_scale:.3g}x the learning rate; lower {self.lr_key} or check "
                     "the quantized model's scales"
                 )
             self._restore(trainer, pl_module)

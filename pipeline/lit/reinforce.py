@@ -7,6 +7,12 @@ exactly as speculative decoding would, and the draft learns from
 the verified and on context positions, KL anchor to the starting draft; the trade-offs are
 described there).
 
+Dynamic strategy: each step's on-policy acceptance (the mean over ranks) feeds a sliding-window
+monitor (:class:`pipeline.speculative.monitor.AcceptanceMonitor`, logged as ``alpha_window``);
+when acceptance falls by more than ``lr_drop_threshold`` over the window, the learning rate is
+multiplied by ``lr_drop_factor`` for the rest of the run (``monitor/lr_scale``). Non-finite steps
+are the NaN/Inf guard's (:class:`pipeline.lit.guards.NanGuard`, a callback the stage adds).
+
 A quantized draft (FakeQuantLinear layers) trains only its step sizes and zero points
 (`pipeline.lit.qat.prepare_qat` with `scales`, as the distill stage does), a float draft every
 weight (`load_draft`); the target and the reference draft are frozen and kept out of
@@ -25,7 +31,6 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections import deque
 from pathlib import Path
 
 import lightning as L
@@ -33,6 +38,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
+from pipeline.lit.guards import scale_lr
 from pipeline.lit.lm import batch_rows, cosine_with_warmup, next_batch, step_loader
 from pipeline.lit.losses import LossWeights, reinforce_loss
 from pipeline.lit.qat import prepare_qat
@@ -40,7 +46,9 @@ from pipeline.models.quantized import load_model
 from pipeline.quant.fakequant import FakeQuantLinear
 from pipeline.speculative.cost import measure_cost_ratio
 from pipeline.speculative.metrics import expected_acceptance
-from pipeline.speculative.rewards import MovingAverageBaseline, draft_temperature
+from pipeline.speculative.monitor import AcceptanceMonitor
+from pipeline.speculative.rewards import MovingAverageBaseline
+from pipeline.speculative.schedule import draft_temperature
 
 log = logging.getLogger(__name__)
 
@@ -145,6 +153,7 @@ class DraftReinforce(L.LightningModule):
     """The draft under on-policy acceptance training (see the module docstring).
 
     ``cost_ratio`` None measures c = draft/target step time when training starts.
+    ``lr_drop_threshold`` None only monitors the windowed acceptance.
     Only ``draft`` is a registered submodule: the target and the frozen reference copy are held
     outside the module tree, so DDP neither broadcasts nor checkpoints them.
     """
@@ -166,6 +175,8 @@ class DraftReinforce(L.LightningModule):
         monitor_window: int,
         seed: int,
         context_positions: int,
+        lr_drop_threshold: float | None = None,
+        lr_drop_factor: float = 0.5,
     ):
         super().__init__()
         self.draft = draft
@@ -176,7 +187,9 @@ class DraftReinforce(L.LightningModule):
         self.context_positions = context_positions
         self.lr, self.warmup, self.max_steps = lr, warmup, max_steps
         self.baseline = MovingAverageBaseline(baseline_momentum)
-        self.window: deque[float] = deque(maxlen=monitor_window)
+        self.monitor = AcceptanceMonitor(monitor_window, lr_drop_threshold)
+        self.lr_drop_factor = lr_drop_factor
+        self.lr_scale = 1.0  # product of the monitor's lr drops
         # Validation results: the starting draft's (sanity check, step 0) and one per check.
         self.val_input: dict[str, float] | None = None
         self.val_history: list[dict[str, float]] = []
@@ -223,11 +236,28 @@ class DraftReinforce(L.LightningModule):
             context_positions=self.context_positions,
             generator=gen,
         )
-        self.window.append(stats["alpha"])
-        stats["alpha_window"] = sum(self.window) / len(self.window)
+        if self._monitor(stats["alpha"]):
+            self.lr_scale *= self.lr_drop_factor
+            scale_lr(self.trainer, self.lr_drop_factor)
+            log.warning(
+                "reinforce: acceptance fell by more than %.3g over the last %d steps (step %d): "
+                "learning rate now %.3gx",
+                self.monitor.threshold,
+                self.monitor.values.maxlen,
+                step,
+                self.lr_scale,
+            )
+        stats["alpha_window"] = self.monitor.mean
+        stats["monitor/lr_scale"] = self.lr_scale
         self.log_dict(stats, prog_bar=False, sync_dist=False)
         self.log("train_loss", loss.detach(), prog_bar=True)
         return loss
+
+    def _monitor(self, alpha: float) -> bool:
+        """Feed the monitor the acceptance averaged over ranks, so every rank decides alike."""
+        if self.trainer.world_size > 1:
+            alpha = float(self.all_gather(torch.tensor(float(alpha), device=self.device)).mean())
+        return self.monitor.update(alpha)
 
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
         # Stopping at max_steps through `should_stop` makes Lightning validate the last step too.
@@ -273,7 +303,8 @@ class DraftReinforce(L.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint["reinforce"] = {
             "baseline": self.baseline.state_dict(),
-            "window": list(self.window),
+            "monitor": self.monitor.state_dict(),
+            "lr_scale": self.lr_scale,
             "cost_ratio": self.cost_ratio,
             "val_input": self.val_input,
             "val_history": self.val_history,
@@ -283,7 +314,9 @@ class DraftReinforce(L.LightningModule):
         state = checkpoint.get("reinforce", {})
         if "baseline" in state:
             self.baseline.load_state_dict(state["baseline"])
-        self.window.extend(state.get("window", []))
+        if "monitor" in state:
+            self.monitor.load_state_dict(state["monitor"])
+        self.lr_scale = state.get("lr_scale", 1.0)
         if state.get("cost_ratio") is not None:
             self.cost_ratio = state["cost_ratio"]
         self.val_input = state.get("val_input", self.val_input)

@@ -4,6 +4,12 @@ The group holds Trainer keyword arguments plus a few lowbit keys that select a s
 (e.g. `strategy: deepspeed` + `deepspeed_config`). Everything else passes through unchanged, so
 any Trainer argument can be overridden on the command line (`trainer.precision=bf16-mixed`).
 
+Who sets what: a key the user gives under `trainer.*` wins over a stage's default (e.g. bootstrap's
+`limit_val_batches: 0`). A key the stage must set itself (`max_steps` from its step count, its
+validation interval, its checkpoints) is refused, naming the stage key to set instead, rather than
+silently replaced (`Owned`, `refuse_owned`). Training stages also get Lightning's
+`LearningRateMonitor` whenever they log: the learning rate of every parameter group, by name.
+
 `check_trainer` runs before any rank starts. It compares the group with what the machine has
 (torch_npu and visible NPUs, CUDA, CPU cores) and fails in one line that names the key, instead
 of N ranks each failing deep in torch.distributed.
@@ -18,11 +24,14 @@ it lists, and a list that differs from it is refused rather than guessed at.
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 import logging
 import os
 import sys
 import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +66,41 @@ def trainer_kwargs(cfg: DictConfig | dict) -> dict[str, Any]:
                 f"trainer.{key}", "is not a lightning.Trainer argument", ", ".join(sorted(allowed))
             )
     return plain
+
+
+@dataclass(frozen=True)
+class Owned:
+    """A Trainer argument a stage sets itself, and what a user sets instead of `trainer.<key>`."""
+
+    value: Any
+    instead: str  # "set stage.distill.max_steps instead", or why there is nothing to set
+
+
+def training_owned(stage: str) -> dict[str, str]:
+    """What every training stage sets itself: where it writes, logs and checkpoints. Values
+    are what a user sets instead of `trainer.<key>` (`Owned.instead`)."""
+    return {
+        "default_root_dir": "it writes into its work dir under run_dir",
+        "logger": "it logs to the run's MLflow tracking (tracking=none: no logger)",
+        "callbacks": "its checkpoints and monitors are its own",
+        "enable_checkpointing": f"it needs its checkpoints; see stage.{stage}",
+    }
+
+
+def refuse_owned(cfg: DictConfig | dict | None, stage: str, instead: Mapping[str, str]) -> None:
+    """Refuse a `trainer.<key>` that the stage sets itself (a key of `instead`).
+
+    Call it from the stage's `check` to fail before any compute; `build_trainer` calls it too.
+
+    Raises:
+        ConfigError: naming the first such key and the setting to use instead.
+    """
+    given = to_plain(cfg) or {}
+    for key, fix in instead.items():
+        if given.get(key) is not None:
+            raise ConfigError(
+                f"trainer.{key}", f"is set by the {stage} stage: {fix}; remove trainer.{key}"
+            )
 
 
 def deepspeed_config_path(name: str) -> Path:
@@ -114,6 +158,12 @@ def check_trainer(trainer_cfg: DictConfig | dict | None) -> None:
     requested = _requested(plain.get("devices", "auto"), accelerator)
     pin_visible_devices(plain)
 
+    if plain.get("strategy") == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
+        raise ConfigError(  # an optional extra: the core install runs without it
+            "trainer.strategy",
+            "is deepspeed, which is not installed",
+            "pip install 'lowbit[deepspeed]', or trainer=ddp",
+        )
     if accelerator == "npu" or backend == "hccl":
         key, value = ("accelerator", "npu") if accelerator == "npu" else ("dist_backend", "hccl")
         problem = torch_npu_problem()
@@ -181,16 +231,41 @@ def _route_lightning_logs() -> None:
         warnings.filterwarnings("ignore", message=message)
 
 
-def build_trainer(cfg: DictConfig | dict, **overrides):
-    """A Trainer for `cfg` (the trainer group) with stage-specific overrides (max_steps, ...).
+def build_trainer(
+    cfg: DictConfig | dict,
+    *,
+    stage: str = "training",
+    owned: Mapping[str, Owned] | None = None,
+    exclude_frozen_parameters: bool = False,
+    **defaults,
+):
+    """A Trainer for `cfg` (the trainer group), the stage's own arguments and its defaults.
 
     `dist_backend` becomes the process-group backend of a DDP strategy named by string (and of
     DeepSpeed); `accelerator: npu` also gets the NPU strategy and precision of `pipeline.lit.npu`.
+    With a logger, a `LearningRateMonitor` logs every parameter group's learning rate each step
+    (`lr-<Optimizer>/<group name>`; `lr-<Optimizer>` for a single group).
+
+    Args:
+        cfg: the trainer group.
+        stage: the stage's name, for the messages.
+        owned: Trainer arguments the stage sets itself (`Owned`); a `trainer.<key>` for one of
+            them is refused (`refuse_owned`).
+        exclude_frozen_parameters: leave frozen parameters out of DeepSpeed checkpoints (the
+            module reloads them itself and loads its checkpoints non-strictly).
+        **defaults: Trainer arguments the stage proposes; a `trainer.<key>` given (not null)
+            wins over them.
     """
     import lightning as L
 
     _route_lightning_logs()
+    owned = owned or {}
+    refuse_owned(cfg, stage, {key: o.instead for key, o in owned.items()})
     kw = trainer_kwargs(cfg)
+    for key, value in defaults.items():
+        if kw.get(key) is None:
+            kw[key] = value
+    kw.update({key: o.value for key, o in owned.items()})
     kw["devices"] = pin_visible_devices(kw)
     if kw.get("enable_progress_bar") is None:  # a bar in a log file is one ever-growing line
         kw["enable_progress_bar"] = sys.stderr.isatty()
@@ -203,8 +278,11 @@ def build_trainer(cfg: DictConfig | dict, **overrides):
 
         extra = {"process_group_backend": backend} if backend else {}
         path = deepspeed_config_path(ds_config or "zero2.json")
-        kw["strategy"] = make_deepspeed_strategy(path, **extra)
-    kw.update(overrides)
+        kw["strategy"] = make_deepspeed_strategy(
+            path, exclude_frozen_parameters=exclude_frozen_parameters, **extra
+        )
+    if kw.get("logger") not in (None, False):
+        kw["callbacks"] = [*_as_list(kw.get("callbacks")), _lr_monitor()]
     if str(kw.get("accelerator", "")).lower() == "npu":
         from pipeline.lit.npu import npu_trainer_kwargs
 
@@ -212,6 +290,20 @@ def build_trainer(cfg: DictConfig | dict, **overrides):
     elif backend:
         kw["strategy"] = ddp_with_backend(kw.get("strategy", "auto"), backend)
     return L.Trainer(**kw)
+
+
+def _lr_monitor():
+    from lightning.pytorch.callbacks import LearningRateMonitor
+
+    # Every step, as the stages' schedules change the rate every step (Lightning still writes
+    # only every `log_every_n_steps`).
+    return LearningRateMonitor(logging_interval="step")
+
+
+def _as_list(callbacks: Any) -> list:
+    if callbacks is None:
+        return []
+    return list(callbacks) if isinstance(callbacks, list | tuple) else [callbacks]
 
 
 def _no_cuda() -> str:

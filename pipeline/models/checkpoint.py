@@ -79,7 +79,7 @@ class StreamingCheckpoint:
 
         from transformers import AutoConfig
 
-        self.config = AutoConfig.from_pretrained(self.path)
+        self.config = AutoConfig.from_pretrained(self.path, local_files_only=True)
         self.config._attn_implementation = attn_implementation
         self.allow_bin = allow_bin
         self.device = torch.device(device)
@@ -285,6 +285,7 @@ class StreamingCheckpoint:
             dtype=dtype or self.dtype,
             attn_implementation=self.config._attn_implementation,
             use_safetensors=not self.is_bin,
+            local_files_only=True,
         ).eval()
 
     def __repr__(self) -> str:

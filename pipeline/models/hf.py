@@ -3,7 +3,14 @@
 Streaming (segment-at-a-time) access for models larger than memory lives in `checkpoint.py`;
 this module is for models that fit: the bootstrap pair, the teacher in distillation, evaluation.
 Checkpoints are local directories, never hub ids: every transformers load here passes
-``local_files_only=True``, so nothing is downloaded whatever HF_HUB_OFFLINE says.
+``local_files_only=True``, so nothing is downloaded whatever HF_HUB_OFFLINE says, and lowbit
+sets no HF_* variable itself.
+
+Inference loads take the model section's options (``ModelConfig.load_options``): the saved
+dtype ("auto") and weights placed on the device while loading. ``load_causal_lm`` itself
+defaults to float32 because the callers that train or take gradients (the reinforced draft,
+sensitivity's Fisher) need fp32 master weights: a bf16 update or squared gradient rounds away
+what it accumulates.
 """
 
 from __future__ import annotations
@@ -85,13 +92,80 @@ def _check_architecture(config: dict) -> None:
         )
 
 
-def load_causal_lm(path: Path | str, dtype=torch.float32, allow_bin: bool = False):
+# The dtypes a checkpoint may be loaded in (model.<role>.dtype); "auto" keeps the stored one.
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# device_map values that spread one model over several devices (accelerate's planners).
+MULTI_DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
+
+
+def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype | str:
+    """``torch.float32`` for "float32" (and for a torch dtype); "auto" stays "auto"."""
+    if isinstance(dtype, torch.dtype) or dtype == "auto":
+        return dtype
+    if dtype not in DTYPES:
+        raise LowbitError(f"dtype {dtype!r} is not one of: auto, {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def placement(device=None, device_map=None) -> dict:
+    """``from_pretrained``'s ``device_map`` for loading straight onto ``device`` (or a map).
+
+    transformers places weights itself (no full CPU copy first) only through ``device_map``,
+    which needs accelerate. An explicit ``device_map`` without it is an error that names the
+    install; a plain ``device`` then falls back to loading on CPU, moved by the caller.
+
+    Returns:
+        ``{"device_map": ...}`` or ``{}`` (load on CPU).
+    """
+    from transformers.utils import is_accelerate_available
+
+    if device_map is not None:
+        if not is_accelerate_available():
+            raise LowbitError(
+                f"model.device_map={device_map!r} needs accelerate, which is not installed: "
+                "`pip install accelerate`, or set model.device_map=null"
+            )
+        return {"device_map": device_map}
+    if device is None or torch.device(device).type == "cpu" or not is_accelerate_available():
+        return {}
+    return {"device_map": torch.device(device)}
+
+
+def load_causal_lm(
+    path: Path | str,
+    dtype: torch.dtype | str = torch.float32,
+    allow_bin: bool = False,
+    device: torch.device | str | None = None,
+    device_map: str | dict | None = None,
+):
+    """A local HF checkpoint as a transformers model in eval mode.
+
+    Args:
+        path: The checkpoint directory (checked first, see :func:`check_checkpoint`).
+        dtype: A torch dtype, a name in :data:`DTYPES`, or "auto" for the dtype the checkpoint
+            was saved in (an 8B bf16 model then takes 16 GB, not the 32 GB of float32).
+        allow_bin: Accept pickled ``.bin`` weights.
+        device: Where the model goes; weights are placed there while loading when
+            accelerate is installed.
+        device_map: transformers' ``device_map`` ("auto", "cuda:0", a dict); overrides
+            ``device``.
+    """
     from transformers import AutoModelForCausalLM
 
+    from pipeline.models import hf_quantizer
+
+    hf_quantizer.register()  # a checkpoint with a lowbit quantization_config loads as well
     check_checkpoint(Path(path), allow_bin)
+    where = placement(device, device_map)
     model = AutoModelForCausalLM.from_pretrained(
-        str(path), dtype=dtype, use_safetensors=not allow_bin, local_files_only=True
+        str(path),
+        dtype=resolve_dtype(dtype),
+        use_safetensors=not allow_bin,
+        local_files_only=True,
+        **where,
     )
+    if device is not None and not where:
+        model = model.to(device)
     return model.eval()
 
 

@@ -13,6 +13,11 @@ from torch import Tensor
 
 from pipeline.quant.qtensor import QTensor
 
+# A quantized model directory's layout version (lowbit_quant.json, and config.json's
+# quantization_config, whose quant_method makes transformers pick pipeline.models.hf_quantizer).
+FORMAT_VERSION = 1
+QUANT_METHOD = "lowbit"
+
 
 def save_qtensors(path: str | Path, tensors: dict[str, QTensor]) -> None:
     """Write ``{name: QTensor}`` to one safetensors file (keys ``{name}.<field>``)."""

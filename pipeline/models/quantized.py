@@ -2,7 +2,10 @@
 
 Layout (``<stage>/model/``):
 
-* ``config.json`` and the tokenizer files, copied from the FP checkpoint;
+* ``config.json`` and the tokenizer files, copied from the FP checkpoint; config.json gains
+  ``quantization_config`` (``{"quant_method": "lowbit", ...}`` + the content of
+  lowbit_quant.json), so ``AutoModelForCausalLM.from_pretrained`` loads the directory once
+  ``pipeline.models.hf_quantizer`` is imported;
 * ``lowbit_quant.json`` = ``{"format_version": 1, "method": ..., "layers": {name: format}}``,
   every quantized linear and its format (a linear not listed is float);
 * safetensors weights (``model.safetensors``, or ``model-0000i-of-0000N.safetensors`` plus
@@ -30,12 +33,12 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from pipeline.errors import LowbitError
-from pipeline.models.hf import load_causal_lm
+from pipeline.models.hf import MULTI_DEVICE_MAPS, load_causal_lm, resolve_dtype
+from pipeline.models.qtensor_io import FORMAT_VERSION, QUANT_METHOD
 from pipeline.models.shards import CheckpointError, read_safetensors_header
 from pipeline.quant.fakequant import FakeQuantLinear
 from pipeline.quant.qtensor import QTensor
 
-FORMAT_VERSION = 1
 QUANT_JSON = "lowbit_quant.json"
 INDEX = "model.safetensors.index.json"
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
@@ -137,8 +140,9 @@ class QuantizedWriter:
         if n_parts > 1:
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}
             (self.out_dir / INDEX).write_text(json.dumps(index, indent=2))
-        _copy_non_weights(Path(src_dir), self.out_dir, config_overrides or {})
         meta = {"format_version": FORMAT_VERSION, "method": method, "layers": dict(layers)}
+        hf_meta = {"quantization_config": {"quant_method": QUANT_METHOD, **meta}}
+        _copy_non_weights(Path(src_dir), self.out_dir, {**(config_overrides or {}), **hf_meta})
         (self.out_dir / QUANT_JSON).write_text(json.dumps(meta, indent=1))
         if self.parts_dir.is_relative_to(self.out_dir):
             shutil.rmtree(self.parts_dir, ignore_errors=True)
@@ -185,7 +189,7 @@ def read_quant_meta(model_dir: str | Path) -> dict[str, Any]:
     return meta
 
 
-def _read_weights(model_dir: Path) -> dict[str, Tensor]:
+def _read_weights(model_dir: Path, device: torch.device | str = "cpu") -> dict[str, Tensor]:
     if (model_dir / INDEX).is_file():
         weight_map = json.loads((model_dir / INDEX).read_text())["weight_map"]
         files = [model_dir / f for f in dict.fromkeys(weight_map.values())]
@@ -198,18 +202,27 @@ def _read_weights(model_dir: Path) -> dict[str, Tensor]:
         if not f.is_file():
             raise LowbitError(f"shard {f} named in {model_dir / INDEX} is missing")
         read_safetensors_header(f)  # a truncated or corrupt shard fails naming the file
-        state.update(load_file(str(f)))
+        state.update(load_file(str(f), device=str(device)))
     return state
 
 
 def load_quantized(
-    model_dir: str | Path, dtype: torch.dtype = torch.float32, **fake_quant_kwargs: Any
+    model_dir: str | Path,
+    dtype: torch.dtype | str = torch.float32,
+    device: torch.device | str = "cpu",
+    **fake_quant_kwargs: Any,
 ) -> nn.Module:
-    """Load a quantized model directory as a transformers model (on CPU).
+    """Load a quantized model directory as a transformers model.
+
+    ``AutoModelForCausalLM.from_pretrained`` gives the same model through
+    ``pipeline.models.hf_quantizer``; this path also takes ``fake_quant_kwargs``, which the
+    training stages need.
 
     Args:
         model_dir: Directory written by :class:`QuantizedWriter` / :func:`save_quantized_model`.
-        dtype: dtype of the float tensors (embeddings, norms, float linears).
+        dtype: dtype of the float tensors (embeddings, norms, float linears): a torch dtype, a
+            name (``pipeline.models.hf.DTYPES``), or "auto" for the FP checkpoint's dtype.
+        device: Where the tensors are read to (safetensors loads them there directly).
         **fake_quant_kwargs: Passed to ``FakeQuantLinear.from_qtensor`` (``learn_scales``...).
 
     Returns:
@@ -218,10 +231,16 @@ def load_quantized(
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from pipeline.models import hf_quantizer
+
+    hf_quantizer.register()  # config.json names the lowbit quant_method
     model_dir = Path(model_dir)
     meta = read_quant_meta(model_dir)
     config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
-    state = _read_weights(model_dir)
+    dtype = resolve_dtype(dtype)
+    if dtype == "auto":
+        dtype = _stored_dtype(config)
+    state = _read_weights(model_dir, device)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     for name, fmt in meta["layers"].items():
@@ -244,19 +263,27 @@ def load_quantized(
         )
     if getattr(config, "tie_word_embeddings", False):
         model.tie_weights()
-    _rebuild_meta_buffers(model)
+    _rebuild_meta_buffers(model, device)
     left = [n for n, t in model.named_parameters() if t.is_meta]
     if left:
         raise LowbitError(f"{model_dir} lacks tensors {left[:5]}: the directory is incomplete")
     return model.eval()
 
 
-def _rebuild_meta_buffers(model: nn.Module) -> None:
+def _stored_dtype(config) -> torch.dtype:
+    """The dtype config.json records for the FP checkpoint (float32 when it records none)."""
+    stored = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(stored, str):
+        stored = getattr(torch, stored, None)
+    return stored if isinstance(stored, torch.dtype) else torch.float32
+
+
+def _rebuild_meta_buffers(model: nn.Module, device: torch.device | str) -> None:
     """Recreate computed (non-persistent) buffers, e.g. rotary ``inv_freq``, left on meta."""
     for name, module in list(model.named_modules()):
         own = [b for b in module.buffers(recurse=False) if b is not None and b.is_meta]
         if own and not any(p.is_meta for p in module.parameters(recurse=False)):
-            with torch.device("cpu"):
+            with torch.device(device):
                 fresh = type(module)(config=model.config)
             model.set_submodule(name, fresh)
 
@@ -319,8 +346,24 @@ def is_quantized_dir(path: Path | str) -> bool:
     return (Path(path) / QUANT_JSON).is_file()
 
 
-def load_model(path: Path | str, allow_bin: bool):
-    """A causal LM from an HF dir or a lowbit quantized dir (FakeQuantLinear layers)."""
+def load_model(
+    path: Path | str,
+    allow_bin: bool,
+    dtype: torch.dtype | str = torch.float32,
+    device: torch.device | str | None = None,
+    device_map: str | dict | None = None,
+):
+    """A causal LM from an HF dir or a lowbit quantized dir (FakeQuantLinear layers).
+
+    ``dtype``, ``device`` and ``device_map`` as in :func:`pipeline.models.hf.load_causal_lm`
+    (a quantized directory is read onto ``device``; it has no use for a multi-device map).
+    """
     if is_quantized_dir(path):
-        return load_quantized(path)
-    return load_causal_lm(path, allow_bin=allow_bin)
+        if isinstance(device_map, dict) or device_map in MULTI_DEVICE_MAPS:
+            raise LowbitError(
+                f"model.device_map={device_map!r} splits a model across devices; {path} is a "
+                "lowbit quantized directory, loaded whole on one device: set model.device_map "
+                "to a device (cuda:0) or null"
+            )
+        return load_quantized(path, dtype, device_map or device or "cpu")
+    return load_causal_lm(path, dtype, allow_bin, device, device_map)

@@ -3,9 +3,15 @@
     lowbit-run outputs/default/export/artifact --prompt "Once upon a time" --max-new-tokens 64
     lowbit-run ARTIFACT --prompt "..." --draft OTHER_ARTIFACT --temperature 0.7
     lowbit-run ARTIFACT --prompt "..." --no-draft --stats --kernel reference
+    lowbit-run ARTIFACT --prompt "..." --temperature 0.8 --temperature-schedule
 
 The artifact's own draft (``ARTIFACT/draft``, exported with the reinforced draft) is used for
-speculative decoding unless ``--draft`` names another one or ``--no-draft`` is given.
+speculative decoding unless ``--draft`` names another one or ``--no-draft`` is given. Its draft
+length is adaptive (2-5, from the acceptance of the last 64 verifications, priced with the cost
+ratio measured once when the first prompt decodes) unless ``--gamma`` fixes it.
+``--temperature-schedule`` makes the draft sample at T = temperature * (1 + 0.1 * cos(step /
+1000)) over the decoding steps, the schedule the reinforce stage trained it with; the output
+stays distributed as the target's.
 """
 
 from __future__ import annotations
@@ -32,6 +38,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--gamma", type=int, default=None, help="fixed draft length (default: adaptive)")
+    p.add_argument(
+        "--temperature-schedule",
+        action="store_true",
+        help="draft temperature T * (1 + 0.1 cos(step / 1000)) over the decoding steps",
+    )
     p.add_argument("--backend", choices=("auto", "torch", "npu"), default="auto")
     p.add_argument(
         "--kernel",
@@ -85,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
                 gamma=args.gamma,
                 seed=args.seed,
                 pipelined=args.pipelined,
+                temperature_schedule=args.temperature_schedule,
             )
             print(prompt + out.text, flush=True)
             if args.stats:
@@ -92,7 +104,10 @@ def main(argv: list[str] | None = None) -> int:
                 rate = s.new_tokens / s.seconds if s.seconds else float("nan")
                 extra = ""
                 if s.drafted:
-                    extra = f", {s.accepted}/{s.drafted} drafted tokens accepted"
+                    extra = (
+                        f", {s.accepted}/{s.drafted} drafted tokens accepted, "
+                        f"{s.tau:.2f} tokens per target call"
+                    )
                 print(
                     f"[{s.new_tokens} tokens in {s.seconds:.2f}s = {rate:.1f} tok/s{extra}]",
                     file=sys.stderr,

@@ -58,6 +58,9 @@ class Runtime:
     layers: dict[str, LayerInfo] = field(default_factory=dict)
     cost_ratio: float | None = None  # draft step / target step, measured at the first use
     verify_cost: dict[int, float] = field(default_factory=dict)  # gamma -> v, likewise
+    # The acceptance window of adaptive decoding, kept across prompts: a new prompt starts from
+    # what the last ones measured instead of an empty window.
+    adaptive: AdaptiveGamma | None = None
 
     @property
     def kernels(self) -> dict[str, str]:
@@ -79,6 +82,7 @@ class Runtime:
         gamma: int | None = None,
         seed: int = 0,
         pipelined: bool = False,
+        temperature_schedule: bool = False,
     ) -> Generation:
         """Continue ``prompt``.
 
@@ -95,6 +99,9 @@ class Runtime:
                 (``pipeline.speculative.pipelined``: a CUDA side stream, on a CPU a second
                 thread only where it measures faster); fixed ``gamma`` (default 4). Off by
                 default: on this project's CPU the overlap does not pay (docs/benchmarks.md).
+            temperature_schedule: The draft samples token n at temperature
+                ``T * (1 + 0.1 * cos(n / 1000))`` (``pipeline.speculative.schedule``), as the
+                reinforce stage trained it; the target, and so the output distribution, stay at T.
         """
         ids = self.tokenizer(prompt, return_tensors="pt").input_ids.to(self.device)
         if ids.shape[1] == 0:
@@ -111,6 +118,7 @@ class Runtime:
                 temperature=temperature,
                 generator=gen,
                 eos_token_id=eos,
+                temperature_schedule=temperature_schedule,
             )
         elif speculative and self.draft is not None:
             adaptive = None
@@ -120,9 +128,14 @@ class Runtime:
                         self.model, self.draft.model, input_ids=ids
                     )
                     self.verify_cost = measure_verify_cost(self.model, GAMMAS, input_ids=ids)
-                adaptive = AdaptiveGamma(
-                    GAMMAS[0], GAMMAS[-1], cost_ratio=self.cost_ratio, verify_cost=self.verify_cost
-                )
+                if self.adaptive is None:
+                    self.adaptive = AdaptiveGamma(
+                        GAMMAS[0],
+                        GAMMAS[-1],
+                        cost_ratio=self.cost_ratio,
+                        verify_cost=self.verify_cost,
+                    )
+                adaptive = self.adaptive
             seq, stats = speculative_generate(
                 self.model,
                 self.draft.model,
@@ -133,6 +146,7 @@ class Runtime:
                 temperature=temperature,
                 generator=gen,
                 eos_token_id=eos,
+                temperature_schedule=temperature_schedule,
             )
         else:
             seq, stats = plain_generate(self.model, ids, max_new_tokens, temperature, gen, eos)

@@ -3,34 +3,46 @@
 ``mlflow.pyfunc.load_model(uri).predict(["prompt", ...], params={"max_new_tokens": 32})``
 returns one continuation per prompt, produced by lowbit's runtime (``pipeline.runtime.load``)
 on the artifact that MLflow stores next to the model (hashes are verified at load, as for
-``lowbit-run``). Serving needs lowbit installed in the environment (``pip install lowbit``):
-the model references the runtime's code rather than copying it.
+``lowbit-run``).
+
+The model is logged from code (``mlflow_entry.py``, nothing pickled) with a copy of the
+``pipeline`` package (``code_paths``) and pinned requirements of what the runtime imports, so
+``mlflow models serve`` or a fresh environment needs no lowbit release on an index.
+``predict``'s type hints (``list[str]`` in and out) give MLflow the input schema; the input
+example adds the generation parameters.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import logging
 from pathlib import Path
 from typing import Any
 
 import mlflow.pyfunc
 
-from pipeline import __version__
+import pipeline
 
 log = logging.getLogger(__name__)
 ARTIFACT_KEY = "artifact"
 PARAMS = {"max_new_tokens": 64, "temperature": 0.0, "seed": 0, "speculative": True}
+MODEL_FILE = Path(__file__).with_name("mlflow_entry.py")
+# What pipeline.runtime imports to load an artifact and generate (numpy comes with torch's
+# tensors <-> MLflow's conversion); pinned to the versions the model was logged with.
+RUNTIME_PACKAGES = ("torch", "transformers", "tokenizers", "safetensors", "numpy", "mlflow")
 
 
 class LowbitTextModel(mlflow.pyfunc.PythonModel):
-    """pyfunc wrapper: input a list of prompts (or a DataFrame with a ``prompt`` column)."""
+    """pyfunc wrapper: a list of prompts in, one generated continuation per prompt out."""
 
     def load_context(self, context) -> None:
         from pipeline.runtime.loader import load
 
         self.runtime = load(context.artifacts[ARTIFACT_KEY], backend="auto")
 
-    def predict(self, context, model_input, params: dict[str, Any] | None = None) -> list[str]:
+    def predict(
+        self, context, model_input: list[str], params: dict[str, Any] | None = None
+    ) -> list[str]:
         p = {**PARAMS, **(params or {})}
         prompts = _prompts(model_input)
         return [
@@ -57,23 +69,12 @@ def _prompts(model_input) -> list[str]:
     return [str(v) for v in model_input]
 
 
-def signature():
-    from mlflow.models import ModelSignature
-    from mlflow.types.schema import ColSpec, ParamSchema, ParamSpec, Schema
-
-    params = ParamSchema(
-        [
-            ParamSpec("max_new_tokens", "long", PARAMS["max_new_tokens"]),
-            ParamSpec("temperature", "double", PARAMS["temperature"]),
-            ParamSpec("seed", "long", PARAMS["seed"]),
-            ParamSpec("speculative", "boolean", PARAMS["speculative"]),
-        ]
-    )
-    return ModelSignature(
-        inputs=Schema([ColSpec("string")]),
-        outputs=Schema([ColSpec("string")]),
-        params=params,
-    )
+def requirements() -> list[str]:
+    """``name==version`` of each runtime package as installed (a local build tag dropped:
+    ``torch==2.5.1``, not ``2.5.1+cpu``, which no index serves)."""
+    return [
+        f"{name}=={importlib.metadata.version(name).split('+')[0]}" for name in RUNTIME_PACKAGES
+    ]
 
 
 def log_model(
@@ -92,27 +93,21 @@ def log_model(
         registered_name: Register it under this name in the model registry (None: don't).
         name: The model's name inside the run.
     """
-    import torch
     from mlflow.tracking import MlflowClient
 
-    reqs = [
-        f"lowbit=={_version()}",
-        f"torch>={torch.__version__.split('+')[0]}",
-        "transformers",
-        "safetensors",
-        "tokenizers",
-        f"mlflow=={mlflow.__version__}",
-    ]
     previous = mlflow.get_tracking_uri()
     mlflow.set_tracking_uri(tracking_uri)
     try:
         with mlflow.start_run(run_id=run_id):
             info = mlflow.pyfunc.log_model(
                 name=name,
-                python_model=LowbitTextModel(),
+                python_model=str(MODEL_FILE),
                 artifacts={ARTIFACT_KEY: str(artifact_dir)},
-                signature=signature(),
-                pip_requirements=reqs,
+                code_paths=[str(Path(pipeline.__file__).parent)],
+                # The prompts give the input schema, the params the parameter schema (with
+                # their defaults); MLflow runs the model on it once as a check.
+                input_example=(["The quick brown fox"], dict(PARAMS)),
+                pip_requirements=requirements(),
                 registered_model_name=registered_name,
                 await_registration_for=0,
             )
@@ -125,7 +120,3 @@ def log_model(
         registered = f"; registered as models:/{registered_name}/{info.registered_model_version}"
     log.info("export: logged the artifact as MLflow model %s%s", info.model_uri, registered)
     return info.model_uri
-
-
-def _version() -> str:
-    return __version__

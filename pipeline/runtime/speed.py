@@ -8,6 +8,9 @@ decode and the cost ratio c measured on these very models; ``of_theory`` is thei
 Beside it, the verification cost v (the target's gamma + 1 token forward in single-token
 steps, ``pipeline.speculative.cost``) and ``theory_at_v`` = tau / (gamma * c + v): the theory
 assumes v = 1 (memory-bound decoding), and where v > 1 that is what bounds the speed-up.
+With ``adaptive`` the draft length follows the windowed acceptance
+(:class:`~pipeline.speculative.adaptive.AdaptiveGamma`, priced with the c and v measured here,
+one window per pair across its prompts), and the theory is taken at the mean gamma it chose.
 
 The caller passes runtime models (:func:`pipeline.runtime.inmemory.to_runtime` for a run's
 fake-quant targets), so a quantized target is timed on its packed kernels, never through
@@ -24,6 +27,7 @@ import torch
 from torch import nn
 
 from pipeline.runtime.backends import kernel_summary
+from pipeline.speculative.adaptive import AdaptiveGamma
 from pipeline.speculative.cost import measure_cost_ratio, measure_verify_cost
 from pipeline.speculative.decoding import plain_generate, speculative_generate
 from pipeline.speculative.evaluation import decode_prompts, pair_name
@@ -47,7 +51,9 @@ def decode_speed(
     *,
     new_tokens: int = 32,
     gamma: int = 4,
+    adaptive: tuple[int, int, int] | None = None,
     temperature: float = 0.0,
+    temperature_schedule: bool = False,
     seed: int = 0,
 ) -> dict:
     """Plain and speculative decode speed of runtime models.
@@ -57,14 +63,16 @@ def decode_speed(
         pairs: (draft, target) names to decode speculatively.
         prompts: (1, T) prompts, decoded one at a time (batch 1, the latency setting).
         new_tokens: Tokens generated after each prompt.
-        gamma: Draft length per round.
+        gamma: Draft length per round (without ``adaptive``).
+        adaptive: (gamma_min, gamma_max, window) of an adaptive draft length; None = ``gamma``.
         temperature: 0 = greedy.
+        temperature_schedule: The draft samples on the decoding-step temperature schedule.
         seed: Prompt i samples with seed + i, the same for every model.
 
     Returns:
         ``{"plain": {name: {"tokens_per_s", "kernels"}}, "speculative": {"draft@target":
-        {"tokens_per_s", "speedup", "alpha", "tau", "cost_ratio", "theoretical_speedup",
-        "of_theory", "verify_cost", "theory_at_v"}}}``.
+        {"tokens_per_s", "speedup", "alpha", "tau", "gamma", "cost_ratio",
+        "theoretical_speedup", "of_theory", "verify_cost", "theory_at_v"}}}``.
     """
     plain = {}
     for name in dict.fromkeys([t for _, t in pairs] + list(models)):
@@ -77,31 +85,48 @@ def decode_speed(
             "tokens_per_s": stats.tokens_per_s,
             "kernels": kernel_summary(models[name]) or "float (F.linear)",
         }
+    gammas = [gamma] if adaptive is None else list(range(adaptive[0], adaptive[1] + 1))
     spec, verify = {}, {}
     for draft, target in pairs:
+        cost = measure_cost_ratio(models[target], models[draft], input_ids=prompts[0])
+        if target not in verify:
+            verify[target] = measure_verify_cost(models[target], gammas, input_ids=prompts[0])
+        window = None
+        if adaptive is not None:
+            lo, hi, size = adaptive
+            window = AdaptiveGamma(lo, hi, size, cost_ratio=cost, verify_cost=verify[target])
         stats = _decode(
-            lambda x, g, t=models[target], d=models[draft]: speculative_generate(
-                t, d, x, new_tokens, gamma=gamma, temperature=temperature, generator=g
+            lambda x, g, t=models[target], d=models[draft], w=window: speculative_generate(
+                t,
+                d,
+                x,
+                new_tokens,
+                gamma=gamma,
+                adaptive=w,
+                temperature=temperature,
+                temperature_schedule=temperature_schedule,
+                generator=g,
             ),
             prompts,
             seed,
         )
-        cost = measure_cost_ratio(models[target], models[draft], input_ids=prompts[0])
-        if target not in verify:
-            verify[target] = measure_verify_cost(models[target], [gamma], input_ids=prompts[0])
-        v = verify[target][gamma]
-        theory = float(theoretical_speedup(stats.alpha_hat, gamma, cost))
+        # The theory at the draft length used (the nearest measured one when adaptive).
+        used = sum(stats.gammas) / max(len(stats.gammas), 1)
+        g_theory = min(gammas, key=lambda g: abs(g - used))
+        v = verify[target][g_theory]
+        theory = float(theoretical_speedup(stats.alpha_hat, g_theory, cost))
         speedup = stats.tokens_per_s / max(plain[target]["tokens_per_s"], 1e-9)
         spec[pair_name(draft, target)] = {
             "tokens_per_s": stats.tokens_per_s,
             "speedup": speedup,
             "alpha": stats.alpha_hat,
             "tau": stats.tau,
+            "gamma": used,
             "cost_ratio": cost,
             "theoretical_speedup": theory,
             "of_theory": speedup / max(theory, 1e-9),
             "verify_cost": v,
-            "theory_at_v": float(theoretical_speedup(stats.alpha_hat, gamma, cost, v)),
+            "theory_at_v": float(theoretical_speedup(stats.alpha_hat, g_theory, cost, v)),
         }
     return {"plain": plain, "speculative": spec}
 
@@ -126,16 +151,21 @@ def format_speed(speed: dict, fp: str = "target_fp") -> list[str]:
     out += [
         f"| {n} | {r['tokens_per_s']:.1f} | {r['kernels']} |" for n, r in speed["plain"].items()
     ]
+
+    def gamma(r: dict) -> str:  # eval.json written before the draft length was recorded: "-"
+        return f"{r['gamma']:.1f}" if "gamma" in r else "-"
+
     if speed["speculative"]:
         out += [
             "",
-            "| pair | spec tok/s | speed-up | theory | of theory | α | τ | c | v | theory at v |",
-            "|---|---|---|---|---|---|---|---|---|---|",
+            "| pair | spec tok/s | speed-up | theory | of theory | α | τ | γ | c | v "
+            "| theory at v |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         out += [
             f"| {p} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f} | "
             f"{r['theoretical_speedup']:.2f} | {r['of_theory']:.2f} | {r['alpha']:.3f} | "
-            f"{r['tau']:.2f} | {r['cost_ratio']:.2f} | {r['verify_cost']:.2f} | "
+            f"{r['tau']:.2f} | {gamma(r)} | {r['cost_ratio']:.2f} | {r['verify_cost']:.2f} | "
             f"{r['theory_at_v']:.2f} |"
             for p, r in speed["speculative"].items()
         ]

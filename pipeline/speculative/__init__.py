@@ -10,17 +10,21 @@ from pipeline.speculative.metrics import (
     theoretical_tau,
     tvd,
 )
+from pipeline.speculative.monitor import AcceptanceMonitor
 from pipeline.speculative.pipelined import pipelined_generate
 from pipeline.speculative.rollout import Rollout, draft_rollout
 from pipeline.speculative.sampling import Verification, logits_to_probs, sample_tokens, verify_draft
+from pipeline.speculative.schedule import draft_temperature
 from pipeline.speculative.stats import SpecStats
 
 __all__ = [
+    "AcceptanceMonitor",
     "AdaptiveGamma",
     "Rollout",
     "SpecStats",
     "Verification",
     "draft_rollout",
+    "draft_temperature",
     "expected_acceptance",
     "logits_to_probs",
     "measure_cost_ratio",

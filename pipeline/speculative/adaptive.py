@@ -2,7 +2,10 @@
 
 Acceptance varies strongly with the text (repetitive spans are easy to draft, rare words are
 not), so a fixed gamma is either too short on easy spans or wastes draft calls on hard ones.
-After every verification round we re-estimate alpha over the last ``window`` rounds and pick
+After every verification round we re-estimate alpha over the last ``window`` rounds (the
+sliding-window acceptance monitor; 64 by default, inside the 50-100 the method prescribes: long
+enough that one unlucky round does not swing gamma, short enough to follow a change of text
+within a few hundred tokens) and pick
 the gamma in [gamma_min, gamma_max] that maximises the expected wall-time speed-up of
 Leviathan et al. (2023):
 
@@ -38,10 +41,10 @@ class AdaptiveGamma:
     Args:
         gamma_min: smallest draft length (>= 1).
         gamma_max: largest draft length (>= gamma_min).
-        window: number of recent rounds in the acceptance estimate.
-        cost_ratio: c = draft forward cost / target forward cost (see
-            :func:`pipeline.speculative.cost.measure_cost_ratio`); 0.2 is typical of a draft a few
-            times smaller than the target, or of a 2-bit self-draft on memory-bound hardware.
+        window: number of recent rounds (verifications) in the acceptance estimate.
+        cost_ratio: c = draft forward cost / target forward cost, measured on the models that
+            decode (:func:`pipeline.speculative.cost.measure_cost_ratio`): no default, because
+            the best gamma depends on it and a guessed c picks the wrong one.
         initial_gamma: draft length before any round was seen (default: the midpoint).
         verify_cost: {gamma: v} verification costs in target steps; a gamma not listed
             costs 1.
@@ -51,8 +54,9 @@ class AdaptiveGamma:
         self,
         gamma_min: int = 2,
         gamma_max: int = 5,
-        window: int = 16,
-        cost_ratio: float = 0.2,
+        window: int = 64,
+        *,
+        cost_ratio: float,
         initial_gamma: int | None = None,
         verify_cost: Mapping[int, float] | None = None,
     ) -> None:

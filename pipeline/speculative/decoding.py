@@ -23,16 +23,19 @@ from __future__ import annotations
 
 import inspect
 import time
+from collections.abc import Sequence
 
 import torch
 
 from pipeline.speculative.adaptive import AdaptiveGamma
 from pipeline.speculative.sampling import logits_to_probs, sample_tokens, verify_draft
+from pipeline.speculative.schedule import draft_temperature
 from pipeline.speculative.stats import SpecStats
 
 __all__ = [
     "CachedLM",
     "SpecStats",
+    "block_temperatures",
     "draft_block",
     "draft_probs",
     "plain_generate",
@@ -134,7 +137,7 @@ def draft_block(
     pending: torch.Tensor,
     g: int,
     vocab: int,
-    temperature: float,
+    temperature: float | Sequence[float],
     generator: torch.Generator | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample ``g`` draft tokens autoregressively, one cached forward each.
@@ -147,18 +150,22 @@ def draft_block(
         pending: (1, m) tokens after the cached ones, m >= 1 when g >= 1.
         g: number of tokens to propose (may be 0: nothing is fed).
         vocab: the target's vocabulary size (see :func:`draft_probs`).
-        temperature: sampling temperature; 0 = greedy.
+        temperature: sampling temperature, one for the block or one per token (a schedule);
+            0 = greedy.
         generator: randomness of the draft samples.
 
     Returns:
         (tokens, q): (1, g) int64 proposals on the draft's device, and (1, g, vocab) the
         probabilities each was sampled from.
     """
+    temps = [temperature] * g if isinstance(temperature, (int, float)) else list(temperature)
+    if len(temps) != g:
+        raise ValueError(f"draft_block got {len(temps)} temperatures for {g} tokens")
     tokens, q_rows = [], []
-    for _ in range(g):
+    for t in temps:
         q_logits = drf.forward(pending, keep=1)[:, -1]  # (1, V_q)
-        q = draft_probs(q_logits, vocab, temperature)  # (1, V)
-        tok = sample_tokens(q, generator, temperature == 0)  # (1,)
+        q = draft_probs(q_logits, vocab, t)  # (1, V)
+        tok = sample_tokens(q, generator, t == 0)  # (1,)
         tokens.append(tok)
         q_rows.append(q)
         pending = tok.view(1, 1)
@@ -166,6 +173,17 @@ def draft_block(
         empty = torch.zeros(1, 0, dtype=torch.long, device=drf.device)
         return empty, torch.zeros(1, 0, vocab, device=drf.device)
     return torch.stack(tokens, 1), torch.stack(q_rows, 1)
+
+
+def block_temperatures(
+    temperature: float, first_step: int, g: int, schedule: bool
+) -> float | list[float]:
+    """The draft's temperature for a block of ``g`` tokens starting at decoding step
+    ``first_step``: ``temperature`` itself, or with ``schedule`` the
+    :func:`~pipeline.speculative.schedule.draft_temperature` of each token's step."""
+    if not schedule:
+        return temperature
+    return [draft_temperature(first_step + k, temperature) for k in range(g)]
 
 
 @torch.no_grad()
@@ -178,6 +196,7 @@ def speculative_generate(
     gamma: int = 4,
     adaptive: AdaptiveGamma | None = None,
     temperature: float = 1.0,
+    temperature_schedule: bool = False,
     generator: torch.Generator | None = None,
     eos_token_id: int | list[int] | None = None,
 ) -> tuple[torch.Tensor, SpecStats]:
@@ -191,6 +210,9 @@ def speculative_generate(
         gamma: draft length per round (ignored when ``adaptive`` is given).
         adaptive: chooses gamma per round from recent acceptance (updated in place).
         temperature: applied to both models; 0 = greedy (output equals greedy target decoding).
+        temperature_schedule: the draft samples new token n (0-based) at
+            T = temperature * (1 + 0.1 * cos(n / 1000)) instead (``pipeline.speculative.schedule``);
+            the target stays at ``temperature``, so the output distribution is unchanged.
         generator: randomness for draft sampling and verification.
         eos_token_id: stop after emitting any of these tokens.
 
@@ -216,7 +238,8 @@ def speculative_generate(
         g = min(adaptive.gamma if adaptive is not None else gamma, max_new_tokens - produced - 1)
         # Committed tokens the draft has not read yet: (1, 1), or (1, 2) after a full accept.
         pending = torch.tensor([seq[drf.length :]], dtype=torch.long)
-        draft_t, q_probs = draft_block(drf, pending, g, vocab, temperature, generator)
+        temps = block_temperatures(temperature, produced, g, temperature_schedule)
+        draft_t, q_probs = draft_block(drf, pending, g, vocab, temps, generator)
         draft_t = draft_t.to(tgt.device)  # (1, g)
         feed = torch.cat([torch.tensor([seq[tgt.length :]], device=tgt.device), draft_t], dim=1)
         p = logits_to_probs(tgt.forward(feed, keep=g + 1), temperature)  # (1, g+1, V)

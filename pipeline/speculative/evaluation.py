@@ -10,16 +10,23 @@ held-out prompts (see :mod:`pipeline.speculative.metrics` for the definitions):
   continuations as context, Rao-Blackwellised so a few prompts suffice);
 - ``acceptance_rate`` (accepted / drafted) and ``tau`` (tokens per target call, bonus included).
 
+Decoding runs with a fixed gamma, or adaptively (``adaptive``): one
+:class:`~pipeline.speculative.adaptive.AdaptiveGamma` per pair and scenario, its window running
+on across the scenario's prompts as it would across a server's requests; ``gamma`` in the table
+is then the mean draft length it chose. ``temperature_schedule`` makes the draft sample on the
+schedule of :mod:`pipeline.speculative.schedule` over each generation's decoding steps.
+
 Speed is measured apart, on the models as the runtime runs them (``pipeline.runtime.speed``):
 acceptance is a property of the distributions, speed of the kernels.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 
+from pipeline.speculative.adaptive import AdaptiveGamma
 from pipeline.speculative.decoding import speculative_generate
 from pipeline.speculative.metrics import teacher_forced_acceptance
 from pipeline.speculative.stats import SpecStats
@@ -88,7 +95,9 @@ def acceptance_table(
     *,
     pairs: Iterable[tuple[str, str]] | None = None,
     gamma: int = 4,
+    adaptive: Callable[[str, str], AdaptiveGamma] | None = None,
     temperature: float = 1.0,
+    temperature_schedule: bool = False,
     new_tokens: int = 32,
     max_prompts: int | None = None,
     batch_size: int = 8,
@@ -101,15 +110,18 @@ def acceptance_table(
         drafts: {name: causal LM} proposing models with the targets' tokenizer.
         scenarios: {scenario: prompts}, prompts of one scenario sharing one length.
         pairs: (draft, target) names to measure; default every combination.
-        gamma: draft length per round.
+        gamma: draft length per round (without ``adaptive``).
+        adaptive: ``adaptive(draft, target)`` gives a fresh adaptive draft length for a pair,
+            one per scenario (its cost ratio measured on that pair); None = fixed ``gamma``.
         temperature: decoding temperature of both models (0 = greedy).
+        temperature_schedule: the draft samples on the decoding-step temperature schedule.
         new_tokens: tokens generated after each prompt.
         max_prompts: prompts per scenario used for decoding (all of them for alpha_tf).
         batch_size: prompts per teacher-forced forward.
         seed: sampling seed (prompt i uses seed + i).
 
     Returns:
-        {"draft@target": {scenario: {"alpha_tf", "alpha", "acceptance_rate", "tau"}}}.
+        {"draft@target": {scenario: {"alpha_tf", "alpha", "acceptance_rate", "tau", "gamma"}}}.
     """
     pairs = list(pairs) if pairs is not None else [(d, t) for t in targets for d in drafts]
     table: Table = {}
@@ -122,14 +134,28 @@ def acceptance_table(
             batches = [ids[i : i + batch_size] for i in range(0, len(ids), batch_size)]
             m = {"alpha_tf": teacher_forced_acceptance(target, draft, batches, temperature)}
             decode = [p[None].to(dev) for p in ids[:max_prompts]]
+            window = adaptive(draft_name, target_name) if adaptive is not None else None
 
-            def spec(x, g, target=target, draft=draft):
+            def spec(x, g, target=target, draft=draft, window=window):
                 return speculative_generate(
-                    target, draft, x, new_tokens, gamma=gamma, temperature=temperature, generator=g
+                    target,
+                    draft,
+                    x,
+                    new_tokens,
+                    gamma=gamma,
+                    adaptive=window,
+                    temperature=temperature,
+                    temperature_schedule=temperature_schedule,
+                    generator=g,
                 )
 
             stats = decode_prompts(spec, decode, seed)
-            m.update(alpha=stats.alpha_hat, acceptance_rate=stats.acceptance_rate, tau=stats.tau)
+            m.update(
+                alpha=stats.alpha_hat,
+                acceptance_rate=stats.acceptance_rate,
+                tau=stats.tau,
+                gamma=sum(stats.gammas) / max(len(stats.gammas), 1),
+            )
             row[scen] = m
         table[pair_name(draft_name, target_name)] = row
     return table

@@ -83,6 +83,7 @@ from pipeline.speculative.decoding import (
     _as_prompt,
     _cut_at_eos,
     _eos_set,
+    block_temperatures,
     draft_block,
     vocab_size,
 )
@@ -296,6 +297,7 @@ def pipelined_generate(
     *,
     gamma: int = 4,
     temperature: float = 1.0,
+    temperature_schedule: bool = False,
     generator: torch.Generator | None = None,
     eos_token_id: int | list[int] | None = None,
     overlap: str = "auto",
@@ -313,6 +315,9 @@ def pipelined_generate(
         gamma: drafts the target's forward scores per round (a block of gamma tokens; the
             bet's first token, tested at the bonus position, comes on top).
         temperature: applied to both models; 0 = greedy (output equals greedy target decoding).
+        temperature_schedule: the draft samples new token n at the decoding-step schedule's
+            temperature, as in :func:`~pipeline.speculative.decoding.speculative_generate`; a
+            bet's tokens are sampled at the steps they would be emitted at.
         generator: randomness of the verification; the draft's own generator is seeded from
             it, so a seeded generator gives the same tokens with every ``overlap``.
         eos_token_id: stop after emitting any of these tokens.
@@ -338,8 +343,9 @@ def pipelined_generate(
         tgt.forward(ids[:, :-1], keep=1)
         drf.forward(ids[:, :-1], keep=1)
 
-    def propose(pending: torch.Tensor, g: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return draft_block(drf, pending, g, vocab, temperature, draft_gen)
+    def propose(pending: torch.Tensor, g: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        temps = block_temperatures(temperature, step, g, temperature_schedule)
+        return draft_block(drf, pending, g, vocab, temps, draft_gen)
 
     def score(feed: torch.Tensor, rows: int) -> torch.Tensor:
         return logits_to_probs(tgt.forward(feed, keep=rows), temperature)  # (1, rows, V)
@@ -351,7 +357,7 @@ def pipelined_generate(
             if block is None:
                 g = min(gamma, max_new_tokens - produced - 1)
                 pending = torch.tensor([seq[drf.length :]], dtype=torch.long)
-                block = ov.draft(partial(propose, pending, g))
+                block = ov.draft(partial(propose, pending, g, produced))
             tokens, q = block
             g = tokens.shape[1]
             # A round emits at most g + 1 tokens; if the bet wins, its k - 1 remaining tokens
@@ -362,7 +368,7 @@ def pipelined_generate(
             verify = partial(score, feed, g + 1)
             bet = None
             if k >= 1:  # (then g >= 1: the draft has read all of the block but its last token)
-                p, bet = ov.both(verify, partial(propose, tokens[:, -1:], k))
+                p, bet = ov.both(verify, partial(propose, tokens[:, -1:], k, produced + g))
                 # The bet's first token takes the bonus position. The row after it is not
                 # known until the next forward; a copy stands in, and the bonus it yields when
                 # everything is accepted is discarded (the round ends there).

@@ -8,19 +8,19 @@ The draft is trained on its own proposals (on-policy, DistillSpec, Zhou et al. 2
 - the direct TVD term on the visited positions: expected acceptance is 1 - TVD(p, q) exactly,
   so its gradient is dense and low-variance where the reward is sparse;
 - a KL anchor to the starting draft, so acceptance is not bought with language-model quality;
-- a slowly oscillating draft temperature, which varies how sharp the proposals are.
+- a slowly oscillating draft temperature (:mod:`pipeline.speculative.schedule`), which varies
+  how sharp the proposals are.
 
 Everything here is a pure function of tensors; the LightningModule wires them together.
 """
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from pipeline.speculative.cost import measure_cost_ratio
 from pipeline.speculative.metrics import align_vocab, masked_mean
+from pipeline.speculative.schedule import draft_temperature
 
 __all__ = [
     "MovingAverageBaseline",
@@ -162,8 +162,3 @@ def kl_to_reference(
     logq = torch.log_softmax(q_logits.float() / temperature, dim=-1)
     logr = torch.log_softmax(ref_logits.detach().float() / temperature, dim=-1)
     return masked_mean((logq.exp() * (logq - logr)).sum(-1), mask)
-
-
-def draft_temperature(step: int, t0: float = 1.0) -> float:
-    """Draft sampling temperature schedule T = T0 * (1 + 0.1 * cos(step / 1000))."""
-    return t0 * (1.0 + 0.1 * math.cos(step / 1000.0))

@@ -11,7 +11,9 @@ candidate). Float layers are excluded from the average. The rest solve
 exactly (``pipeline.quant.allocate.solve_mckp``), with ``bits_i`` the exact storage of the
 layer's codes, scales and zeros (``Format.bits_per_weight``). A single candidate gives a uniform
 plan without sensitivity. Output: ``bitplan.json`` (every scored layer, ``float`` for the
-unquantized ones) and ``bits_per_layer.png``.
+unquantized ones) and ``bits_per_layer.png``. ΔL is sensitivity.json's ``dloss``: one estimator's,
+or with ``stage.sensitivity.importance=combined`` the fitted combination of all three (the plan
+records which under ``score``).
 """
 
 from __future__ import annotations
@@ -159,6 +161,10 @@ def run(cfg: AllocateConfig, run: RunConfig, io: StageIO) -> dict:
         ls = shapes_from_dir(runmodels.fp_target(run.model, io.inputs))
         layers, shapes, fused = {}, ls.shapes, ls.fused
     plan = make_plan(shapes, layers, fused, q, cfg.max_units)
+    if "sensitivity" in io.inputs:  # which score the plan minimised (combined: and its weights)
+        plan["score"] = report["method"]
+        if "importance" in report:
+            plan["importance_weights"] = report["importance"]["weights"]
     (io.out_dir / "bitplan.json").write_text(json.dumps(plan, indent=1))
     names = list(plan["layers"])
     plots.bars(

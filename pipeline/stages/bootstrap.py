@@ -19,12 +19,18 @@ from dataclasses import dataclass
 
 import torch
 
-from pipeline.config import RunConfig, positive
+from pipeline.config import RunConfig, positive, to_plain
 from pipeline.data.heldout import heldout
 from pipeline.data.text import Corpus
 from pipeline.lit.lm import CausalLM, WindowData
 from pipeline.lit.resume import CKPT_DIR, ResumeCheckpoint, ckpt_interval, resume_from
-from pipeline.lit.trainer import build_trainer, trainer_kwargs
+from pipeline.lit.trainer import (
+    Owned,
+    build_trainer,
+    refuse_owned,
+    trainer_kwargs,
+    training_owned,
+)
 from pipeline.models.hf import new_llama, perplexity, save_hf, train_tokenizer
 from pipeline.stages import StageIO
 
@@ -70,8 +76,29 @@ def skip_reason(cfg: BootstrapConfig, run: RunConfig) -> str | None:
     return None
 
 
+# The Trainer arguments bootstrap sets itself, and what a user sets instead of trainer.<key>.
+OWNED = training_owned("bootstrap") | {
+    "max_steps": "set stage.bootstrap.max_steps (target) or draft_max_steps instead"
+}
+
+
 def check(cfg: BootstrapConfig, run: RunConfig) -> None:
+    refuse_owned(run.trainer, "bootstrap", OWNED)
     trainer_kwargs(run.trainer)
+
+
+def _trainer_cfg(cfg: BootstrapConfig, run: RunConfig, tag: str) -> dict:
+    """The trainer group, with stage.bootstrap.precision (when set) for trainer.precision."""
+    trainer = dict(to_plain(run.trainer) or {})
+    if cfg.precision and cfg.precision != trainer.get("precision"):
+        log.info(
+            "bootstrap: %s in precision %s (stage.bootstrap.precision), not trainer.precision=%s",
+            tag,
+            cfg.precision,
+            trainer.get("precision"),
+        )
+        trainer["precision"] = cfg.precision
+    return trainer
 
 
 def _train(
@@ -83,17 +110,19 @@ def _train(
     module = CausalLM(model, lr=cfg.lr, warmup=cfg.warmup_steps, max_steps=steps)
     resume = resume_from(work, io.dist)
     checkpoints = ResumeCheckpoint(work / CKPT_DIR, ckpt_interval(cfg.ckpt_every, steps))
-    logger = io.log.lightning_logger()
-    if logger is not None:
-        logger._prefix = tag  # metrics appear as target-train_loss / draft-train_loss
-    precision = {"precision": cfg.precision} if cfg.precision else {}
+    owned = {
+        "max_steps": steps,
+        "default_root_dir": str(work),
+        # Both models log into the stage's run: target-train_loss, draft-lr-AdamW, ...
+        "logger": io.log.lightning_logger(prefix=tag) or False,
+        "callbacks": [checkpoints],
+        "enable_checkpointing": True,
+    }
     trainer = build_trainer(
-        run.trainer,
-        **precision,
-        max_steps=steps,
-        logger=logger or False,
-        callbacks=[checkpoints],
-        default_root_dir=str(work),
+        _trainer_cfg(cfg, run, tag),
+        stage="bootstrap",
+        owned={key: Owned(value, OWNED[key]) for key, value in owned.items()},
+        # It does not validate (both models are scored once trained); a user key wins.
         limit_val_batches=0,
         num_sanity_val_steps=0,
     )

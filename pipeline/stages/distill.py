@@ -43,11 +43,10 @@ from pipeline.data.heldout import Heldout, heldout
 from pipeline.data.text import Corpus
 from pipeline.errors import ConfigError, LowbitError
 from pipeline.lit.distill import DistillData, DistillHParams, DistillModule, load_pair, load_student
-from pipeline.lit.fit import Fit, Selection, best_weights, fit_validated
+from pipeline.lit.fit import Fit, Selection, best_weights, check_fit_trainer, fit_validated
 from pipeline.lit.guards import NanGuard
 from pipeline.lit.losses import layer_weights
 from pipeline.lit.qat import train_sets_problem
-from pipeline.lit.trainer import trainer_kwargs
 from pipeline.models.hf import load_tokenizer
 from pipeline.models.quantized import save_quantized_model
 from pipeline.stages import StageIO
@@ -148,7 +147,7 @@ CONFIG = DistillConfig
 
 
 def check(cfg: DistillConfig, run: RunConfig) -> None:
-    trainer_kwargs(run.trainer)  # Lightning's arguments: a typo fails before any compute
+    check_fit_trainer("distill", run.trainer)  # Lightning's arguments, none the stage sets
 
 
 def run(cfg: DistillConfig, run: RunConfig, io: StageIO) -> dict:
@@ -181,6 +180,7 @@ def run(cfg: DistillConfig, run: RunConfig, io: StageIO) -> dict:
         callbacks=[guard] if guard else [],
         gradient_clip_val=cfg.clip_norm,
         gradient_clip_algorithm="norm",
+        stage_keys={"gradient_clip_val": "clip_norm"},
     )
     if not io.dist.is_main:
         return {}

@@ -9,6 +9,12 @@ prompts: the on-line α of real speculative decoding (mean Σ_x min(p, q) over v
 the teacher-forced α on the prompts, acceptance rate and τ.
 Pairs: FP draft vs FP target, FP and reinforced draft vs the final low-bit target, and
 self-speculation (the low-bit target drafting for its FP self).
+Draft length: adaptive by default (`adaptive`), gamma in [gamma_min, gamma_max] chosen each round
+from the acceptance of the last `window` verifications, with the cost ratio c and the
+verification costs v(gamma) measured once per pair on the models being evaluated (eval.json
+`costs`); `adaptive: false` decodes with the fixed `gamma`. `temperature_schedule` makes the draft
+sample at T = temperature * (1 + 0.1 * cos(step / 1000)) over the decoding steps, as reinforce's
+rollouts do (`pipeline.speculative.schedule`).
 Speed (``timing``) is measured as the runtime decodes: the low-bit targets converted to the
 runtime's packed kernels (``pipeline.runtime.inmemory``), plain tokens/s of every model and
 speculative tokens/s of every pair beside the theoretical speed-up (``pipeline.runtime.speed``).
@@ -30,10 +36,13 @@ from pipeline.data.heldout import corpus_heldout
 from pipeline.data.text import Corpus
 from pipeline.models.hf import load_tokenizer, perplexity
 from pipeline.models.quantized import load_model
+from pipeline.speculative.adaptive import AdaptiveGamma
+from pipeline.speculative.cost import measure_cost_ratio, measure_verify_cost
 from pipeline.speculative.evaluation import (
     acceptance_table,
     column,
     heldout_scenarios,
+    pair_name,
     plot_acceptance,
 )
 from pipeline.stages import StageIO
@@ -58,7 +67,16 @@ class EvaluateConfig:
     long_len: int = 576  # > 512 tokens: the long-context scenario
     spec_prompts: int = 4  # prompts decoded speculatively per scenario
     spec_new_tokens: int = 32
-    gamma: int = 4
+    gamma: int = 4  # the fixed draft length when adaptive is off
+    # Adaptive draft length in [gamma_min, gamma_max] from the acceptance of the last `window`
+    # verifications (50-100: shorter windows swing with single rounds, longer ones lag a change
+    # of text), priced with c and v measured once per pair.
+    adaptive: bool = True
+    gamma_min: int = 2
+    gamma_max: int = 5
+    window: int = 64
+    # Draft temperature T = temperature * (1 + 0.1 * cos(step / 1000)) over the decoding steps.
+    temperature_schedule: bool = False
     # Decode speed on the runtime's packed kernels: plain and speculative tok/s, vs theory.
     timing: bool = True
     error_flow_windows: int = (
@@ -76,6 +94,7 @@ class EvaluateConfig:
             temperature=self.temperature,
             spec_new_tokens=self.spec_new_tokens,
             gamma=self.gamma,
+            gamma_min=self.gamma_min,
             scenario_prompts=self.scenario_prompts,
             spec_prompts=self.spec_prompts,
             error_flow_windows=self.error_flow_windows,
@@ -83,6 +102,12 @@ class EvaluateConfig:
         from pipeline.data.scenarios import SCENARIOS
         from pipeline.errors import ConfigError
 
+        if self.gamma_max < self.gamma_min:
+            raise ConfigError(
+                f"{prefix}.gamma_max", f"is {self.gamma_max}", f">= gamma_min ({self.gamma_min})"
+            )
+        if not 50 <= self.window <= 100:
+            raise ConfigError(f"{prefix}.window", f"is {self.window}", "50 <= window <= 100")
         for i, s in enumerate(self.scenarios):
             if s not in SCENARIOS:
                 raise ConfigError(f"{prefix}.scenarios[{i}]", f"is {s!r}", ", ".join(SCENARIOS))
@@ -95,12 +120,12 @@ def _models(run: RunConfig, inputs: dict) -> tuple[dict, dict]:
     """({name: target-like model}, {name: draft model}) present in this run."""
     allow_bin = run.model.allow_bin
     targets = {
-        name: load_model(path, allow_bin)
+        name: load_model(path, allow_bin, **run.model.load_options("target"))
         for name, path in runmodels.targets(run.model, inputs).items()
     }
     # Only the user's own checkpoint may be a .bin one; reinforce writes safetensors.
     drafts = {
-        name: load_model(path, allow_bin and name == "draft_fp")
+        name: load_model(path, allow_bin and name == "draft_fp", **run.model.load_options("draft"))
         for name, path in runmodels.drafts(run.model, inputs).items()
     }
     return targets, drafts
@@ -123,6 +148,37 @@ def _save(fig, path) -> None:
     plt.close(fig)
 
 
+def _costs(p: EvaluateConfig, models: dict, pairs, prompt: list[int]) -> dict:
+    """c of every pair and v(gamma) of every target, measured once, after ``prompt``."""
+    ids = torch.as_tensor([prompt], dtype=torch.long)
+    gammas = range(p.gamma_min, p.gamma_max + 1)
+    targets = dict.fromkeys(t for _, t in pairs)
+    verify = {t: measure_verify_cost(models[t], gammas, input_ids=ids) for t in targets}
+    return {
+        pair_name(d, t): {
+            "cost_ratio": measure_cost_ratio(models[t], models[d], input_ids=ids),
+            "verify_cost": verify[t],
+        }
+        for d, t in pairs
+    }
+
+
+def _adaptive(p: EvaluateConfig, costs: dict):
+    """A fresh adaptive draft length for (draft, target), priced with that pair's costs."""
+
+    def make(draft: str, target: str) -> AdaptiveGamma:
+        cost = costs[pair_name(draft, target)]
+        return AdaptiveGamma(
+            p.gamma_min,
+            p.gamma_max,
+            p.window,
+            cost_ratio=cost["cost_ratio"],
+            verify_cost=cost["verify_cost"],
+        )
+
+    return make
+
+
 def _speed(p: EvaluateConfig, targets, drafts, pairs, prompts, seed: int) -> dict:
     """Decode speed of every model as the runtime runs it (low-bit targets on packed kernels)."""
     from pipeline.runtime.inmemory import to_runtime
@@ -139,7 +195,9 @@ def _speed(p: EvaluateConfig, targets, drafts, pairs, prompts, seed: int) -> dic
         ids,
         new_tokens=p.spec_new_tokens,
         gamma=p.gamma,
+        adaptive=(p.gamma_min, p.gamma_max, p.window) if p.adaptive else None,
         temperature=p.temperature,  # the acceptance tables' temperature: the same α regime
+        temperature_schedule=p.temperature_schedule,
         seed=seed,
     )
     for line in format_speed(speed):
@@ -193,13 +251,20 @@ def run(cfg: EvaluateConfig, run: RunConfig, io: StageIO) -> dict:
             seed=run.seed,
         )
         sets = {s: sets[s] for s in cfg.scenarios}
+        adaptive = None
+        if cfg.adaptive:
+            mix = sets["mix"] if "mix" in sets else next(iter(sets.values()))
+            result["costs"] = _costs(cfg, {**drafts, **targets}, pairs, mix[0])
+            adaptive = _adaptive(cfg, result["costs"])
         table = acceptance_table(
             targets,
             {**drafts, **targets},
             sets,
             pairs=pairs,
             gamma=cfg.gamma,
+            adaptive=adaptive,
             temperature=cfg.temperature,
+            temperature_schedule=cfg.temperature_schedule,
             new_tokens=cfg.spec_new_tokens,
             max_prompts=cfg.spec_prompts,
             batch_size=cfg.batch_size,
@@ -215,6 +280,8 @@ def run(cfg: EvaluateConfig, run: RunConfig, io: StageIO) -> dict:
             log.info(
                 "evaluate: α %-36s %s", pair, "  ".join(f"{s} {v:.3f}" for s, v in per.items())
             )
+            tau = column(table, pair, "tau")["mean"]
+            log.info("evaluate: τ %-36s %.2f tokens per target call", pair, tau)
         if cfg.timing:
             prompts = sets["mix"] if "mix" in sets else next(iter(sets.values()))
             result["speed"] = _speed(cfg, targets, drafts, pairs, prompts, run.seed)
@@ -225,6 +292,8 @@ def run(cfg: EvaluateConfig, run: RunConfig, io: StageIO) -> dict:
     metrics.update(lm_eval_metrics(result.get("lm_eval", {})))
     for pair, per in result["acceptance"].items():
         metrics.update({f"alpha_{pair.replace('@', '-vs-')}_{s}": v for s, v in per.items()})
+        tau = column(result["speculative"], pair, "tau")["mean"]
+        metrics[f"tau_{pair.replace('@', '-vs-')}_mean"] = tau
     speed = result.get("speed", {"plain": {}, "speculative": {}})
     metrics.update({f"tok_s_{k}": v["tokens_per_s"] for k, v in speed["plain"].items()})
     for pair, v in speed["speculative"].items():

@@ -100,7 +100,12 @@ def run(cfg: QuantizeConfig, run: RunConfig, io: StageIO) -> dict:
     target = fp_target(run.model, io.inputs)
     corpus = Corpus(run.data, load_tokenizer(target))
     calib = corpus.calibration(q.calib.samples, q.calib.seq_len, run.seed)  # (N, T)
-    plan = load_plan(io.inputs, AutoConfig.from_pretrained(target), q.candidates, q.keep_float)
+    plan = load_plan(
+        io.inputs,
+        AutoConfig.from_pretrained(target, local_files_only=True),
+        q.candidates,
+        q.keep_float,
+    )
     device = _device(cfg.device, io.dist.local_rank)
     ckpt = StreamingCheckpoint(target, dtype=_DTYPES[cfg.dtype], device=device)
     walk = StreamOptions(q.segment_size, cfg.batch_size, q.activation_budget_gb)

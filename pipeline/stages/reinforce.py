@@ -57,10 +57,10 @@ from pipeline.data.scenarios import SCENARIOS
 from pipeline.data.text import load_splits
 from pipeline.errors import ConfigError
 from pipeline.io import write_json
-from pipeline.lit.fit import Fit, Selection, best_weights, fit_validated
+from pipeline.lit.fit import Fit, Selection, best_weights, check_fit_trainer, fit_validated
+from pipeline.lit.guards import NanGuard
 from pipeline.lit.losses import LossWeights
 from pipeline.lit.reinforce import DraftReinforce, ReinforceData, load_draft
-from pipeline.lit.trainer import trainer_kwargs
 from pipeline.models.hf import load_causal_lm, load_tokenizer, save_hf
 from pipeline.models.quantized import (
     is_quantized_dir,
@@ -110,7 +110,8 @@ class ReinforceConfig:
     # alpha gain: 0 -> +1.9 points, 1 -> +4.5, 2 -> +5.3, 4 -> +6.0 (lr 3e-3; docs/benchmarks.md).
     context_tvd_weight: float = 4.0
     context_positions: int = 64
-    grad_clip: float = 1.0
+    grad_clip: float = 1.0  # gradient-norm clipping, 1.0-3.0 as in distill
+    nan_guard: bool = True  # skip a non-finite step, restore the last good state, halve the lr
     # c = draft/target step time in the throughput reward. Set: a run is reproducible run to
     # run, bit for bit. null: measured once when training starts (timing noise: differs between
     # runs), recorded in the checkpoints, and reused by a rerun after a kill.
@@ -121,7 +122,16 @@ class ReinforceConfig:
     # validation; null: a tenth of max_steps, so a kill loses at most ~10% of the training. A
     # rerun resumes from it and writes what an uninterrupted run writes, byte for byte.
     checkpoint_every: int | None = None
-    monitor_window: int = 20  # steps in the sliding-window acceptance monitor
+    # Sliding-window acceptance monitor (the dynamic strategy): the on-policy acceptance of the
+    # last monitor_window steps is logged (alpha_window); when its newer half is lower than its
+    # older half by more than lr_drop_threshold, the lr is multiplied by lr_drop_factor for the
+    # rest of the run (and the window starts over). 64 steps: with the four scenarios taken in
+    # turn, each half holds 8 batches of each, so the halves compare like with like. 0.05 =
+    # five points of acceptance between half-window means: a fall, not one hard batch.
+    # lr_drop_threshold null: monitor only.
+    monitor_window: int = 64
+    lr_drop_threshold: float | None = 0.05
+    lr_drop_factor: float = 0.5
     scenarios: list[str] = field(default_factory=lambda: list(SCENARIOS))
     train_prompts: int = 64  # prompts per scenario from the train split
     # Held-out prompts per scenario (test split) for the reported before/after.
@@ -175,6 +185,20 @@ class ReinforceConfig:
         ):
             if getattr(self, key) < 0:
                 raise ConfigError(f"{prefix}.{key}", f"must be >= 0, got {getattr(self, key)}")
+        if not 1.0 <= self.grad_clip <= 3.0:
+            raise ConfigError(
+                f"{prefix}.grad_clip", f"is {self.grad_clip}", "1.0 <= grad_clip <= 3.0"
+            )
+        if self.monitor_window < 2:
+            raise ConfigError(f"{prefix}.monitor_window", f"is {self.monitor_window}", ">= 2")
+        if self.lr_drop_threshold is not None and self.lr_drop_threshold < 0:
+            raise ConfigError(
+                f"{prefix}.lr_drop_threshold", f"is {self.lr_drop_threshold}", ">= 0, or null"
+            )
+        if not 0 < self.lr_drop_factor <= 1:
+            raise ConfigError(
+                f"{prefix}.lr_drop_factor", f"is {self.lr_drop_factor}", "0 < lr_drop_factor <= 1"
+            )
         if not 0 <= self.baseline_momentum < 1:
             raise ConfigError(
                 f"{prefix}.baseline_momentum",
@@ -203,7 +227,7 @@ def skip_reason(cfg: ReinforceConfig, run: RunConfig) -> str | None:
 
 
 def check(cfg: ReinforceConfig, run: RunConfig) -> None:
-    trainer_kwargs(run.trainer)  # Lightning's arguments: a typo fails before any compute
+    check_fit_trainer("reinforce", run.trainer)  # Lightning's arguments, none the stage sets
 
 
 def run(cfg: ReinforceConfig, run: RunConfig, io: StageIO) -> dict:
@@ -222,7 +246,10 @@ def run(cfg: ReinforceConfig, run: RunConfig, io: StageIO) -> dict:
             ("test", cfg.eval_prompts),
         )
     }
-    target = load_model(target_dir, allow_bin).requires_grad_(False)
+    # The target only scores (frozen): it loads as the user asked (model.target.dtype); the
+    # draft trains and keeps fp32 master weights.
+    target = load_model(target_dir, allow_bin, **run.model.load_options("target"))
+    target.requires_grad_(False)
     draft = load_draft(draft_dir, allow_bin, cfg.quant_grad_scale)
     start = "draft_quantized" if is_quantized_dir(draft_dir) else "draft_fp"
     trainable = sum(p.requires_grad for p in draft.parameters())
@@ -232,7 +259,8 @@ def run(cfg: ReinforceConfig, run: RunConfig, io: StageIO) -> dict:
     )
     table = _before(cfg, seed, io, target_name, target, {start: draft.eval()}, sets["test"])
     module = _module(cfg, draft, target, seed)
-    fit = _fit(cfg, run, io, module, sets)
+    guard = NanGuard(lr_key="stage.reinforce.lr") if cfg.nan_guard else None
+    fit = _fit(cfg, run, io, module, sets, guard)
     if not io.dist.is_main:
         return {}
 
@@ -244,7 +272,11 @@ def run(cfg: ReinforceConfig, run: RunConfig, io: StageIO) -> dict:
     else:
         table.update(_measure(cfg, seed, target_name, target, {AFTER: draft}, sets["test"]))
     if target_name != "target_fp":  # the goal: at least the FP draft's acceptance on the FP target
-        fp_target = load_causal_lm(runmodels.fp_target(run.model, io.inputs), allow_bin=allow_bin)
+        fp_target = load_causal_lm(
+            runmodels.fp_target(run.model, io.inputs),
+            allow_bin=allow_bin,
+            **run.model.load_options("target"),
+        )
         fp_draft = {start: load_model(draft_dir, allow_bin).to(device)}
         table.update(_measure(cfg, seed, "target_fp", fp_target.to(device), fp_draft, sets["test"]))
         pairs["reference"] = f"{start}@target_fp"
@@ -256,6 +288,12 @@ def run(cfg: ReinforceConfig, run: RunConfig, io: StageIO) -> dict:
         "draft_quantized": start == "draft_quantized",
         **_summary(cfg, fit, module, sets),
         "pairs": pairs,
+        "training": {
+            "nan_skipped": guard.skipped if guard else 0,
+            "guard_lr_scale": guard.lr_scale if guard else 1.0,
+            "monitor_lr_drops": module.monitor.drops,
+            "monitor_lr_scale": module.lr_scale,
+        },
     }
     return _report(io, report, table) | fit.resume_metrics()
 
@@ -338,10 +376,19 @@ def _module(cfg: ReinforceConfig, draft, target, seed: int) -> DraftReinforce:
         monitor_window=cfg.monitor_window,
         seed=seed,
         context_positions=cfg.context_positions,
+        lr_drop_threshold=cfg.lr_drop_threshold,
+        lr_drop_factor=cfg.lr_drop_factor,
     )
 
 
-def _fit(cfg: ReinforceConfig, run: RunConfig, io, module: DraftReinforce, sets: dict) -> Fit:
+def _fit(
+    cfg: ReinforceConfig,
+    run: RunConfig,
+    io,
+    module: DraftReinforce,
+    sets: dict,
+    guard: NanGuard | None,
+) -> Fit:
     """Train on the train prompts, validating on the validation ones; every checkpoint lives in
     the work dir."""
     data = ReinforceData(
@@ -363,7 +410,10 @@ def _fit(cfg: ReinforceConfig, run: RunConfig, io, module: DraftReinforce, sets:
         val_every=cfg.val_every,
         ckpt_every=cfg.checkpoint_every,
         patience=cfg.early_stop_patience,
+        callbacks=[guard] if guard else [],
         gradient_clip_val=cfg.grad_clip,
+        gradient_clip_algorithm="norm",
+        stage_keys={"gradient_clip_val": "grad_clip"},
         use_distributed_sampler=False,  # each rank draws its own batches (ReinforceData)
     )
 
@@ -474,5 +524,7 @@ def _report(io, report: dict, table: dict) -> dict:
         "alpha_gain_mean": report["summary"]["gain"]["mean"],
         "cost_ratio": report["cost_ratio"],
         "steps": float(report["steps"]),
+        "nan_skipped": float(report["training"]["nan_skipped"]),
+        "lr_drops": float(report["training"]["monitor_lr_drops"]),
     }
     return metrics

@@ -6,11 +6,21 @@ windows (see ``pipeline.analysis``): the diagonal empirical Fisher (default), Hu
 Hessian-trace estimate (HAWQ-v2) or the gradient-free GPTQ proxy H = 2XXᵀ. The input of every
 linear is also summarised (MAD outlier-channel share, kurtosis, max/median channel absmax).
 
-Memory: Fisher and Hutchinson load the whole model and backpropagate through it (one sequence
-per backward), plus a float32 Fisher buffer the size of the scored weights. For a target bigger
-than one host's memory (70B and up) use ``method=gptq_proxy stream=true``: forward-only, one
-decoder block at a time from the shards (:mod:`pipeline.analysis.streamed`), the activations in
-memory up to ``quant.activation_budget_gb`` and spilled to the stage's work dir beyond.
+Memory: loaded, Fisher and Hutchinson backpropagate through the whole model (one sequence per
+backward), plus a float32 Fisher buffer the size of the scored weights. For a target bigger than
+one host's memory (70B and up) set ``stream=true``: the checkpoint is read one segment of
+``quant.segment_size`` decoder blocks at a time from the shards, the activations kept in memory
+up to ``quant.activation_budget_gb`` and spilled to the stage's work dir beyond. ``fisher``
+streams a forward walk that keeps the segment boundaries, then a reverse walk that recomputes
+each segment and back-propagates through it (:mod:`pipeline.analysis.streamed_fisher`, the same
+Fisher); ``gptq_proxy`` is forward-only (:mod:`pipeline.analysis.streamed`). Hutchinson's
+double backward is not streamed.
+
+Importance: ``importance=combined`` runs all three estimators and scores each layer with
+w_f·ΔL_fisher + w_h·ΔL_hutchinson + w_g·ΔL_gptq_proxy, the weights fitted (non-negative, relative
+residuals) to the KL measured with ``fit_layers`` layers quantized alone on the calibration
+windows (:mod:`pipeline.analysis.importance`); sensitivity.json keeps every estimator's ΔL and the
+weights.
 
 Ranks: every rank loads the model and takes ``dist.shard`` of the calibration sequences; sums
 are all-reduced, so the result does not depend on the number of ranks.
@@ -27,8 +37,10 @@ from typing import Literal
 import torch
 
 from pipeline import plots
+from pipeline.analysis.importance import analyze_combined
 from pipeline.analysis.sensitivity import analyze
 from pipeline.analysis.streamed import analyze_streamed
+from pipeline.analysis.streamed_fisher import analyze_fisher_streamed
 from pipeline.config import RunConfig, positive
 from pipeline.data.text import Corpus
 from pipeline.errors import ConfigError, LowbitError
@@ -49,6 +61,7 @@ SECTIONS: tuple[str, ...] = (
     "quant.float_fallback",
     "quant.calib",
     "quant.activation_budget_gb",
+    "quant.segment_size",  # the streamed Fisher's unit of recomputation
 )
 DISTRIBUTED = True
 
@@ -66,22 +79,36 @@ class SensitivityConfig:
     # fisher only: data (empirical Fisher) | model (sampled next tokens: true Fisher)
     fisher_labels: Literal["data", "model"] = "data"
     hutchinson_probes: int = 4  # hutchinson only: Rademacher probes per calibration sequence
-    # gptq_proxy only: sequences per forward (fisher/hutchinson: one per backward)
+    # gptq_proxy and the streamed fisher's forward walk: sequences per forward (a backward
+    # takes one sequence: the Fisher squares each sequence's gradient)
     batch_size: int = 8
     include_lm_head: bool = True  # score lm_head (allocate may keep it float)
     include_embeddings: bool = True  # score the embedding table (unless tied to lm_head)
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto (cuda when present) | cpu | cuda
-    # gptq_proxy only: one decoder block at a time from the shards (targets bigger than memory)
+    # single: ΔL of ``method`` | combined: every estimator, weights fitted to the KL measured
+    # with fit_layers layers quantized alone (pipeline.analysis.importance)
+    importance: Literal["single", "combined"] = "single"
+    fit_layers: int = 8  # combined only: layers measured for the fit, spread over the model
+    # fisher and gptq_proxy: segments of decoder blocks from the shards (targets bigger than
+    # memory)
     stream: bool = False
 
     def check(self, prefix: str) -> None:
-        positive(prefix, hutchinson_probes=self.hutchinson_probes, batch_size=self.batch_size)
-        if self.stream and self.method != "gptq_proxy":
+        positive(prefix, hutchinson_probes=self.hutchinson_probes, batch_size=self.batch_size,
+                 fit_layers=self.fit_layers)  # fmt: skip
+        if self.stream and self.importance == "combined":
+            raise ConfigError(
+                f"{prefix}.importance",
+                f"is combined with {prefix}.stream=true; the combination needs Hutchinson's "
+                f"estimate and the measured KL of the loaded model: set {prefix}.importance="
+                f"single or {prefix}.stream=false",
+            )
+        if self.stream and self.method == "hutchinson":
             raise ConfigError(
                 f"{prefix}.stream",
-                f"is true with {prefix}.method={self.method}, which backpropagates through the "
-                "loaded model; streaming needs the forward-only estimator: set "
-                f"{prefix}.method=gptq_proxy or {prefix}.stream=false",
+                f"is true with {prefix}.method=hutchinson, whose double backward needs the "
+                f"loaded model; set {prefix}.method=fisher or gptq_proxy, or "
+                f"{prefix}.stream=false",
             )
 
 
@@ -120,14 +147,35 @@ def run(cfg: SensitivityConfig, run: RunConfig, io: StageIO) -> dict:
         # fp32 like the loaded path and quantize: the stored dtype (often fp16) would score in
         # another precision, and fp16 matmuls run ~4x slower than fp32 on CPUs.
         ckpt = StreamingCheckpoint(target, run.model.allow_bin, dtype=torch.float32, device=device)
-        # One block per spill file, as the loaded path scores one block at a time anyway.
-        walk = StreamOptions(1, cfg.batch_size, q.activation_budget_gb)
-        report = analyze_streamed(
-            ckpt, windows, candidates, walk, spill_dir=io.work_dir,
-            weighting=cfg.gptq_weighting, dist=io.dist, **scope,
+        if cfg.method == "fisher":
+            # A segment is the unit of recomputation: its input is kept for the reverse walk.
+            walk = StreamOptions(q.segment_size, cfg.batch_size, q.activation_budget_gb)
+            report = analyze_fisher_streamed(
+                ckpt, windows, candidates, walk, spill_dir=io.work_dir,
+                labels=cfg.fisher_labels, seed=run.seed, dist=io.dist, **scope,
+            )  # fmt: skip
+        else:
+            # One block per spill file, as the loaded path scores one block at a time anyway.
+            walk = StreamOptions(1, cfg.batch_size, q.activation_budget_gb)
+            report = analyze_streamed(
+                ckpt, windows, candidates, walk, spill_dir=io.work_dir,
+                weighting=cfg.gptq_weighting, dist=io.dist, **scope,
+            )  # fmt: skip
+    elif cfg.importance == "combined":
+        model = load_causal_lm(
+            target, allow_bin=run.model.allow_bin, device=device, device_map=run.model.device_map
+        )
+        report = analyze_combined(
+            model, windows, candidates, io.dist, fit_layers=cfg.fit_layers,
+            batch_size=cfg.batch_size, probes=cfg.hutchinson_probes,
+            fisher_labels=cfg.fisher_labels, seed=run.seed, weighting=cfg.gptq_weighting,
+            progress=True, **scope,
         )  # fmt: skip
+        log.info("sensitivity: importance weights %s", report["importance"]["weights"])
     else:
-        model = load_causal_lm(target, allow_bin=run.model.allow_bin).to(device)
+        model = load_causal_lm(
+            target, allow_bin=run.model.allow_bin, device=device, device_map=run.model.device_map
+        )
         report = analyze(
             model, windows, candidates, cfg.method, io.dist, probes=cfg.hutchinson_probes,
             fisher_labels=cfg.fisher_labels, seed=run.seed, weighting=cfg.gptq_weighting,
@@ -136,7 +184,7 @@ def run(cfg: SensitivityConfig, run: RunConfig, io: StageIO) -> dict:
     seconds = time.time() - t0
     log.info(
         "sensitivity: %s on %d sequences x %d tokens, %d layers, %.1fs",
-        cfg.method,
+        report["method"],
         *windows.shape,
         len(report["layers"]),
         seconds,
@@ -147,6 +195,8 @@ def run(cfg: SensitivityConfig, run: RunConfig, io: StageIO) -> dict:
     write_plots(report, io.out_dir)
     layers = report["layers"]
     metrics = {"layers": len(layers), "samples": int(windows.shape[0]), "seconds": seconds}
+    for m, w in report.get("importance", {}).get("weights", {}).items():
+        metrics[f"importance_{m}"] = w
     for f in candidates:
         metrics[f"dloss_sum_{f}"] = sum(layer["dloss"][f] for layer in layers)
     shares = [

@@ -7,12 +7,9 @@ import torch
 
 from pipeline.analysis.sensitivity import analyze
 from pipeline.analysis.streamed import analyze_streamed
-from pipeline.config import parse
 from pipeline.dist import Dist
-from pipeline.errors import ConfigError
 from pipeline.models import StreamingCheckpoint
 from pipeline.models.synthetic import write_synthetic_checkpoint
-from pipeline.stages.sensitivity import SensitivityConfig
 from pipeline.streaming import StreamOptions
 
 FORMATS = ["int2g32", "int4", "int8"]
@@ -48,8 +45,3 @@ def test_streamed_equals_loaded_model(ckpt, tmp_path, budget_gb):
             assert a["outliers"][key] == expect, (a["name"], key)
     if budget_gb == 0.0:
         assert list(tmp_path.glob("sensitivity-rank0*.npy"))  # it did spill
-
-
-def test_stream_needs_the_forward_only_estimator():
-    with pytest.raises(ConfigError, match="method=gptq_proxy"):
-        parse({"method": "fisher", "stream": True}, SensitivityConfig, "stage.sensitivity")

@@ -72,3 +72,15 @@ def test_build_trainer_uses_the_any_device_strategy_on_cpu():
     )
     assert isinstance(trainer.strategy, AnyDeviceDeepSpeedStrategy)
     assert trainer.strategy._device_rank() == 0  # CPU has no index: the local rank
+
+
+@pytest.mark.parametrize("exclude", [True, False])
+def test_build_trainer_passes_the_frozen_parameter_exclusion_to_the_constructor(exclude):
+    """Decided when the strategy is built, not patched onto it once training started."""
+    trainer = build_trainer(
+        {"accelerator": "cpu", "devices": 1, "strategy": "deepspeed"},
+        logger=False,
+        enable_progress_bar=False,
+        exclude_frozen_parameters=exclude,
+    )
+    assert trainer.strategy.exclude_frozen_parameters is exclude

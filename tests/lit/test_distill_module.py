@@ -279,19 +279,3 @@ def test_resume_continues_at_the_checkpointed_step(tmp_path):
     for a, b in zip(second.at_start, first.after[1]):  # the weights of step 2, not the init's
         assert torch.equal(a, b)
     assert step_of(resume_path(tmp_path)) == 5  # the last step is validated and checkpointed
-
-
-def test_zero_checkpoints_leave_out_the_teacher_and_the_frozen_codes(tmp_path):
-    """They are reloaded from disk on resume; the module loads its checkpoints non-strictly."""
-    from types import SimpleNamespace
-
-    from pipeline.lit.deepspeed_cpu import make_deepspeed_strategy
-
-    config = tmp_path / "zero2.json"
-    config.write_text('{"zero_optimization": {"stage": 2}}')
-    strategy = make_deepspeed_strategy(config)
-    module = make_module()
-    module._trainer = SimpleNamespace(strategy=strategy)
-    assert not strategy.exclude_frozen_parameters
-    module.on_fit_start()
-    assert strategy.exclude_frozen_parameters and not module.strict_loading

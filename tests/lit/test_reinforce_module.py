@@ -188,28 +188,31 @@ class _Record(L.Callback):
         self.seen.append((trainer.global_step, batch.clone()))
 
 
-def _fit(tmp_path, target, draft, max_steps, ckpt=None):
+def _fit(tmp_path, target, draft, steps, ckpt=None, callbacks=(), **kwargs):
     module = DraftReinforce(
         draft,
         target,
-        gamma=3,
-        temperature=1.0,
-        draft_t0=1.0,
-        cost_ratio=None,
-        weights=WEIGHTS,
-        lr=1e-3,
-        warmup=1,
-        max_steps=5,
-        baseline_momentum=0.9,
-        monitor_window=20,
-        seed=0,
-        context_positions=0,
+        **{
+            "gamma": 3,
+            "temperature": 1.0,
+            "draft_t0": 1.0,
+            "cost_ratio": None,
+            "weights": WEIGHTS,
+            "lr": 1e-3,
+            "warmup": 1,
+            "max_steps": 5,
+            "baseline_momentum": 0.9,
+            "monitor_window": 20,
+            "seed": 0,
+            "context_positions": 0,
+        }
+        | kwargs,
     )
     data = ReinforceData(_prompts(), None, 2, seed=0)
     record = _Record()
     trainer = L.Trainer(
         accelerator="cpu",
-        max_steps=max_steps,
+        max_steps=steps,
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
@@ -218,6 +221,7 @@ def _fit(tmp_path, target, draft, max_steps, ckpt=None):
         callbacks=[
             record,
             ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=1, save_last=True),
+            *callbacks,
         ],
     )
     trainer.fit(module, datamodule=data, ckpt_path=ckpt, weights_only=True)
@@ -227,7 +231,7 @@ def _fit(tmp_path, target, draft, max_steps, ckpt=None):
 def test_lightning_module_trains_checkpoints_and_resumes(tmp_path, target):
     draft = _draft(target, 4)
     start = copy.deepcopy(draft)
-    first, _ = _fit(tmp_path, target, draft, max_steps=3)
+    first, _ = _fit(tmp_path, target, draft, 3)
     assert first.global_step == 3 and first.cost_ratio > 0
     assert any(not torch.equal(a, b) for a, b in zip(draft.parameters(), start.parameters()))
     saved = torch.load(tmp_path / "last.ckpt", weights_only=True)  # plain values only
@@ -240,7 +244,7 @@ def test_lightning_module_trains_checkpoints_and_resumes(tmp_path, target):
     assert [s for s, _ in record.seen] == [3, 4]  # the two missing steps, not a fresh start
     assert torch.equal(record.seen[0][1], ScenarioBatches(_prompts(), 2, seed=0).batch(3))
     assert resumed.cost_ratio == first.cost_ratio  # c is measured once per run
-    assert len(resumed.window) == 5
+    assert len(resumed.monitor.values) == 5  # the windowed acceptance survives the resume
     loaded = {k.removeprefix("draft."): v for k, v in saved["state_dict"].items()}
     fresh = _draft(target, 9)
     fresh.load_state_dict(loaded)
@@ -254,3 +258,59 @@ def test_rollout_draft_temperature_is_what_the_draft_samples_at(target):
     assert torch.equal(ro.tokens, ro.q_logits.argmax(-1))  # a greedy draft, sampled target
     with pytest.raises(ValueError, match="greedy"):
         draft_rollout(target, draft, _contexts(2, 6), 2, temperature=0.0, draft_temperature=1.0)
+
+
+def _scripted_loss(monkeypatch, alphas=None, nan_at=None):
+    """reinforce_loss with the step's on-policy acceptance replaced by ``alphas[step]``, and/or
+    a non-finite loss at step ``nan_at``."""
+    from pipeline.lit import reinforce
+
+    real, calls = reinforce.reinforce_loss, []
+
+    def scripted(*args, **kwargs):
+        loss, stats = real(*args, **kwargs)
+        step = len(calls)
+        calls.append(step)
+        if alphas is not None:
+            stats["alpha"] = alphas[step]
+        if step == nan_at:
+            loss = loss * float("nan")
+        return loss, stats
+
+    monkeypatch.setattr(reinforce, "reinforce_loss", scripted)
+
+
+def _lr(module) -> float:
+    return module.trainer.optimizers[0].param_groups[0]["lr"]
+
+
+@pytest.mark.parametrize("falling", [False, True])
+def test_the_lr_is_lowered_when_windowed_acceptance_falls(tmp_path, target, monkeypatch, falling):
+    # Eight steps, window 8: the first half at 0.8, the second at 0.6 (a fall of 0.2 > 0.1) or
+    # at 0.8 (flat). Only the fall halves the learning rate, from the step it is seen on.
+    alphas = [0.8] * 4 + ([0.6] * 4 if falling else [0.8] * 4)
+    _scripted_loss(monkeypatch, alphas)
+    kwargs = dict(cost_ratio=0.3, monitor_window=8, lr_drop_threshold=0.1, lr_drop_factor=0.5)
+    kwargs |= dict(warmup=0, max_steps=100)  # lr ~ constant over 8 steps: the ratio is clean
+    module, _ = _fit(tmp_path, target, _draft(target, 6), 8, **kwargs)
+    assert module.monitor.drops == int(falling)
+    assert module.lr_scale == (0.5 if falling else 1.0)
+    from pipeline.lit.lm import cosine_with_warmup
+
+    scheduled = 1e-3 * cosine_with_warmup(8, 0, 100)
+    assert _lr(module) == pytest.approx(scheduled * module.lr_scale)
+    assert len(module.monitor.values) == (0 if falling else 8)  # the window starts over
+
+
+def test_a_nan_step_is_skipped_restored_and_halves_the_lr(tmp_path, target, monkeypatch):
+    from pipeline.lit.guards import NanGuard
+
+    _scripted_loss(monkeypatch, nan_at=2)
+    guard = NanGuard(lr_key="stage.reinforce.lr")
+    kwargs = dict(cost_ratio=0.3, warmup=0, max_steps=100)
+    module, _ = _fit(tmp_path, target, _draft(target, 7), 4, callbacks=[guard], **kwargs)
+    assert guard.skipped == 1 and guard.lr_scale == 0.5
+    assert all(torch.isfinite(p).all() for p in module.draft.parameters())
+    from pipeline.lit.lm import cosine_with_warmup
+
+    assert _lr(module) == pytest.approx(1e-3 * cosine_with_warmup(4, 0, 100) * 0.5)

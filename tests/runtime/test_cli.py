@@ -64,3 +64,21 @@ def test_argument_errors():
         parse_args(["a", "--prompt", "x", "--draft", "d", "--no-draft"])
     with pytest.raises(SystemExit):
         parse_args(["a", "--prompt", "x", "--temperature", "-1"])
+
+
+def test_temperature_schedule_flag_reaches_the_runtime(artifact, monkeypatch, capsys):
+    from pipeline.runtime.loader import Runtime
+
+    seen = []
+    real = Runtime.generate
+
+    def spy(self, prompt, *args, **kwargs):
+        seen.append(kwargs.get("temperature_schedule", False))
+        kwargs.pop("temperature_schedule", None)  # the decoder's own test checks the schedule
+        return real(self, prompt, *args, **kwargs)
+
+    monkeypatch.setattr(Runtime, "generate", spy)
+    base = [str(artifact), "--prompt", "x", "--max-new-tokens", "3", "--temperature", "0.8"]
+    assert main(base) == 0 and main([*base, "--temperature-schedule"]) == 0
+    assert seen == [False, True]
+    assert parse_args(["a", "--prompt", "x"]).temperature_schedule is False

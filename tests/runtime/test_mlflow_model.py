@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from pipeline.export import export_artifact
@@ -22,20 +24,26 @@ def tracking(tmp_path, monkeypatch):
     mlflow.set_tracking_uri(None)
 
 
-def test_log_register_load_predict(qmodels, tmp_path, tracking, caplog):
+def test_log_register_load_predict(qmodels, tmp_path, tracking, caplog, recwarn):
+    import importlib
     import logging
 
     import mlflow
     import pandas as pd
 
-    from pipeline.runtime import load
-    from pipeline.runtime.mlflow_model import log_model
+    from pipeline.runtime import load, mlflow_model
 
+    # MLflow checks predict's type hints when the class is defined: define it again under
+    # recwarn, whatever test imported the module first.
+    log_model = importlib.reload(mlflow_model).log_model
     uri, client, run_id = tracking
     art = tmp_path / "artifact"
     export_artifact(qmodels.get("int4g128"), art, export_options(), draft=qmodels.fp)
     with caplog.at_level(logging.INFO, logger="pipeline.runtime.mlflow_model"):
         model_uri = log_model(uri, run_id, art, registered_name="tiny-lowbit")
+    # MLflow warns when predict lacks type hints or cannot use them for the schema.
+    hints = [str(w.message) for w in recwarn if "type hint" in str(w.message).lower()]
+    assert not hints, hints
     assert "registered as models:/tiny-lowbit/1" in caplog.text  # the URI to load it by
     assert client.get_run(run_id).info.status == "RUNNING"  # the stage's run stays open
     mlflow.set_tracking_uri(uri)
@@ -47,3 +55,14 @@ def test_log_register_load_predict(qmodels, tmp_path, tracking, caplog):
         pd.DataFrame({"prompt": ["the quick"]}), params={"max_new_tokens": 5}
     )
     assert same == [expected]
+
+    # Logged from code with lowbit's package beside it: no pickle, no release to install.
+    local = Path(mlflow.artifacts.download_artifacts(model_uri, dst_path=str(tmp_path / "dl")))
+    assert (local / "code" / "pipeline" / "runtime" / "loader.py").is_file()
+    assert not list(local.glob("*.pkl"))
+    reqs = (local / "requirements.txt").read_text().split()
+    assert not [r for r in reqs if r.startswith("lowbit")]
+    assert {r.split("==")[0] for r in reqs} >= {"torch", "transformers", "mlflow"}
+    assert all("==" in r and "+" not in r for r in reqs if not r.startswith("-"))
+    flavor = mlflow.models.Model.load(local).flavors["python_function"]
+    assert flavor.get("model_code_path", "").endswith("mlflow_entry.py")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from pipeline.models.quantized import load_quantized
@@ -51,3 +52,26 @@ def test_the_overhead_caveat_appears_only_when_lowbit_is_slower():
     assert "crossover" in format_speed(speed(80.0))[-1]
     assert slow_lowbit(speed(120.0)) == []  # a float draft is slower by design: no caveat
     assert not any("crossover" in line for line in format_speed(speed(120.0)))
+
+
+def test_adaptive_draft_length_is_priced_with_the_measured_costs(qmodels, monkeypatch):
+    from pipeline.runtime import speed as module
+
+    # Stand-in measurements (the timings themselves are cost.py's): a draft 100x cheaper than
+    # the target, and verification as cheap as a step; the speed-up then favours long blocks.
+    monkeypatch.setattr(module, "measure_cost_ratio", lambda *a, **k: 0.01)
+    monkeypatch.setattr(
+        module, "measure_verify_cost", lambda m, gammas, **k: dict.fromkeys(gammas, 1.0)
+    )
+    fp = qmodels.fp_model().eval()
+    prompts = [torch.randint(0, 200, (1, 10), generator=torch.Generator().manual_seed(0))]
+    kwargs = dict(new_tokens=24, temperature=0.0)
+    fixed = decode_speed({"t": fp, "d": fp}, [("d", "t")], prompts, gamma=2, **kwargs)
+    speed = decode_speed({"t": fp, "d": fp}, [("d", "t")], prompts, adaptive=(2, 5, 64), **kwargs)
+    m, f = speed["speculative"]["d@t"], fixed["speculative"]["d@t"]
+    # A self-draft accepts everything: the window drives gamma up, so each target call emits
+    # more tokens than gamma 2's three; v is priced for every gamma the window may choose.
+    assert f["gamma"] == 2 and f["tau"] == pytest.approx(3.0)
+    assert m["gamma"] > 3 and m["tau"] > f["tau"]
+    assert m["cost_ratio"] == 0.01
+    assert "| d@t |" in "\n".join(format_speed(speed))

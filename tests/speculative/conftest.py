@@ -35,6 +35,23 @@ def perturbed(model: torch.nn.Module, scale: float, seed: int) -> torch.nn.Modul
     return out
 
 
+def record_draft_temperatures(monkeypatch, module, prompt_len: int) -> list:
+    """Spy on ``module.draft_block``: per call, (new tokens committed before the block, the
+    draft's temperature per proposed token)."""
+    seen: list[tuple[int, list[float]]] = []
+    real = module.draft_block
+
+    def spy(drf, pending, g, vocab, temperature, generator=None):
+        # The committed sequence is what the draft has cached plus what it has not read yet.
+        committed = drf.length + pending.shape[1] - prompt_len
+        temps = [temperature] * g if isinstance(temperature, float) else list(temperature)
+        seen.append((committed, temps))
+        return real(drf, pending, g, vocab, temperature, generator)
+
+    monkeypatch.setattr(module, "draft_block", spy)
+    return seen
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _one_thread():
     """Tiny models gain nothing from intra-op threads, and on a busy machine OpenMP spin-waits

@@ -9,7 +9,7 @@ from pipeline.speculative.metrics import theoretical_speedup
 
 
 def test_gamma_stays_within_bounds_under_random_rounds():
-    adaptive = AdaptiveGamma(gamma_min=2, gamma_max=5, window=8)
+    adaptive = AdaptiveGamma(gamma_min=2, gamma_max=5, window=8, cost_ratio=0.2)
     rng = random.Random(0)
     for _ in range(500):
         gamma = adaptive.gamma
@@ -57,7 +57,7 @@ def test_free_drafting_always_uses_the_longest_block():
 
 
 def test_window_forgets_old_rounds():
-    adaptive = AdaptiveGamma(gamma_min=2, gamma_max=5, window=3)
+    adaptive = AdaptiveGamma(gamma_min=2, gamma_max=5, window=3, cost_ratio=0.2)
     for _ in range(20):
         adaptive.update(0, 1)
     for _ in range(3):
@@ -71,4 +71,30 @@ def test_window_forgets_old_rounds():
 )
 def test_invalid_settings_are_rejected(kwargs):
     with pytest.raises(ValueError):
-        AdaptiveGamma(**kwargs)
+        AdaptiveGamma(**{"cost_ratio": 0.2} | kwargs)
+
+
+def test_the_cost_ratio_is_required_and_the_window_defaults_to_64():
+    with pytest.raises(TypeError, match="cost_ratio"):
+        AdaptiveGamma(2, 5)  # a guessed c would pick the wrong gamma
+    adaptive = AdaptiveGamma(cost_ratio=0.2)
+    for _ in range(64):
+        adaptive.update(4, 4)
+    for _ in range(63):
+        adaptive.update(0, 1)
+    assert adaptive.alpha == pytest.approx(5 / 69)  # one accepted round still in the window
+    adaptive.update(0, 1)
+    assert adaptive.alpha == pytest.approx(1 / 66)
+
+
+def test_gamma_shrinks_when_the_monitored_acceptance_drops():
+    # A draft that was good (every token accepted) meets text it cannot predict: the windowed
+    # alpha falls, and the draft length follows it down within the window.
+    adaptive = AdaptiveGamma(2, 5, cost_ratio=0.2)
+    for _ in range(64):
+        adaptive.update(adaptive.gamma, adaptive.gamma)
+    assert adaptive.gamma == 5
+    for _ in range(64):
+        adaptive.update(0, 1)
+    assert adaptive.gamma == 2 and adaptive.alpha < 0.1
+    assert adaptive.history[63] == 5 and adaptive.history[-1] == 2

@@ -7,6 +7,7 @@ import torch
 
 from pipeline.speculative.adaptive import AdaptiveGamma
 from pipeline.speculative.decoding import plain_generate, speculative_generate
+from tests.speculative.conftest import record_draft_temperatures
 
 N_NEW = 40
 
@@ -163,3 +164,50 @@ def test_speculative_sampling_output_is_distributed_as_target(make_llama):
     observed = torch.cat([counts[keep], counts[~keep].sum().view(1)])
     expected = expected * observed.sum() / expected.sum()
     assert chisquare(observed.numpy(), expected.numpy()).pvalue > 0.01
+
+
+@pytest.mark.parametrize("schedule", [False, True])
+def test_the_draft_samples_on_the_temperature_schedule(
+    target, near_draft, prompt, monkeypatch, schedule
+):
+    from pipeline.speculative import decoding
+    from pipeline.speculative.schedule import draft_temperature
+
+    seen = record_draft_temperatures(monkeypatch, decoding, prompt.shape[1])
+    gen = torch.Generator().manual_seed(0)
+    _, stats = speculative_generate(
+        target,
+        near_draft,
+        prompt,
+        24,
+        gamma=3,
+        temperature=0.8,
+        temperature_schedule=schedule,
+        generator=gen,
+    )
+    assert sum(len(t) for _, t in seen) == stats.drafted and len(seen) > 3
+    for committed, temps in seen:
+        # The draft token that would become new token n is sampled at T(n).
+        want = [
+            draft_temperature(committed + k, 0.8) if schedule else 0.8 for k in range(len(temps))
+        ]
+        assert temps == pytest.approx(want, rel=1e-12)  # steps 1e-3 apart differ by ~1e-5
+    if schedule:
+        assert seen[0][1][0] == pytest.approx(0.88)  # 0.8 * (1 + 0.1 * cos 0)
+
+
+def test_the_schedule_over_decoding_steps():
+    from pipeline.speculative.decoding import block_temperatures
+
+    assert block_temperatures(0.7, 5, 3, schedule=False) == 0.7
+    temps = block_temperatures(1.0, 3141, 3, schedule=True)  # cos(3.141..3.143) ~ -1
+    assert temps == pytest.approx([0.9, 0.9, 0.9], abs=1e-6)
+    assert block_temperatures(2.0, 0, 2, schedule=True) == pytest.approx([2.2, 2.2], abs=1e-6)
+    assert block_temperatures(0.0, 10, 2, schedule=True) == [0.0, 0.0]  # greedy stays greedy
+
+
+def test_the_schedule_keeps_greedy_output_exact(target, near_draft, prompt, greedy_reference):
+    out, _ = speculative_generate(
+        target, near_draft, prompt, N_NEW, gamma=3, temperature=0, temperature_schedule=True
+    )
+    assert torch.equal(out, greedy_reference)

@@ -8,6 +8,7 @@ import torch
 
 from pipeline.speculative.decoding import plain_generate
 from pipeline.speculative.pipelined import measure_overlap_gain, pipelined_generate, resolve_overlap
+from tests.speculative.conftest import record_draft_temperatures
 
 N_NEW = 40
 
@@ -189,3 +190,28 @@ def test_auto_overlap_measures_once_and_keeps_greedy_output(
     assert resolve_overlap("auto", target, near_draft, gamma=3) == mode  # cached, not re-timed
     out, _ = pipelined_generate(target, near_draft, prompt, N_NEW, gamma=3, temperature=0)
     assert torch.equal(out, greedy_reference)
+
+
+def test_blocks_and_bets_sample_on_the_temperature_schedule(
+    target, near_draft, prompt, monkeypatch
+):
+    from pipeline.speculative import pipelined
+    from pipeline.speculative.schedule import draft_temperature
+
+    seen = record_draft_temperatures(monkeypatch, pipelined, prompt.shape[1])
+    _, stats = pipelined_generate(
+        target,
+        near_draft,
+        prompt,
+        30,
+        gamma=3,
+        temperature=0.8,
+        temperature_schedule=True,
+        generator=torch.Generator().manual_seed(0),
+        overlap="none",
+    )
+    assert len(seen) > 3 and won_bets(stats) > 0  # bets were won: their rest became blocks
+    for committed, temps in seen:
+        # A block's or a bet's token that would become new token n is sampled at T(n).
+        want = [draft_temperature(committed + k, 0.8) for k in range(len(temps))]
+        assert temps == pytest.approx(want, rel=1e-12)  # steps 1e-3 apart differ by ~1e-5

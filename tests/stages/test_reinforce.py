@@ -226,9 +226,45 @@ def test_no_draft_means_self_speculation_and_a_skip(boot, tmp_path):
         ("stage.reinforce.val_prompts=0", "val_prompts"),
         ("stage.reinforce.val_every=0", "val_every"),
         ("stage.reinforce.early_stop_patience=0", "early_stop_patience"),
+        ("stage.reinforce.grad_clip=0.5", "grad_clip"),
+        ("stage.reinforce.monitor_window=1", "monitor_window"),
+        ("stage.reinforce.lr_drop_threshold=-0.1", "lr_drop_threshold"),
+        ("stage.reinforce.lr_drop_factor=0", "lr_drop_factor"),
+        ("stage.reinforce.lr_drop_factor=1.5", "lr_drop_factor"),
     ],
 )
 def test_check_names_the_bad_key(tmp_path, override, key):
     cfg = smoke_cfg(tmp_path, "tracking=none", STAGES, override)
     with pytest.raises(ConfigError, match=f"stage.reinforce.{key}"):
         workflow.check_stage(cfg, "reinforce")
+
+
+def test_a_clip_outside_1_to_3_is_refused_with_the_range(tmp_path):
+    cfg = smoke_cfg(tmp_path, "tracking=none", STAGES, "stage.reinforce.grad_clip=5")
+    with pytest.raises(ConfigError, match=r"stage.reinforce.grad_clip.*1.0 <= grad_clip <= 3.0"):
+        workflow.check_stage(cfg, "reinforce")
+    for ok in ("1.0", "3.0"):
+        cfg = smoke_cfg(tmp_path, "tracking=none", STAGES, f"stage.reinforce.grad_clip={ok}")
+        workflow.check_stage(cfg, "reinforce")
+
+
+def nan_at(step: int):
+    """A sabotaged DraftReinforce.training_step: a non-finite loss at `step`."""
+    original = reinforce.DraftReinforce.training_step
+
+    def training_step(self, batch, batch_idx):
+        loss = original(self, batch, batch_idx)
+        return loss * float("nan") if self.global_step == step else loss
+
+    return training_step
+
+
+def test_a_nan_step_is_skipped_by_the_guard(boot, tmp_path, monkeypatch):
+    monkeypatch.setattr(reinforce.DraftReinforce, "training_step", nan_at(1))
+    cfg = boot_cfg(boot, tmp_path, STAGES, *TINY)  # nan_guard: true by default
+    metrics = workflow.run(cfg)["reinforce"]["metrics"]
+    report = json.loads((tmp_path / "run" / "reinforce" / "reinforce.json").read_text())
+    assert report["training"]["nan_skipped"] == 1 and report["training"]["guard_lr_scale"] == 0.5
+    assert metrics["nan_skipped"] == 1.0
+    draft = load_causal_lm(tmp_path / "run" / "reinforce" / "draft")
+    assert all(torch.isfinite(p).all() for p in draft.parameters())

@@ -57,11 +57,13 @@ def test_invalid_method_is_rejected_before_compute():
         workflow.check_stage(make_cfg("stage.sensitivity.method=obd"), "sensitivity")
 
 
-def test_streamed_stage_matches_the_loaded_one(boot, tmp_path):
+@pytest.mark.parametrize("method", ["gptq_proxy", "fisher"])
+def test_streamed_stage_matches_the_loaded_one(boot, tmp_path, method):
     """stream=true (what the 70B experiment runs) writes the same ΔL as the loaded model."""
     reports = {}
     for stream in ("false", "true"):
-        overrides = ("stage.sensitivity.method=gptq_proxy", f"stage.sensitivity.stream={stream}")
+        overrides = (f"stage.sensitivity.method={method}", f"stage.sensitivity.stream={stream}",
+                     "quant.segment_size=2")  # fmt: skip
         cfg = boot_cfg(boot, tmp_path / stream, "stages=[bootstrap,sensitivity]", *overrides)
         workflow.run(cfg)
         path = tmp_path / stream / "run" / "sensitivity" / "sensitivity.json"
@@ -69,3 +71,36 @@ def test_streamed_stage_matches_the_loaded_one(boot, tmp_path):
     assert [la["name"] for la in reports["true"]] == [la["name"] for la in reports["false"]]
     for a, b in zip(reports["true"], reports["false"]):
         assert a["dloss"] == pytest.approx(b["dloss"], rel=1e-3), a["name"]
+
+
+def test_combined_importance_feeds_the_allocator(boot, tmp_path):
+    """importance=combined: sensitivity.json holds the fitted weights and every estimator's ΔL,
+    and the plan minimises the combined score."""
+    cfg = boot_cfg(boot, tmp_path, "stages=[bootstrap,sensitivity,allocate]",
+                   "stage.sensitivity.importance=combined", "stage.sensitivity.fit_layers=6",
+                   "stage.sensitivity.hutchinson_probes=1")  # fmt: skip
+    done = workflow.run(cfg)
+    run = tmp_path / "run"
+    report = json.loads((run / "sensitivity" / "sensitivity.json").read_text())
+    weights = report["importance"]["weights"]
+    assert report["method"] == "combined" and len(report["importance"]["fit_layers"]) == 6
+    assert set(weights) == {"fisher", "hutchinson", "gptq_proxy"} and any(weights.values())
+    assert done["sensitivity"]["metrics"]["importance_fisher"] == weights["fisher"]
+    layers = {la["name"]: la for la in report["layers"]}
+    for la in layers.values():
+        for f, v in la["dloss"].items():
+            assert v == pytest.approx(sum(w * la["estimators"][m][f] for m, w in weights.items()))
+    plan = json.loads((run / "allocate" / "bitplan.json").read_text())
+    assert plan["score"] == "combined" and plan["importance_weights"] == weights
+    quantized = {n: f for n, f in plan["layers"].items() if f != "float"}
+    assert plan["predicted_dloss"] == pytest.approx(
+        sum(layers[n]["dloss"][f] for n, f in quantized.items())
+    )
+
+
+def test_combined_importance_cannot_stream():
+    with pytest.raises(ConfigError, match="stage.sensitivity.importance"):
+        workflow.check_stage(
+            make_cfg("stage.sensitivity.importance=combined", "stage.sensitivity.stream=true"),
+            "sensitivity",
+        )

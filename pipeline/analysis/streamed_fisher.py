@@ -1,0 +1,317 @@
+"""The diagonal empirical Fisher of a checkpoint that does not fit in memory, segment by segment.
+
+The loaded estimator (:func:`pipeline.analysis.estimators.fisher_diagonal`) back-propagates each
+calibration sequence through the whole model. Here the same per-sequence gradients come from one
+segment of decoder blocks at a time, the trade of activation checkpointing (Chen et al., 2016,
+"Training deep nets with sublinear memory cost"): keep the activations at segment boundaries,
+recompute the inside.
+
+1. Forward walk (the streaming engine, :class:`~pipeline.streaming.engine.BlockWalk`, no
+   gradients): every segment's input (N, T, C) and the last block's output are kept, and the
+   linears' input statistics gathered, as the loaded path's hooks do.
+2. Head: per sequence, final norm, lm_head and the loss on the kept last output; the gradient
+   w.r.t. that output goes to a gradient cache (N, T, C), lm_head's squared gradient to its Fisher.
+3. Reverse walk, last segment first: its blocks are loaded; per sequence the forward is
+   recomputed from the kept input with autograd on, the incoming gradient back-propagated, each
+   linear's squared weight gradient accumulated, and the gradient w.r.t. the segment's input
+   written over the sequence's row of the gradient cache, for the segment below. The segment's
+   linears are handed over (scored) and their Fisher freed before the next segment loads.
+4. Embeddings: the gradient at the bottom is scattered to the rows of the sequence's tokens (the
+   padding row gets none, as in ``nn.Embedding``).
+
+Each sequence's gradients are the loaded model's (the same operations on the same inputs), so
+F = E_s[T·g_s²] is the same estimate up to float rounding. A table tied to lm_head gets the sum
+of both uses' gradients, squared per sequence: the head's gradient is recomputed at the bottom
+from the kept last output (one more head pass per sequence) rather than kept for every sequence.
+
+Memory: one segment, one sequence's autograd graph through it, the float32 Fisher of one
+segment's linears (of a vocabulary table at the top and the bottom), and the kept activations:
+``num_layers / segment_size + 1`` boundary caches plus one gradient cache of this rank's N·T·C
+values, in memory up to ``act_budget_gb`` and in memory-mapped files beyond, each deleted as soon
+as the reverse walk has passed it. Depth costs disk, not RAM. Compute: per block two forwards
+(the walk's and the recomputation) and one backward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from pipeline.analysis.capture import InputStats
+from pipeline.analysis.estimators import label_generator, logits_loss
+from pipeline.analysis.scores import fisher_weigh, layer_dloss
+from pipeline.analysis.sensitivity import NO_STATS, layer_entry, report
+from pipeline.analysis.streamed import block_capture
+from pipeline.dist import Dist
+from pipeline.models.checkpoint import StreamingCheckpoint
+from pipeline.streaming.actcache import ActivationCache
+from pipeline.streaming.engine import Batches, BlockSource, BlockWalk, StreamOptions
+from pipeline.streaming.workdir import Scratch
+
+Sink = Callable[[str, Tensor, Tensor], None]  # (name, weight, Fisher) of one finished tensor
+
+
+class _Kept:
+    """Activations kept for the reverse walk: in memory while they fit ``budget`` bytes in all,
+    then in files of ``folder``, which :meth:`drop` deletes once a cache is no longer needed."""
+
+    def __init__(self, folder: Path, rank: int, shape: tuple, dtype: torch.dtype, budget: float):
+        self.folder, self.rank, self.shape, self.dtype = folder, rank, shape, dtype
+        self.budget = budget
+        self.paths: dict[int, Path] = {}
+
+    def new(self, tag: str) -> ActivationCache:
+        path = self.folder / f"fisher-{tag}-rank{self.rank}.npy"
+        cache = ActivationCache.create(self.shape, self.dtype, self.budget, path)
+        if cache.in_memory:
+            self.budget -= cache.nbytes
+        else:
+            self.paths[id(cache)] = path
+        return cache
+
+    def copy(self, batches: Batches, tag: str) -> ActivationCache:
+        cache, row = self.new(tag), 0
+        for x in batches():  # (B, T, C), in row order
+            cache[row : row + len(x)] = x
+            row += len(x)
+        return cache
+
+    def drop(self, cache: ActivationCache) -> None:
+        path = self.paths.pop(id(cache), None)
+        if path is not None:
+            path.unlink(missing_ok=True)  # a mapping still open keeps its pages until freed
+
+
+class _KeepInputs:
+    """Forward-walk step: keeps every segment's input and the last output, gathers the linears'
+    input statistics; changes nothing."""
+
+    def __init__(self, ckpt: StreamingCheckpoint, starts: set[int], kept: _Kept, dist: Dist):
+        self.ckpt, self.a, self.starts, self.kept, self.dist = (
+            ckpt,
+            ckpt.adapter,
+            starts,
+            kept,
+            dist,
+        )
+        self.inputs: list[ActivationCache] = []  # segment inputs, in order
+        self.final: ActivationCache | None = None
+        self.stats: dict[str, dict] = {}
+
+    def embed(self, ids: Tensor) -> Tensor:
+        return self.ckpt.tensor(self.a.embed + ".weight")
+
+    def before(self, i: int, block: nn.Module, batches: Batches, kwargs: dict) -> None:
+        if i in self.starts:
+            self.inputs.append(self.kept.copy(batches, f"in{i:05d}"))
+        self.linears, self.capture = block_capture(self.a, i, block, hessians=False)
+
+    def after(self, i: int, block: nn.Module) -> None:
+        self.capture.remove()
+        self.capture.reduce_(self.dist)
+        self.stats.update({n: self.capture.stats[n].summary() for n in self.linears})
+
+    def end_segment(self, k: int) -> dict:
+        return {}
+
+    def head(self, source: BlockSource, batches: Batches) -> None:
+        self.final = self.kept.copy(batches, "out")
+        norm, st = source.norm(), InputStats(self.ckpt.config.hidden_size, self.ckpt.device)
+        for x in batches():  # lm_head's input, without the (tokens x vocab) logits
+            st.add(norm(x))
+        st.reduce_(self.dist)
+        self.stats[self.a.lm_head] = st.summary()
+
+
+def _accumulate(fisher: list[Tensor], grads: Sequence[Tensor], tokens: int) -> None:
+    # T·g² of the per-token mean loss's gradient: the per-token Fisher, as fisher_diagonal.
+    for f, g in zip(fisher, grads):
+        g = g.float()
+        f.addcmul_(g, g, value=tokens)
+
+
+def _weights(named: dict[str, nn.Module]) -> list[Tensor]:
+    return [m.weight.requires_grad_(True) for m in named.values()]
+
+
+class _Reverse:
+    """The head, the reverse walk and the embeddings, on this rank's windows."""
+
+    def __init__(self, ckpt, source, ids, mine, total, labels, seed, dist, sink):
+        self.ckpt, self.source, self.ids, self.mine = ckpt, source, ids, mine
+        self.total, self.labels, self.seed, self.dist, self.sink = total, labels, seed, dist, sink
+        self.tokens = ids.shape[1] - 1
+        self.dev = ckpt.device
+
+    def _finish(self, named: dict[str, Tensor], fisher: list[Tensor]) -> None:
+        for (name, weight), f in zip(named.items(), fisher):
+            self.sink(name, weight.detach(), self.dist.all_reduce_(f).div_(self.total))
+
+    def _head_loss(self, norm, lm_head, h: Tensor, j: int) -> Tensor:
+        gen = label_generator(self.labels, self.seed, self.mine[j])
+        return logits_loss(lm_head(norm(h)), self.ids[j : j + 1].to(self.dev), gen)
+
+    def head(self, final: ActivationCache, grads: ActivationCache, score: bool) -> None:
+        """Loss gradient at the last output into ``grads``; lm_head's Fisher if ``score``."""
+        norm, lm_head = self.source.norm(), self.source.lm_head()
+        wants = _weights({"h": lm_head}) if score else []
+        fisher = [torch.zeros_like(w, dtype=torch.float32) for w in wants]
+        for j in range(len(self.ids)):
+            h = final[j : j + 1].to(self.dev).requires_grad_(True)  # (1, T, C)
+            g = torch.autograd.grad(self._head_loss(norm, lm_head, h, j), [h, *wants])
+            grads[j : j + 1] = g[0]
+            _accumulate(fisher, g[1:], self.tokens)
+        if score:
+            self._finish({self.ckpt.adapter.lm_head: lm_head.weight}, fisher)
+
+    def segment(self, first: int, stop: int, inputs: ActivationCache, grads: ActivationCache):
+        """Blocks [first, stop): their linears' Fisher, and ``grads`` moved to their input."""
+        a, seq_len = self.ckpt.adapter, self.ids.shape[1]
+        blocks = [self.source.block(i) for i in range(first, stop)]
+        kwargs = [self.ckpt.block_forward_inputs(seq_len, layer_idx=i) for i in range(first, stop)]
+        named = {
+            a.block_prefix(i) + n: block.get_submodule(n)
+            for i, block in zip(range(first, stop), blocks)
+            for n in a.linears
+        }
+        weights = _weights(named)
+        fisher = [torch.zeros_like(w, dtype=torch.float32) for w in weights]
+        for j in range(len(self.ids)):
+            x = inputs[j : j + 1].to(self.dev).requires_grad_(True)  # (1, T, C)
+            h = x
+            for block, kw in zip(blocks, kwargs):
+                h = block(h, **kw)
+            g = torch.autograd.grad(h, [x, *weights], grad_outputs=grads[j : j + 1].to(self.dev))
+            grads[j : j + 1] = g[0]
+            _accumulate(fisher, g[1:], self.tokens)
+        self._finish({n: m.weight for n, m in named.items()}, fisher)
+
+    def embeddings(self, grads: ActivationCache, final: ActivationCache | None) -> None:
+        """The table's Fisher from the gradients at the bottom; with ``final`` (tied to
+        lm_head) the head's gradient of each sequence is recomputed and added first."""
+        a, pad = self.ckpt.adapter, getattr(self.ckpt.config, "pad_token_id", None)
+        if final is None:
+            name, table, norm, lm_head = a.embed, self.ckpt.tensor(a.embed + ".weight"), None, None
+        else:
+            name, norm, lm_head = a.lm_head, self.source.norm(), self.source.lm_head()
+            table = lm_head.weight.requires_grad_(True)
+        fisher = torch.zeros_like(table, dtype=torch.float32)  # (vocab, C)
+        for j in range(len(self.ids)):
+            ids = self.ids[j].to(self.dev)  # (T,)
+            tok, where = ids.unique(return_inverse=True)
+            g0 = grads[j : j + 1][0].to(self.dev)  # (T, C)
+            rows = torch.zeros(len(tok), g0.shape[1], dtype=g0.dtype, device=self.dev)
+            rows.index_add_(0, where, g0)  # (U, C): the lookup's gradient, row by token
+            if pad is not None:
+                rows[tok == pad] = 0  # nn.Embedding(padding_idx=pad) passes no gradient there
+            if final is None:
+                fisher[tok] += rows.float().square() * self.tokens
+                continue
+            h = final[j : j + 1].to(self.dev).requires_grad_(True)
+            (g,) = torch.autograd.grad(self._head_loss(norm, lm_head, h, j), [table])
+            g = g.clone()
+            g[tok] += rows
+            _accumulate([fisher], [g], self.tokens)
+        self._finish({name: table}, [fisher])
+
+
+@torch.no_grad()
+def fisher_streamed(
+    ckpt: StreamingCheckpoint,
+    windows: Tensor,
+    walk: StreamOptions,
+    sink: Sink,
+    *,
+    spill_dir: str | Path,
+    labels: str = "data",
+    seed: int = 0,
+    include_lm_head: bool = True,
+    include_embeddings: bool = True,
+    dist: Dist | None = None,
+) -> dict[str, dict]:
+    """Diagonal Fisher of the checkpoint's scored weights on ``windows`` (S, T), streamed.
+
+    Every finished tensor goes to ``sink(name, weight, fisher)`` (fisher float32, shaped like
+    the weight, averaged over all S sequences and reduced over ranks), lm_head first, then the
+    blocks' linears from the last block down, the embeddings last; nothing is kept after.
+    ``labels`` and ``seed`` as in :func:`~pipeline.analysis.estimators.fisher_diagonal`.
+
+    Returns:
+        {name: input outlier statistics} of every block linear and lm_head.
+    """
+    dist = dist or Dist()
+    scratch = Scratch(spill_dir, "fisher")
+    engine = BlockWalk("fisher forward", ckpt, windows, walk, dist, scratch)
+    kept = _Kept(scratch.folder, dist.rank, engine.shape, ckpt.dtype, walk.act_budget_gb * 2**30)
+    step = _KeepInputs(ckpt, {first for first, _ in engine.segments}, kept, dist)
+    engine.run(step)
+    tied = bool(getattr(ckpt.config, "tie_word_embeddings", False))
+    mine = list(dist.shard(windows.shape[0]))
+    source = BlockSource(ckpt, walk.stream)
+    back = _Reverse(ckpt, source, engine.ids, mine, windows.shape[0], labels, seed, dist, sink)
+    grads = kept.new("grad")
+    with torch.enable_grad():
+        back.head(step.final, grads, score=include_lm_head and not tied)
+        if not tied:
+            kept.drop(step.final)
+        for first, stop in reversed(engine.segments):
+            inputs = step.inputs.pop()  # the last reference: freed (or its file deleted) next
+            back.segment(first, stop, inputs, grads)
+            kept.drop(inputs)
+            del inputs
+        if tied and include_lm_head:
+            back.embeddings(grads, step.final)
+        elif include_embeddings and not tied:
+            back.embeddings(grads, None)
+    kept.drop(step.final)
+    kept.drop(grads)
+    return step.stats
+
+
+def analyze_fisher_streamed(
+    ckpt: StreamingCheckpoint,
+    windows: Tensor,
+    candidates: Sequence[str],
+    walk: StreamOptions,
+    *,
+    spill_dir: str | Path,
+    labels: str,
+    seed: int,
+    include_lm_head: bool,
+    include_embeddings: bool,
+    dist: Dist | None = None,
+) -> dict:
+    """Sensitivity report (the sensitivity.json contract) with the streamed Fisher: equal to
+    :func:`pipeline.analysis.sensitivity.analyze` with ``method="fisher"`` on the loaded model
+    up to float rounding. Every tensor is scored as soon as its Fisher is complete."""
+    dist = dist or Dist()
+    scored: dict[str, dict] = {}
+
+    def score(name: str, weight: Tensor, fisher: Tensor) -> None:
+        scored[name] = layer_entry(
+            name, weight, layer_dloss(weight, candidates, fisher_weigh(fisher)), {}
+        )
+
+    stats = fisher_streamed(
+        ckpt, windows, walk, score, spill_dir=spill_dir, labels=labels, seed=seed,
+        include_lm_head=include_lm_head, include_embeddings=include_embeddings, dist=dist,
+    )  # fmt: skip
+    a = ckpt.adapter
+    order = [a.embed] + [a.block_prefix(i) + n for i in range(ckpt.num_layers) for n in a.linears]
+    layers = []
+    for name in [*order, a.lm_head]:
+        if name in scored:
+            layers.append({**scored[name], "outliers": stats.get(name, dict(NO_STATS))})
+    out = report(
+        ckpt.config,
+        layers,
+        method="fisher",
+        weighting=None,
+        fisher_labels=labels,
+        candidates=candidates,
+        windows=windows,
+    )
+    return {**out, "streamed": True}

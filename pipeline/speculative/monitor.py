@@ -1,0 +1,69 @@
+"""Sliding-window acceptance monitor: the reinforce stage's "dynamic strategy".
+
+On-policy training of the draft can go wrong quietly: a too-large step sharpens the draft where
+the target is flat, and acceptance, the quantity being optimised, starts to fall while the loss
+still looks fine. The monitor keeps the acceptance of the last ``window`` training steps and
+compares the older half of the window with the newer half; when the newer half is lower by more
+than ``threshold`` the caller lowers the learning rate. Halves rather than first-vs-last step,
+because one step's acceptance is one scenario's batch and swings with it; with the scenarios
+taken in turn, each half holds every scenario about equally often. After a drop the window
+starts over, so one fall is acted on once, and the next decision rests on steps taken at the
+new learning rate.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+__all__ = ["AcceptanceMonitor"]
+
+
+class AcceptanceMonitor:
+    """Windowed acceptance and the fall detector.
+
+    Args:
+        window: steps kept (>= 2).
+        threshold: fall (older-half mean minus newer-half mean) that counts as a drop; None
+            only monitors.
+    """
+
+    def __init__(self, window: int, threshold: float | None = None) -> None:
+        if window < 2:
+            raise ValueError(f"window must be >= 2, got {window}")
+        if threshold is not None and threshold < 0:
+            raise ValueError(f"threshold must be >= 0, got {threshold}")
+        self.threshold = threshold
+        self.values: deque[float] = deque(maxlen=window)
+        self.drops = 0  # drops detected so far
+
+    @property
+    def mean(self) -> float:
+        """Mean acceptance over the window (0 while it is empty)."""
+        return sum(self.values) / len(self.values) if self.values else 0.0
+
+    @property
+    def fall(self) -> float:
+        """Older-half mean minus newer-half mean of a full window (positive = falling), else 0."""
+        if len(self.values) < self.values.maxlen:
+            return 0.0
+        vals = list(self.values)
+        half = len(vals) // 2
+        return sum(vals[:half]) / half - sum(vals[-half:]) / half
+
+    def update(self, alpha: float) -> bool:
+        """Record one step's acceptance; True when acceptance fell by more than the threshold
+        over the window (the window then starts over)."""
+        self.values.append(float(alpha))
+        if self.threshold is None or self.fall <= self.threshold:
+            return False
+        self.drops += 1
+        self.values.clear()
+        return True
+
+    def state_dict(self) -> dict:
+        return {"window": list(self.values), "drops": self.drops}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.values.clear()
+        self.values.extend(state.get("window", []))
+        self.drops = state.get("drops", 0)
