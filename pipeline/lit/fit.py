@@ -27,14 +27,14 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import lightning as L
 from torch import Tensor, nn
 
-from pipeline.errors import LowbitError
+from pipeline.errors import ConfigError, LowbitError
 from pipeline.lit.resume import (
     ResumeCheckpoint,
     best_and_last,
@@ -51,6 +51,15 @@ from pipeline.lit.trainer import (
 )
 
 log = logging.getLogger(__name__)
+
+CLIP_NORM = (1.0, 3.0)  # the method's range for the training stages' gradient-norm clipping
+
+
+def check_clip(prefix: str, key: str, value: float) -> None:
+    """Refuse a clipping norm `prefix.key` outside CLIP_NORM, in one line."""
+    lo, hi = CLIP_NORM
+    if not lo <= value <= hi:
+        raise ConfigError(f"{prefix}.{key}", f"is {value}", f"{lo} <= {key} <= {hi}")
 
 
 @dataclass(frozen=True)
@@ -122,7 +131,7 @@ def fit_validated(
     ckpt_every: int | None,
     patience: int | None,
     callbacks: Sequence[L.Callback] = (),
-    stage_keys: Mapping[str, str] | None = None,
+    clip: tuple[str, float] | None = None,
     **overrides,
 ) -> Fit:
     """Train `module` on `data` with the stage's checkpoints, resuming a killed run.
@@ -136,9 +145,9 @@ def fit_validated(
         logger: a Lightning logger, or False.
         max_steps, val_every, ckpt_every, patience: the schedule (module docstring).
         callbacks: the stage's own callbacks, run before the checkpoints.
-        stage_keys: for arguments in `overrides`, the stage key that sets each, for the message
-            refusing a `trainer.<key>` ({"gradient_clip_val": "clip_norm"}).
-        **overrides: further Trainer arguments the stage sets (gradient clipping, ...).
+        clip: (the stage's key, its value): gradient-norm clipping at that value; a
+            `trainer.gradient_clip_val` is refused naming `stage.<stage>.<key>`.
+        **overrides: further Trainer arguments the stage sets.
     """
     resume = resume_from(work_dir, dist)
     val_every = min(val_every, max_steps)
@@ -163,11 +172,11 @@ def fit_validated(
         "callbacks": [*callbacks, *ckpts],
         "enable_checkpointing": True,
     }
-    instead = fit_owned(stage)
-    keys = stage_keys or {}
-    for key in overrides:
-        name = keys.get(key)
-        instead[key] = f"set stage.{stage}.{name} instead" if name else f"see stage.{stage}"
+    if clip:
+        overrides = {"gradient_clip_val": clip[1], "gradient_clip_algorithm": "norm", **overrides}
+    instead = fit_owned(stage) | dict.fromkeys(overrides, f"see stage.{stage}")
+    if clip:
+        instead["gradient_clip_val"] = f"set stage.{stage}.{clip[0]} instead"
     trainer = build_trainer(
         trainer_cfg,
         stage=stage,

@@ -43,7 +43,14 @@ from pipeline.data.heldout import Heldout, heldout
 from pipeline.data.text import Corpus
 from pipeline.errors import ConfigError, LowbitError
 from pipeline.lit.distill import DistillData, DistillHParams, DistillModule, load_pair, load_student
-from pipeline.lit.fit import Fit, Selection, best_weights, check_fit_trainer, fit_validated
+from pipeline.lit.fit import (
+    Fit,
+    Selection,
+    best_weights,
+    check_clip,
+    check_fit_trainer,
+    fit_validated,
+)
 from pipeline.lit.guards import NanGuard
 from pipeline.lit.losses import layer_weights
 from pipeline.lit.qat import train_sets_problem
@@ -130,10 +137,7 @@ class DistillConfig:
         problem = train_sets_problem(list(self.train))
         if problem:
             raise ConfigError(f"{prefix}.train", f"is {list(self.train)}", problem)
-        if not 1.0 <= self.clip_norm <= 3.0:
-            raise ConfigError(
-                f"{prefix}.clip_norm", f"is {self.clip_norm}", "1.0 <= clip_norm <= 3.0"
-            )
+        check_clip(prefix, "clip_norm", self.clip_norm)
         if self.alpha < 0 or self.beta < 0 or self.alpha + self.beta == 0:
             raise ConfigError(
                 f"{prefix}.alpha", f"={self.alpha} and beta={self.beta}", "both >= 0 and not both 0"
@@ -178,9 +182,7 @@ def run(cfg: DistillConfig, run: RunConfig, io: StageIO) -> dict:
         ckpt_every=cfg.ckpt_every,
         patience=cfg.early_stop_patience,
         callbacks=[guard] if guard else [],
-        gradient_clip_val=cfg.clip_norm,
-        gradient_clip_algorithm="norm",
-        stage_keys={"gradient_clip_val": "clip_norm"},
+        clip=("clip_norm", cfg.clip_norm),
     )
     if not io.dist.is_main:
         return {}

@@ -57,7 +57,14 @@ from pipeline.data.scenarios import SCENARIOS
 from pipeline.data.text import load_splits
 from pipeline.errors import ConfigError
 from pipeline.io import write_json
-from pipeline.lit.fit import Fit, Selection, best_weights, check_fit_trainer, fit_validated
+from pipeline.lit.fit import (
+    Fit,
+    Selection,
+    best_weights,
+    check_clip,
+    check_fit_trainer,
+    fit_validated,
+)
 from pipeline.lit.guards import NanGuard
 from pipeline.lit.losses import LossWeights
 from pipeline.lit.reinforce import DraftReinforce, ReinforceData, load_draft
@@ -185,10 +192,7 @@ class ReinforceConfig:
         ):
             if getattr(self, key) < 0:
                 raise ConfigError(f"{prefix}.{key}", f"must be >= 0, got {getattr(self, key)}")
-        if not 1.0 <= self.grad_clip <= 3.0:
-            raise ConfigError(
-                f"{prefix}.grad_clip", f"is {self.grad_clip}", "1.0 <= grad_clip <= 3.0"
-            )
+        check_clip(prefix, "grad_clip", self.grad_clip)
         if self.monitor_window < 2:
             raise ConfigError(f"{prefix}.monitor_window", f"is {self.monitor_window}", ">= 2")
         if self.lr_drop_threshold is not None and self.lr_drop_threshold < 0:
@@ -411,9 +415,7 @@ def _fit(
         ckpt_every=cfg.checkpoint_every,
         patience=cfg.early_stop_patience,
         callbacks=[guard] if guard else [],
-        gradient_clip_val=cfg.grad_clip,
-        gradient_clip_algorithm="norm",
-        stage_keys={"gradient_clip_val": "grad_clip"},
+        clip=("grad_clip", cfg.grad_clip),
         use_distributed_sampler=False,  # each rank draws its own batches (ReinforceData)
     )
 

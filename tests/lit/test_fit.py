@@ -85,8 +85,7 @@ def test_a_trainer_key_the_stage_sets_fails_naming_the_stage_key(tmp_path, key, 
             tmp_path,
             make_module(),
             trainer_cfg=CPU | {key: 3},
-            gradient_clip_val=1.0,
-            stage_keys={"gradient_clip_val": "clip_norm"},
+            clip=("clip_norm", 1.0),
         )
     assert err.value.key == f"trainer.{key}" and fix in str(err.value)
     assert not (tmp_path / "work").exists()  # refused before anything ran

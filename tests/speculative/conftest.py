@@ -6,6 +6,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from pipeline.speculative.decoding import plain_generate
+
 VOCAB = 64
 
 
@@ -94,3 +96,15 @@ def near_draft(target) -> torch.nn.Module:
 @pytest.fixture
 def prompt() -> torch.Tensor:
     return torch.randint(0, VOCAB, (1, 12), generator=torch.Generator().manual_seed(3))
+
+
+N_NEW = 40  # tokens of the greedy reference decodes
+
+
+@pytest.fixture(scope="module")
+def greedy_reference(target):
+    """Plain greedy decoding of `prompt` by the target: what every greedy speculative decode
+    must reproduce token for token."""
+    prompt = torch.randint(0, VOCAB, (1, 12), generator=torch.Generator().manual_seed(3))
+    out, _ = plain_generate(target, prompt, N_NEW, temperature=0.0)
+    return out

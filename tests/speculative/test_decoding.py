@@ -7,16 +7,7 @@ import torch
 
 from pipeline.speculative.adaptive import AdaptiveGamma
 from pipeline.speculative.decoding import plain_generate, speculative_generate
-from tests.speculative.conftest import record_draft_temperatures
-
-N_NEW = 40
-
-
-@pytest.fixture(scope="module")
-def greedy_reference(target):
-    prompt = torch.randint(0, 64, (1, 12), generator=torch.Generator().manual_seed(3))
-    out, _ = plain_generate(target, prompt, N_NEW, temperature=0.0)
-    return out
+from tests.speculative.conftest import N_NEW, record_draft_temperatures
 
 
 def test_plain_greedy_with_cache_matches_full_recomputation(target, prompt):

@@ -8,16 +8,7 @@ import torch
 
 from pipeline.speculative.decoding import plain_generate
 from pipeline.speculative.pipelined import measure_overlap_gain, pipelined_generate, resolve_overlap
-from tests.speculative.conftest import record_draft_temperatures
-
-N_NEW = 40
-
-
-@pytest.fixture(scope="module")
-def greedy_reference(target):
-    prompt = torch.randint(0, 64, (1, 12), generator=torch.Generator().manual_seed(3))
-    out, _ = plain_generate(target, prompt, N_NEW, temperature=0.0)
-    return out
+from tests.speculative.conftest import N_NEW, record_draft_temperatures
 
 
 def won_bets(stats) -> int:
