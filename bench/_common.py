@@ -233,3 +233,56 @@ def report_goals(goals: list[dict[str, Any]], out: Path | None = None) -> int:
     missed = [g["goal"] for g in goals if g["verdict"] != "met"]
     print(f"goals missed: {'; '.join(missed)}" if missed else "every goal met")
     return 1 if missed else 0
+
+
+def bootstrapped(root: Path, base: Sequence[str]) -> tuple[Path, Any, Path, Any]:
+    """Bootstrap once into ``root/bootstrap`` (reused when up to date).
+
+    Returns:
+        That run dir, its composed config, the FP target's directory and the whole test split
+        as (windows, seq_len) token ids, which every quality bench scores (evaluate's protocol).
+    """
+    from pipeline import runmodels, workflow
+    from pipeline.config import data_cfg, model_cfg
+    from pipeline.data.heldout import corpus_heldout
+    from pipeline.data.text import Corpus
+    from pipeline.models.hf import load_tokenizer
+
+    boot = Path(root) / "bootstrap"
+    workflow.run(compose([f"run_dir={boot}", *base, "stages=[bootstrap]"]))
+    cfg = compose([f"run_dir={boot}", *base])
+    target = runmodels.fp_target(model_cfg(cfg), runmodels.finished_stages(boot))
+    return boot, cfg, target, corpus_heldout(Corpus(data_cfg(cfg), load_tokenizer(target))).windows
+
+
+def seed_run(src: Path, dst: Path, stages: Sequence[str]) -> None:
+    """Start ``dst`` with copies of finished stage folders of ``src`` (skipped when up to date).
+
+    A copy whose stage ``src`` has since redone (other code or config: another fingerprint or
+    other outputs) is replaced, so every variant starts from the same upstream results.
+    """
+    import shutil
+
+    for stage in stages:
+        if not (src / stage).exists():
+            continue
+        if (dst / stage).exists() and _done(dst / stage) != _done(src / stage):
+            shutil.rmtree(dst / stage)
+        if not (dst / stage).exists():
+            shutil.copytree(src / stage, dst / stage)
+
+
+def _done(stage_dir: Path) -> tuple:
+    """What identifies a finished stage folder: its fingerprint and outputs digest."""
+    try:
+        done = json.loads((stage_dir / "_done.json").read_text())
+    except (OSError, ValueError):
+        return (None, None)
+    return done.get("fingerprint"), done.get("outputs_digest")
+
+
+def low_bit_model(run_dir: Path, name: str) -> Path:
+    """The run's low-bit target ``name`` (target_quantized, target_distilled)."""
+    from pipeline import runmodels
+
+    return runmodels.quantized_targets(runmodels.finished_stages(run_dir))[name]

@@ -4,8 +4,9 @@ Runs the real workflow on the bootstrap target: bootstrap once, then for each qu
 recipe (uniform GPTQ w2g64, and a mixed plan at budget_bits=2.5 via sensitivity + allocate) the
 quantize stage once, then the distill stage once per variant: the defaults, what trains (scales
 only; scales and norms without the float-kept embeddings and lm_head), gradient scaling (lsq,
-none) and the attention-matching weight β (1, and 0 = logits KL only). Every model is scored on
-the whole test split (the evaluate protocol), and the table shows
+none), the attention-matching weight β (1, and 0 = logits KL only) and layer weights that follow
+the current per-layer error during training (reweight) instead of quantize's static errors. Every
+model is scored on the whole test split (the evaluate protocol), and the table shows
 
     gap recovered = (ppl_quantized - ppl_distilled) / (ppl_quantized - ppl_fp)
 
@@ -22,12 +23,11 @@ from __future__ import annotations
 
 import argparse
 import logging
-import shutil
 import sys
 import time
 from pathlib import Path
 
-from bench._common import compose, goal, report_goals
+from bench._common import bootstrapped, compose, goal, low_bit_model, report_goals, seed_run
 
 RECIPES = {
     "w2g64": ["quant=w2g64"],
@@ -41,26 +41,14 @@ VARIANTS = {
     "none": ["stage.distill.grad_scale=none"],
     "beta=1": ["stage.distill.beta=1"],  # KL and attention matching weighted equally
     "beta=0": ["stage.distill.beta=0"],  # logits KL only
+    # Layer weights from the current per-layer distances every 25 steps (12 times in 300).
+    "reweight": ["stage.distill.reweight_every=25"],
 }
 GOAL = 0.5  # share of the gap the default variant recovers
 
 
 def _cfg(run_dir: Path, overrides: list[str]):
     return compose([f"run_dir={run_dir}", *overrides])
-
-
-def _seed_run(src: Path, dst: Path, stages: list[str]) -> None:
-    """Start `dst` with copies of finished stage folders of `src` (skipped when up to date)."""
-    for stage in stages:
-        if (src / stage).exists() and not (dst / stage).exists():
-            shutil.copytree(src / stage, dst / stage)
-
-
-def _model(run_dir: Path, name: str) -> Path:
-    """The run's low-bit target `name` (target_quantized, target_distilled)."""
-    from pipeline import runmodels
-
-    return runmodels.quantized_targets(runmodels.finished_stages(run_dir))[name]
 
 
 def main() -> int:
@@ -79,39 +67,32 @@ def main() -> int:
 
         torch.set_num_threads(args.threads)
 
-    from pipeline import runmodels, workflow
-    from pipeline.config import data_cfg, model_cfg
-    from pipeline.data.heldout import corpus_heldout
-    from pipeline.data.text import Corpus
-    from pipeline.models.hf import load_causal_lm, load_tokenizer, perplexity
+    from pipeline import workflow
+    from pipeline.models.hf import load_causal_lm, perplexity
     from pipeline.models.quantized import load_quantized
 
     base = ["tracking=none", *args.overrides]
     distill = [f"stage.distill.max_steps={args.steps}"] if args.steps else []
     distill += [f"stage.distill.lr={args.lr}"] if args.lr else []
-    boot = args.root / "bootstrap"
-    workflow.run(_cfg(boot, [*base, "stages=[bootstrap]"]))
-    cfg = _cfg(boot, base)
-    target = runmodels.fp_target(model_cfg(cfg), runmodels.finished_stages(boot))
-    win = corpus_heldout(Corpus(data_cfg(cfg), load_tokenizer(target))).windows
+    boot, _, target, win = bootstrapped(args.root, base)
     ppl_fp = perplexity(load_causal_lm(target), win)
 
     rows = []
     for recipe in args.recipes.split(","):
         qrun = args.root / recipe / "quantized"
-        _seed_run(boot, qrun, ["bootstrap"])
+        seed_run(boot, qrun, ["bootstrap"])
         q_stages = ["sensitivity", "allocate", "quantize"] if recipe.startswith("mixed") else []
         q_stages = q_stages or ["quantize"]
         workflow.run(_cfg(qrun, [*base, *RECIPES[recipe], f"stages=[{','.join(q_stages)}]"]))
-        ppl_q = perplexity(load_quantized(_model(qrun, "target_quantized")), win)
+        ppl_q = perplexity(load_quantized(low_bit_model(qrun, "target_quantized")), win)
         for variant in args.variants.split(","):
             drun = args.root / recipe / variant.replace("=", "")
-            _seed_run(qrun, drun, ["bootstrap", *q_stages])
+            seed_run(qrun, drun, ["bootstrap", *q_stages])
             t0 = time.time()
             overrides = [*base, *RECIPES[recipe], *distill, *VARIANTS[variant], "stages=[distill]"]
             workflow.run(_cfg(drun, overrides))
             seconds = time.time() - t0
-            ppl_d = perplexity(load_quantized(_model(drun, "target_distilled")), win)
+            ppl_d = perplexity(load_quantized(low_bit_model(drun, "target_distilled")), win)
             gap = (ppl_q - ppl_d) / (ppl_q - ppl_fp) if ppl_q > ppl_fp else float("nan")
             rows.append((recipe, variant, ppl_q, ppl_d, gap, seconds))
 

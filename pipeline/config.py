@@ -256,6 +256,12 @@ class QuantConfig:
     act_order: bool = True
     damp: float = 0.01
     block_size: int = 128
+    # Activation outlier input channels (MAD rule, pipeline.analysis.capture) are few but carry
+    # most of a layer's output error (LLM.int8(), SpQR): keep_fp16 lets allocate keep up to
+    # outlier_cap of each layer's input columns as an exact fp16 side matrix, paid for from
+    # budget_bits like any wider format. none: every column quantized.
+    outliers: Literal["none", "keep_fp16"] = "none"
+    outlier_cap: float = 0.01  # largest fraction of a layer's input columns kept
     calib: CalibConfig = field(default_factory=CalibConfig)
 
     def check(self, prefix: str) -> None:
@@ -282,6 +288,14 @@ class QuantConfig:
         positive(f"{prefix}.calib", samples=self.calib.samples, seq_len=self.calib.seq_len)
         if not 0 <= self.damp < 1:
             raise ConfigError(f"{prefix}.damp", f"is {self.damp}", "0 <= damp < 1")
+        if not 0 < self.outlier_cap <= 0.25:  # beyond a quarter, a wider format is cheaper
+            raise ConfigError(f"{prefix}.outlier_cap", f"is {self.outlier_cap}", "0 < cap <= 0.25")
+        if self.outliers == "keep_fp16" and self.budget_bits is None:
+            raise ConfigError(
+                f"{prefix}.budget_bits",
+                "is null with quant.outliers=keep_fp16, which trades kept columns against bits",
+                f"a number, or {prefix}.outliers=none",
+            )
 
 
 @dataclass(frozen=True)

@@ -48,11 +48,6 @@ class Dist:
             tdist.all_reduce(tensor, op=tdist.ReduceOp.SUM)
         return tensor
 
-    def bar_disable(self, progress: bool = True) -> bool | None:
-        """tqdm's `disable`: a bar on rank 0 only, and only on a terminal (None: tqdm checks),
-        since a bar written to a log file or a pipe is one ever-growing line."""
-        return None if progress and self.is_main else True
-
     def shard(self, n: int) -> range:
         """This rank's share of n items (strided, so shares differ by at most one item)."""
         return range(self.rank, n, self.world_size)

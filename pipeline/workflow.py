@@ -39,6 +39,7 @@ from pipeline.dist import Dist, init_from_env
 from pipeline.errors import ConfigError, LowbitError, StageFailed, record_failure
 from pipeline.inputs import check_inputs
 from pipeline.lit.trainer import check_trainer
+from pipeline.peakmem import StagePeak, device_line
 from pipeline.report import write_report
 from pipeline.rundir import DONE, RunLock, commit, outputs_digest, read_done, record_outputs
 from pipeline.stageplan import PENDING, Damage, Stage, Step, fingerprint, steps
@@ -152,8 +153,14 @@ def _log_outputs(run: StageRun, stage_dir: Path) -> None:
 
 
 def summary_line(name: str, seconds: float, metrics: dict[str, Any]) -> str:
-    shown = [f"{k}={v:.4g}" for k, v in metrics.items() if isinstance(v, int | float)][:4]
-    return f"{name:<12} done in {seconds:7.1f}s  " + "  ".join(shown)
+    """The stage's time, its first four numbers, and its peak memory (pipeline.peakmem)."""
+    peaks = {k: v for k, v in metrics.items() if "peak" in k and k.endswith("_mib")}
+    numbers = {k: v for k, v in metrics.items() if isinstance(v, int | float) and k not in peaks}
+    shown = [f"{k}={v:.4g}" for k, v in list(numbers.items())[:4]]
+    peak = "  ".join(f"{k.removesuffix('_mib')} {v / 1024:.2f} GiB" for k, v in peaks.items())
+    return (
+        f"{name:<12} done in {seconds:7.1f}s  " + "  ".join(shown) + (f"  | {peak}" if peak else "")
+    )
 
 
 def run(cfg: DictConfig, planned: Plan | None = None) -> dict[str, dict]:
@@ -307,8 +314,10 @@ def _run_stage(step: Step, run_dir: Path, dist: Dist, tracker: Tracker) -> dict:
     log_path = stage_log_path(run_dir, name, dist.rank)
     t0 = time.time()
     error = None
+    peak = StagePeak()
+    peak.start()
     with _stage_log(log_path):
-        log.info("%-12s running (fingerprint %s): %s", name, fp[:12], step.why)
+        log.info("%-12s running (fingerprint %s) on %s: %s", name, fp[:12], device_line(), step.why)
         try:
             runs_here = stage.mod.DISTRIBUTED or dist.is_main
             metrics = stage.mod.run(stage.cfg, stage.run, io) if runs_here else {}
@@ -330,6 +339,7 @@ def _run_stage(step: Step, run_dir: Path, dist: Dist, tracker: Tracker) -> dict:
     seconds = time.time() - t0
     metrics = {k: v for k, v in (metrics or {}).items()}
     metrics["world_size"] = dist.world_size
+    metrics.update(peak.metrics())
     done: dict[str, Any] = {}
     if dist.is_main:
         outputs = record_outputs(tmp)

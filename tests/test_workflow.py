@@ -326,3 +326,21 @@ def test_a_rerun_logs_why_the_stage_runs(toy_stages, tmp_path, caplog):
 def test_switches_must_be_booleans(tmp_path):
     with pytest.raises(ConfigError, match=r"`dry_run` must be a boolean, got 'no'"):
         workflow.plan(cfg(tmp_path, "dry_run=no"), tmp_path)
+
+
+def test_each_stage_reports_its_own_peak_memory_and_device(toy_stages, tmp_path, caplog):
+    import torch
+
+    def hungry(cfg, run, io):
+        block = torch.ones(64 * 2**20)  # 256 MiB, touched
+        (io.out_dir / "out.txt").write_text(str(float(block.sum())))
+        return {}
+
+    toy_stages["bootstrap"].run = hungry
+    caplog.set_level("INFO")
+    done = workflow.run(cfg(tmp_path))
+    peaks = {s: done[s]["metrics"]["peak_rss_mib"] for s in ("bootstrap", "sensitivity")}
+    # The high-water mark is reset per stage: the stage after the hungry one does not inherit it.
+    assert peaks["bootstrap"] - peaks["sensitivity"] > 200, peaks
+    assert "bootstrap    running (fingerprint " in caplog.text and ") on cpu (" in caplog.text
+    assert "| peak_rss 0." in caplog.text or "| peak_rss 1." in caplog.text

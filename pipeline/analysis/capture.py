@@ -62,16 +62,31 @@ class InputStats:
         return {**outlier_summary(self.absmax), "kurtosis": kurt}
 
 
+def outlier_mask(absmax: Tensor) -> Tensor:
+    """(in,) bool: the outlier channels of a per-channel absmax (in,) by the MAD rule."""
+    a = absmax.double()
+    med = a.median()
+    mad = (a - med).abs().median()
+    return (a - med).abs() > MAD_K * MAD_SIGMA * mad
+
+
 def outlier_summary(absmax: Tensor) -> dict[str, float | None]:
     """Share of outlier channels (MAD rule) and max/median of the per-channel absmax (in,)."""
     a = absmax.double()
     med = a.median()
-    mad = (a - med).abs().median()
-    share = ((a - med).abs() > MAD_K * MAD_SIGMA * mad).double().mean()
     return {
-        "share": float(share),
+        "share": float(outlier_mask(absmax).double().mean()),
         "max_over_median": float(a.max() / med) if med > 0 else None,
     }
+
+
+def outlier_columns(absmax: Tensor, cap: float) -> list[int]:
+    """The input columns worth keeping exactly (``quant.outliers=keep_fp16``): the MAD
+    outliers of the absmax (in,), the largest first, at most floor(cap · in), ascending."""
+    mask = outlier_mask(absmax)
+    limit = int(cap * absmax.numel() + 1e-9)  # floor, safe from 0.07 * 100 = 7.0000001
+    ranked = torch.argsort(torch.where(mask, absmax.double(), -1.0), descending=True, stable=True)
+    return sorted(ranked[: min(limit, int(mask.sum()))].tolist())
 
 
 class Capture:

@@ -32,9 +32,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from tqdm.auto import tqdm
 
 from pipeline.dist import Dist
+from pipeline.progress import progress
 
 
 def logits_loss(logits: Tensor, x: Tensor, gen: torch.Generator | None = None) -> Tensor:
@@ -66,8 +66,8 @@ def sequence_loss(model: nn.Module, x: Tensor) -> Tensor:
     return logits_loss(model(input_ids=x).logits, x)
 
 
-def _bar(dist: Dist, items, desc: str, progress: bool):
-    return tqdm(items, desc=desc, disable=dist.bar_disable(progress), leave=False)
+def _bar(dist: Dist, items, desc: str, enabled: bool):
+    return progress(items, f"sensitivity {desc}", enabled=enabled, is_main=dist.is_main)
 
 
 def fisher_diagonal(

@@ -5,6 +5,16 @@ against measured loss increases. It scores every linear (lm_head included) and t
 table (unless tied to lm_head, when lm_head stands for both), so the allocator can see which
 ones are worth keeping in float.
 
+Kept columns (``quant.outliers=keep_fp16``, ``keep_cap`` set): every scored linear also gets
+its outlier input columns (``capture.outlier_columns``: MAD rule, largest absmax first, at most
+floor(keep_cap · in)) and, for every candidate, ``dloss_keep``: the same estimate with those
+columns kept exactly, i.e. δ[:, cols] replaced by their fp16 rounding (about 0), which is what
+``quantize_rtn(w, f, keep=cols)`` stores. For the Fisher and the GPTQ proxy that is the exact
+value of the estimator; Hutchinson's isotropic ½·Tr/n·‖δ‖² drops the columns' share of ‖δ‖²,
+blind to outlier channels carrying more than the layer's mean curvature (it under-predicts the
+gain). All three predict RTN's error; GPTQ also compensates the other columns' error onto the
+kept ones (``gptq_quantize``), so its real gain is larger.
+
 Distributed: every rank holds the whole model and processes its share of the calibration
 sequences; the curvature sums and activation statistics are all-reduced, then each rank
 computes ΔL for its share of the layers and those are all-reduced too. Every rank returns the
@@ -18,13 +28,15 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from pipeline.analysis.capture import Capture
+from pipeline.analysis.capture import Capture, outlier_columns
 from pipeline.analysis.estimators import fisher_diagonal, forward_pass, hutchinson_trace
 from pipeline.analysis.scores import (
+    Weigh,
     embedding_weigh,
     fisher_weigh,
     hessian_weigh,
     layer_dloss,
+    quant_error,
     trace_weigh,
 )
 from pipeline.dist import Dist
@@ -63,6 +75,7 @@ def analyze(
     include_lm_head: bool = True,
     include_embeddings: bool = True,
     progress: bool = False,
+    keep_cap: float | None = None,
 ) -> dict:
     """Sensitivity report (the sensitivity.json contract) of ``model`` on ``windows`` (S, T).
 
@@ -81,6 +94,8 @@ def analyze(
         include_lm_head: Score lm_head.
         include_embeddings: Score the (untied) embedding table.
         progress: Show a progress bar on rank 0.
+        keep_cap: Also score every linear with its outlier columns kept (module docstring),
+            at most this fraction of its input columns; None scores without.
     """
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
@@ -115,21 +130,25 @@ def analyze(
         }
 
     names = list(modules)
+    cols = {}
+    if keep_cap is not None:  # every rank sees the same reduced absmax, so the same columns
+        cols = {n: outlier_columns(capture.stats[n].absmax, keep_cap) for n in linears}
+    k = len(candidates)
     device = next(model.parameters()).device  # NCCL reduces device tensors only
-    table = torch.zeros(len(names), len(candidates), dtype=torch.float64, device=device)
+    table = torch.zeros(len(names), 2 * k, dtype=torch.float64, device=device)
     for i in dist.shard(len(names)):
-        dl = layer_dloss(params[names[i]], candidates, weigh[names[i]])
-        table[i] = torch.tensor([dl[f] for f in candidates], dtype=torch.float64, device=device)
+        dl, dk = layer_dloss_keep(params[names[i]], candidates, weigh[names[i]], cols.get(names[i]))
+        row = [dl[f] for f in candidates] + [dk.get(f, 0.0) for f in candidates]
+        table[i] = torch.tensor(row, dtype=torch.float64, device=device)
     dist.all_reduce_(table)
-    layers = [
-        layer_entry(
-            name,
-            params[name],
-            dict(zip(candidates, table[i].tolist())),
-            capture.stats[name].summary() if name in linears else dict(NO_STATS),
-        )
-        for i, name in enumerate(names)
-    ]
+    layers = []
+    for i, name in enumerate(names):
+        stats = capture.stats[name].summary() if name in linears else dict(NO_STATS)
+        entry = layer_entry(name, params[name], dict(zip(candidates, table[i, :k].tolist())), stats)
+        if keep_cap is not None:
+            keep = dict(zip(candidates, table[i, k:].tolist())) if cols.get(name) else None
+            entry = with_columns(entry, cols.get(name, []), keep)
+        layers.append(entry)
     return report(
         model.config,
         layers,
@@ -141,12 +160,50 @@ def analyze(
     )
 
 
+@torch.no_grad()
+def layer_dloss_keep(
+    w: Tensor, formats: Sequence[str], weigh: Weigh, columns: Sequence[int] | None
+) -> tuple[dict[str, float], dict[str, float]]:
+    """``({format: ΔL}, {format: ΔL with columns kept exactly})``; the second is empty without
+    columns, and then the first is ``layer_dloss``'s."""
+    if not columns:
+        return layer_dloss(w, formats, weigh), {}
+    idx = torch.as_tensor(list(columns), dtype=torch.int64, device=w.device)
+    kept = w.detach().float()[:, idx]
+    rounding = kept.half().float() - kept  # (out, k): what storing them in fp16 costs
+    dloss, dkeep = {}, {}
+    for f in formats:
+        d = quant_error(w, f)
+        dloss[f] = float(weigh(d))
+        d[:, idx] = rounding
+        dkeep[f] = float(weigh(d))
+    return dloss, dkeep
+
+
+def with_columns(entry: dict, columns: list[int], dloss_keep: dict[str, float] | None) -> dict:
+    """A ``layer_entry`` with its outlier columns and, when it has some, ``dloss_keep``."""
+    out = {**entry, "outlier_columns": list(columns)}
+    if dloss_keep is not None:
+        out["dloss_keep"] = dloss_keep
+    return out
+
+
+def kurtosis(t: Tensor) -> float:
+    """Pearson kurtosis of all entries (3 for a Gaussian; heavy tails: more)."""
+    x = t.detach().double().flatten()
+    x = x - x.mean()
+    var = (x * x).mean()
+    return float((x**4).mean() / var**2) if var > 0 else float("nan")
+
+
 def layer_entry(name: str, weight: Tensor, dloss: dict[str, float], outliers: dict) -> dict:
-    """One element of sensitivity.json's ``layers``."""
+    """One element of sensitivity.json's ``layers``. ``weight_kurtosis`` says how heavy-tailed
+    the weights are: the layers where exponential codes beat uniform ones (allocate's log)."""
     return {
         "name": name,
         "shape": list(weight.shape),
         "params": weight.numel(),
+        "weight_kurtosis": round(kurtosis(weight), 3),
         "dloss": dloss,
         "outliers": outliers,
     }

@@ -9,7 +9,8 @@ Peak memory: one block, the activation cache (spilled to ``spill_dir`` beyond th
 one block's Hessians. Nothing is committed: a rerun starts from the embeddings.
 
 The report equals :func:`pipeline.analysis.sensitivity.analyze` with ``method="gptq_proxy"`` on
-the loaded model (up to float summation order): same layers, ΔL and outlier statistics.
+the loaded model (up to float summation order): same layers, ΔL and outlier statistics (and,
+with ``keep_cap``, the same outlier columns and ``dloss_keep``).
 """
 
 from __future__ import annotations
@@ -20,9 +21,15 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from pipeline.analysis.capture import Capture
+from pipeline.analysis.capture import Capture, outlier_columns
 from pipeline.analysis.scores import embedding_weigh, hessian_weigh, layer_dloss
-from pipeline.analysis.sensitivity import NO_STATS, layer_entry, report
+from pipeline.analysis.sensitivity import (
+    NO_STATS,
+    layer_dloss_keep,
+    layer_entry,
+    report,
+    with_columns,
+)
 from pipeline.dist import Dist
 from pipeline.models.adapters import Adapter
 from pipeline.models.checkpoint import StreamingCheckpoint
@@ -43,23 +50,32 @@ def block_capture(
 class _ScoreStep:
     """Scores the embeddings, each block's linears from hooks on its output pass, and lm_head."""
 
-    def __init__(self, ckpt, candidates, dist, weighting, include_lm_head, include_embeddings):
-        self.a, self.config, self.dist = ckpt.adapter, ckpt.config, dist
+    def __init__(
+        self, ckpt, candidates, dist, weighting, include_lm_head, include_embeddings, keep_cap
+    ):
+        self.a, self.config, self.dist, self.keep_cap = ckpt.adapter, ckpt.config, dist, keep_cap
         self.ckpt, self.candidates, self.weighting = ckpt, candidates, weighting
         self.include_lm_head, self.include_embeddings = include_lm_head, include_embeddings
         self.layers: list[dict] = []
         self.linears: dict[str, nn.Module] = {}
         self.capture: Capture | None = None
 
-    def _score(self, name: str, weight: Tensor, weigh, stats: dict) -> None:
-        dloss = layer_dloss(weight, self.candidates, weigh)
-        self.layers.append(layer_entry(name, weight, dloss, stats))
+    def _score(self, name: str, weight: Tensor, weigh, stats: dict, cols=None) -> None:
+        if self.keep_cap is None:
+            dloss = layer_dloss(weight, self.candidates, weigh)
+            self.layers.append(layer_entry(name, weight, dloss, stats))
+            return
+        dloss, dkeep = layer_dloss_keep(weight, self.candidates, weigh, cols)
+        entry = layer_entry(name, weight, dloss, stats)
+        self.layers.append(with_columns(entry, cols or [], dkeep or None))
 
     def _score_captured(self, capture: Capture, linears: dict[str, nn.Module]) -> None:
         capture.reduce_(self.dist)
         for name, mod in linears.items():
             weigh = hessian_weigh(capture.hessian(name), self.weighting)
-            self._score(name, mod.weight, weigh, capture.stats[name].summary())
+            stats = capture.stats[name]
+            cols = None if self.keep_cap is None else outlier_columns(stats.absmax, self.keep_cap)
+            self._score(name, mod.weight, weigh, stats.summary(), cols)
 
     def embed(self, ids: Tensor) -> Tensor:
         table = self.ckpt.tensor(self.a.embed + ".weight")  # (vocab, C)
@@ -105,6 +121,7 @@ def analyze_streamed(
     include_lm_head: bool,
     include_embeddings: bool,
     dist: Dist | None = None,
+    keep_cap: float | None = None,
 ) -> dict:
     """Sensitivity report (the sensitivity.json contract) of the checkpoint on ``windows`` (S, T).
 
@@ -115,7 +132,9 @@ def analyze_streamed(
     """
     dist = dist or Dist()
     engine = BlockWalk("sensitivity", ckpt, windows, walk, dist, Scratch(spill_dir, "sensitivity"))
-    step = _ScoreStep(ckpt, candidates, dist, weighting, include_lm_head, include_embeddings)
+    step = _ScoreStep(
+        ckpt, candidates, dist, weighting, include_lm_head, include_embeddings, keep_cap
+    )
     engine.run(step)
     scored = report(
         ckpt.config,

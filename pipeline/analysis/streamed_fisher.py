@@ -19,6 +19,10 @@ recompute the inside.
 4. Embeddings: the gradient at the bottom is scattered to the rows of the sequence's tokens (the
    padding row gets none, as in ``nn.Embedding``).
 
+Kept columns (``keep_cap``): the forward walk also picks each linear's outlier input columns
+from the same statistics, before the reverse walk scores anything, so ``dloss_keep`` is the
+loaded path's.
+
 Each sequence's gradients are the loaded model's (the same operations on the same inputs), so
 F = E_s[T·g_s²] is the same estimate up to float rounding. A table tied to lm_head gets the sum
 of both uses' gradients, squared per sequence: the head's gradient is recomputed at the bottom
@@ -40,10 +44,16 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from pipeline.analysis.capture import InputStats
+from pipeline.analysis.capture import InputStats, outlier_columns
 from pipeline.analysis.estimators import label_generator, logits_loss
-from pipeline.analysis.scores import fisher_weigh, layer_dloss
-from pipeline.analysis.sensitivity import NO_STATS, layer_entry, report
+from pipeline.analysis.scores import fisher_weigh
+from pipeline.analysis.sensitivity import (
+    NO_STATS,
+    layer_dloss_keep,
+    layer_entry,
+    report,
+    with_columns,
+)
 from pipeline.analysis.streamed import block_capture
 from pipeline.dist import Dist
 from pipeline.models.checkpoint import StreamingCheckpoint
@@ -89,7 +99,15 @@ class _KeepInputs:
     """Forward-walk step: keeps every segment's input and the last output, gathers the linears'
     input statistics; changes nothing."""
 
-    def __init__(self, ckpt: StreamingCheckpoint, starts: set[int], kept: _Kept, dist: Dist):
+    def __init__(
+        self,
+        ckpt: StreamingCheckpoint,
+        starts: set[int],
+        kept: _Kept,
+        dist: Dist,
+        columns: dict[str, list[int]] | None,
+        keep_cap: float,
+    ):
         self.ckpt, self.a, self.starts, self.kept, self.dist = (
             ckpt,
             ckpt.adapter,
@@ -100,6 +118,12 @@ class _KeepInputs:
         self.inputs: list[ActivationCache] = []  # segment inputs, in order
         self.final: ActivationCache | None = None
         self.stats: dict[str, dict] = {}
+        self.columns, self.keep_cap = columns, keep_cap
+
+    def _keep(self, name: str, st: InputStats) -> None:
+        self.stats[name] = st.summary()
+        if self.columns is not None:
+            self.columns[name] = outlier_columns(st.absmax, self.keep_cap)
 
     def embed(self, ids: Tensor) -> Tensor:
         return self.ckpt.tensor(self.a.embed + ".weight")
@@ -112,7 +136,8 @@ class _KeepInputs:
     def after(self, i: int, block: nn.Module) -> None:
         self.capture.remove()
         self.capture.reduce_(self.dist)
-        self.stats.update({n: self.capture.stats[n].summary() for n in self.linears})
+        for n in self.linears:
+            self._keep(n, self.capture.stats[n])
 
     def end_segment(self, k: int) -> dict:
         return {}
@@ -123,7 +148,7 @@ class _KeepInputs:
         for x in batches():  # lm_head's input, without the (tokens x vocab) logits
             st.add(norm(x))
         st.reduce_(self.dist)
-        self.stats[self.a.lm_head] = st.summary()
+        self._keep(self.a.lm_head, st)
 
 
 def _accumulate(fisher: list[Tensor], grads: Sequence[Tensor], tokens: int) -> None:
@@ -231,6 +256,8 @@ def fisher_streamed(
     include_lm_head: bool = True,
     include_embeddings: bool = True,
     dist: Dist | None = None,
+    columns: dict[str, list[int]] | None = None,
+    keep_cap: float = 0.0,
 ) -> dict[str, dict]:
     """Diagonal Fisher of the checkpoint's scored weights on ``windows`` (S, T), streamed.
 
@@ -238,6 +265,8 @@ def fisher_streamed(
     the weight, averaged over all S sequences and reduced over ranks), lm_head first, then the
     blocks' linears from the last block down, the embeddings last; nothing is kept after.
     ``labels`` and ``seed`` as in :func:`~pipeline.analysis.estimators.fisher_diagonal`.
+    ``columns``, when given, is filled with every block linear's and lm_head's outlier columns
+    (at most ``keep_cap`` of its inputs) before the first tensor reaches ``sink``.
 
     Returns:
         {name: input outlier statistics} of every block linear and lm_head.
@@ -246,7 +275,7 @@ def fisher_streamed(
     scratch = Scratch(spill_dir, "fisher")
     engine = BlockWalk("fisher forward", ckpt, windows, walk, dist, scratch)
     kept = _Kept(scratch.folder, dist.rank, engine.shape, ckpt.dtype, walk.act_budget_gb * 2**30)
-    step = _KeepInputs(ckpt, {first for first, _ in engine.segments}, kept, dist)
+    step = _KeepInputs(ckpt, {first for first, _ in engine.segments}, kept, dist, columns, keep_cap)
     engine.run(step)
     tied = bool(getattr(ckpt.config, "tie_word_embeddings", False))
     mine = list(dist.shard(windows.shape[0]))
@@ -283,21 +312,27 @@ def analyze_fisher_streamed(
     include_lm_head: bool,
     include_embeddings: bool,
     dist: Dist | None = None,
+    keep_cap: float | None = None,
 ) -> dict:
     """Sensitivity report (the sensitivity.json contract) with the streamed Fisher: equal to
     :func:`pipeline.analysis.sensitivity.analyze` with ``method="fisher"`` on the loaded model
-    up to float rounding. Every tensor is scored as soon as its Fisher is complete."""
+    up to float rounding (``keep_cap`` as there). Every tensor is scored as soon as its Fisher
+    is complete."""
     dist = dist or Dist()
     scored: dict[str, dict] = {}
+    columns: dict[str, list[int]] | None = None if keep_cap is None else {}
 
     def score(name: str, weight: Tensor, fisher: Tensor) -> None:
-        scored[name] = layer_entry(
-            name, weight, layer_dloss(weight, candidates, fisher_weigh(fisher)), {}
-        )
+        cols = None if columns is None else columns.get(name, [])
+        dloss, dkeep = layer_dloss_keep(weight, candidates, fisher_weigh(fisher), cols)
+        scored[name] = layer_entry(name, weight, dloss, {})
+        if columns is not None:
+            scored[name] = with_columns(scored[name], cols, dkeep or None)
 
     stats = fisher_streamed(
         ckpt, windows, walk, score, spill_dir=spill_dir, labels=labels, seed=seed,
         include_lm_head=include_lm_head, include_embeddings=include_embeddings, dist=dist,
+        columns=columns, keep_cap=keep_cap or 0.0,
     )  # fmt: skip
     a = ckpt.adapter
     order = [a.embed] + [a.block_prefix(i) + n for i in range(ckpt.num_layers) for n in a.linears]

@@ -18,6 +18,14 @@ The table is stored factored (``s``, ``r``: 4 bytes per group) rather than as 16
 same arithmetic as the quantizer, so it decodes bit-exactly. Scales of these types are fp16
 and offsets int8 because that is exactly what the quantizer produced: lossless, and smaller
 than ascendv1's float32.
+
+Kept columns (``quant.outliers=keep_fp16``): a linear of any type may carry ``P.keep_idx``
+int32 ``[k]`` (input columns, ascending) and ``P.keep_vals`` fp16 ``[n, k]``, the exact weights
+of those columns, which override the decoded codes there (the quantized model's convention,
+``pipeline.quant.qtensor``). The runtime adds them as a correction, ``y = x Wq^T +
+x[..., idx] S^T`` with ``S = keep_vals - Wq[:, idx]`` built at load (:meth:`LinearCodes.side`),
+so every packed kernel runs unchanged on the dense codes. Only this layout holds them: ascend
+and compressed-tensors exports refuse such a model (:func:`refuse_kept_columns`).
 """
 
 from __future__ import annotations
@@ -36,6 +44,19 @@ from pipeline.quant.qtensor import QTensor
 LOWBIT_TYPES = ("W2A16", "W3A16", "W4A16_EXP")
 TYPE_BITS = {"W2A16": 2, "W3A16": 3, "W4A16": 4, "W4A16_EXP": 4, "W8A16": 8, "W8A8_DYNAMIC": 8}
 TARGETS = ("ascend", "lowbit")
+KEEP_FIELDS = ("keep_idx", "keep_vals")  # a layer's side matrix, stored beside its codes
+
+
+def refuse_kept_columns(keys, layers, fmt: str) -> None:
+    """ExportError when a quantized layer of ``layers`` has kept columns among the stored
+    tensor names ``keys``: only the lowbit layout (and runtime) applies them."""
+    kept = sorted(n for n in layers if f"{n}.keep_idx" in keys)
+    if kept:
+        raise ascend.ExportError(
+            f"{len(kept)} layers (e.g. {kept[0]}) keep outlier input columns in fp16, which the "
+            f"{fmt} format cannot hold: quantize with quant.outliers=none, or export with "
+            "stage.export.format=lowbit"
+        )
 
 
 @dataclass(frozen=True)
@@ -140,6 +161,16 @@ class LinearCodes:
     scale: Tensor
     offset: Tensor | None = None
     ratio: Tensor | None = None
+    keep_idx: Tensor | None = None  # (k,) int64 kept input columns
+    keep_vals: Tensor | None = None  # (n, k) float32 their exact weights
+
+    def side(self) -> tuple[Tensor, Tensor] | None:
+        """``(idx, S)``: the kept columns and the correction ``S = keep_vals - Wq[:, idx]``
+        (n, k) float32 that, added as ``x[..., idx] @ S.T`` to the codes' product, gives the
+        stored weight; None without kept columns."""
+        if self.keep_idx is None:
+            return None
+        return self.keep_idx, self.keep_vals - self.dequantize()[:, self.keep_idx]
 
     @property
     def group_len(self) -> int:
@@ -150,7 +181,8 @@ class LinearCodes:
         return exp_lut(self.scale, self.ratio)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
-        """The (n, k) weight, with the quantizer's arithmetic (bit-exact in float32)."""
+        """The (n, k) weight of the codes with the quantizer's arithmetic (bit-exact in
+        float32); kept columns are not applied here (see :meth:`side`)."""
         k = self.info.shape[1]
         if self.info.type == "W4A16_EXP":
             idx = to_groups(self.q.long(), self.group_len)  # (n, n_groups, G)
@@ -161,7 +193,13 @@ class LinearCodes:
 
 
 def pack_linear(qt: QTensor, info: LayerInfo) -> dict[str, Tensor]:
-    """The stored tensors of one linear, by local name (``weight``, ``weight_scale``, ...)."""
+    """The stored tensors of one linear, by local name (``weight``, ``weight_scale``, ...,
+    and ``keep_idx`` / ``keep_vals`` when it has kept columns)."""
+    side = {f: getattr(qt, f) for f in KEEP_FIELDS if getattr(qt, f) is not None}
+    return {**_pack_codes(qt, info), **side}
+
+
+def _pack_codes(qt: QTensor, info: LayerInfo) -> dict[str, Tensor]:
     if info.type == "W4A16_EXP":
         return {
             "weight": pack_rows(qt.codes, 4),
@@ -179,6 +217,16 @@ def pack_linear(qt: QTensor, info: LayerInfo) -> dict[str, Tensor]:
 
 def unpack_linear(tensors: dict[str, Tensor], info: LayerInfo) -> LinearCodes:
     """Inverse of ``pack_linear`` (shared by every runtime backend)."""
+    codes = _unpack_codes(tensors, info)
+    if "keep_idx" in tensors:
+        idx, vals = tensors["keep_idx"].long(), tensors["keep_vals"].float()
+        if tuple(vals.shape) != (info.shape[0], idx.numel()):
+            raise ValueError(f"keep_vals {tuple(vals.shape)} does not match {info.shape}")
+        codes.keep_idx, codes.keep_vals = idx, vals
+    return codes
+
+
+def _unpack_codes(tensors: dict[str, Tensor], info: LayerInfo) -> LinearCodes:
     n, k = info.shape
     if info.type == "W4A16_EXP":
         codes = unpack_rows(tensors["weight"], 4, k)

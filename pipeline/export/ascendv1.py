@@ -16,7 +16,12 @@ from pathlib import Path
 import torch
 
 from pipeline.artifact import ascend
-from pipeline.artifact.lowbit_format import LayerInfo, pack_linear, plan_layer
+from pipeline.artifact.lowbit_format import (
+    LayerInfo,
+    pack_linear,
+    plan_layer,
+    refuse_kept_columns,
+)
 from pipeline.export.options import ExportOptions, cast_float, copy_model_files
 from pipeline.export.source import Linear, Source
 from pipeline.io import ShardWriter, write_json
@@ -29,6 +34,8 @@ WEIGHTS_STEM = "quant_model_weights"
 
 def plan(source: Source, opts: ExportOptions) -> dict[str, LayerInfo]:
     """Stored type of every quantized linear; one ExportError listing every refused layer."""
+    if opts.format == "ascend":
+        refuse_kept_columns(source.weight_map, source.layers, "ascend")
     infos, errors = {}, []
     for name, fmt_name in source.layers.items():
         fmt = parse_format(fmt_name)
@@ -95,6 +102,13 @@ def write_ascendv1(source: Source, out: Path, opts: ExportOptions) -> dict:
     weight_map = writer.close()
     desc = ascend.description(types, {n: i.group_size for n, i in infos.items()})
     write_json(out / DESCRIPTION, desc, indent=1)
+    if opts.format == "ascend" and desc["model_quant_type"] != "FLOAT":
+        # MindIE routes on config.json `quantize` (msModelSlim's MindIE hook writes it), and its
+        # transformers 4.x readers know `torch_dtype`, not transformers 5's `dtype`.
+        config["quantize"] = desc["model_quant_type"].lower()
+        if "torch_dtype" not in config and "dtype" in config:
+            config["torch_dtype"] = config["dtype"]
+        write_json(out / "config.json", config, indent=2)
     return {
         "format": opts.format,
         "model_type": config.get("model_type"),

@@ -1,12 +1,16 @@
 """compressed-tensors "pack-quantized" checkpoints (vLLM's W4A16 / W8A16 on GPUs).
 
+The packing and the ``quantization_config`` come from the compressed-tensors library itself
+(``pack_to_int32``, ``QuantizationConfig``, ``ModelCompressor.update_config``), the code vLLM's
+loader and llm-compressor share, so the files follow the library's format as it evolves. It
+is the ``[vllm]`` extra, imported only when this format is written.
+
 Layout per quantized linear ``P`` (what compressed-tensors' PackedQuantizationCompressor and
 vLLM's CompressedTensorsWNA16 read), with signed codes ``q`` and ``W = (q - zp) * scale``:
 
 * ``P.weight_packed`` int32 ``[n, ceil(k*b/32)]``: each row's codes stored **unsigned**
-  (``q + 2**(b-1)``), element i at bits ``b*i`` of the row's little-endian bit stream, i.e.
-  32/b codes per int32 (the int4 case is Ascend's per-k nibble packing with every nibble
-  XOR 8);
+  (``q + 2**(b-1)``), 32/b codes per int32 (the int4 case is Ascend's per-k nibble packing
+  with every nibble XOR 8);
 * ``P.weight_scale`` fp16 ``[n, k/G]`` (``[n, 1]`` per channel), exactly lowbit's fp16 scales;
 * ``P.weight_shape`` int64 ``[2]``;
 * asymmetric only: ``P.weight_zero_point`` = the signed offsets, packed the same way along
@@ -20,32 +24,42 @@ Only uniform int4/int8 are exported: vLLM has no kernels for 2/3-bit or exponent
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
-from torch import Tensor
 
 from pipeline.artifact.ascend import ExportError, effective_group
-from pipeline.artifact.lowbit_format import LayerInfo
+from pipeline.artifact.lowbit_format import LayerInfo, refuse_kept_columns
 from pipeline.export.options import ExportOptions, cast_float, copy_model_files
 from pipeline.export.source import Linear, Source
-from pipeline.io import ShardWriter, write_json
+from pipeline.io import ShardWriter
 from pipeline.quant.formats import parse_format
-from pipeline.quant.packing import pack_bits
 
 FORMAT = "pack-quantized"
 
 
-def pack_int32(q: Tensor, bits: int) -> Tensor:
-    """(rows, cols) signed codes -> (rows, ceil(cols*bits/32)) int32, unsigned fields."""
-    if sys.byteorder != "little":
-        raise RuntimeError("compressed-tensors packing assumes a little-endian host")
-    rows, cols = q.shape
-    per_word = 32 // bits
-    u = (q.to(torch.int16) + (1 << (bits - 1))).to(torch.uint8)
-    u = torch.nn.functional.pad(u, (0, (-cols) % per_word))
-    return pack_bits(u, bits).view(torch.int32).view(rows, -1).contiguous()
+def library() -> SimpleNamespace:
+    """The compressed-tensors pieces this writer uses; one clear error when it is missing."""
+    try:
+        from compressed_tensors.compressors import ModelCompressor, pack_to_int32
+        from compressed_tensors.quantization import (
+            QuantizationArgs,
+            QuantizationConfig,
+            QuantizationScheme,
+        )
+    except ImportError as e:
+        raise ExportError(
+            "stage.export.format=compressed-tensors needs the compressed-tensors library "
+            f"({e}): pip install 'lowbit[vllm]'"
+        ) from e
+    return SimpleNamespace(
+        ModelCompressor=ModelCompressor,
+        pack_to_int32=pack_to_int32,
+        QuantizationArgs=QuantizationArgs,
+        QuantizationConfig=QuantizationConfig,
+        QuantizationScheme=QuantizationScheme,
+    )
 
 
 def plan_layer(name: str, fmt_name: str, shape: tuple[int, int]) -> LayerInfo:
@@ -69,40 +83,37 @@ def scheme_key(info: LayerInfo) -> tuple:
     return info.bits, "group" if info.group_size else "channel", info.group_size, info.symmetric
 
 
-def quantization_config(infos: dict[str, LayerInfo], ignore: list[str]) -> dict:
+def quantization_config(infos: dict[str, LayerInfo], ignore: list[str]):
+    """The library's ``QuantizationConfig``: one scheme per distinct ``scheme_key``."""
+    ct = library()
     groups: dict[tuple, list[str]] = {}
     for name, info in infos.items():
         groups.setdefault(scheme_key(info), []).append(name)
-    config_groups = {}
-    for i, ((bits, strategy, group, sym), names) in enumerate(sorted(groups.items())):
-        config_groups[f"group_{i}"] = {
-            "targets": sorted(names),
-            "weights": {
-                "num_bits": bits,
-                "type": "int",
-                "symmetric": sym,
-                "strategy": strategy,
-                "group_size": group or None,
-                "dynamic": False,
-                "actorder": None,
-            },
-            "input_activations": None,
-            "output_activations": None,
-            "format": FORMAT,
-        }
-    return {
-        "quant_method": "compressed-tensors",
-        "format": FORMAT,
-        "quantization_status": "compressed",
-        "config_groups": config_groups,
-        "ignore": sorted(ignore),
-        "kv_cache_scheme": None,
-        "sparsity_config": {},
+    config_groups = {
+        f"group_{i}": ct.QuantizationScheme(
+            targets=sorted(names),
+            weights=ct.QuantizationArgs(
+                num_bits=bits,
+                type="int",
+                symmetric=sym,
+                strategy=strategy,
+                group_size=group or None,
+            ),
+            format=FORMAT,
+        )
+        for i, ((bits, strategy, group, sym), names) in enumerate(sorted(groups.items()))
     }
+    return ct.QuantizationConfig(
+        config_groups=config_groups,
+        format=FORMAT,
+        quantization_status="compressed",
+        ignore=sorted(ignore),
+    )
 
 
 def write_compressed_tensors(source: Source, out: Path, opts: ExportOptions) -> dict:
     """Write ``source`` as a pack-quantized HF checkpoint into ``out``; returns manifest info."""
+    refuse_kept_columns(source.weight_map, source.layers, "compressed-tensors")
     infos, errors = {}, []
     for name, fmt_name in source.layers.items():
         if parse_format(fmt_name).kind == "float":
@@ -114,6 +125,8 @@ def write_compressed_tensors(source: Source, out: Path, opts: ExportOptions) -> 
     if errors:
         more = f" ({len(errors) - 1} more layers likewise)" if len(errors) > 1 else ""
         raise ExportError(errors[0] + more)
+    # Checked before any file is written; an FP model (e.g. the draft) does not need it.
+    ct = library() if infos else None
     config = copy_model_files(source.path, out, opts.float_dtype)
     writer = ShardWriter(out, "model", opts.shard_bytes)
     ignore, fp16_bytes = [], 0
@@ -126,13 +139,13 @@ def write_compressed_tensors(source: Source, out: Path, opts: ExportOptions) -> 
                 w = cast_float(item.qt.dequantize(torch.float16), opts.float_dtype)
                 writer.add(f"{item.name}.weight", w)
             else:
-                q, _, offset = item.qt.signed()
-                writer.add(f"{item.name}.weight_packed", pack_int32(q, info.bits))
+                q, _, offset = item.qt.signed()  # q int8 [n, k]; offset float [n, k/G]
+                writer.add(f"{item.name}.weight_packed", ct.pack_to_int32(q, info.bits))
                 writer.add(f"{item.name}.weight_scale", item.qt.scales.half())
                 writer.add(f"{item.name}.weight_shape", torch.tensor(info.shape))
                 if not info.symmetric:
-                    zp = pack_int32(offset.to(torch.int8).t(), info.bits).t()  # along n
-                    writer.add(f"{item.name}.weight_zero_point", zp.contiguous())
+                    zp = ct.pack_to_int32(offset.to(torch.int8), info.bits, packed_dim=0)
+                    writer.add(f"{item.name}.weight_zero_point", zp)
             if item.bias is not None:
                 fp16_bytes += 2 * item.bias.numel()
                 writer.add(f"{item.name}.bias", cast_float(item.bias, opts.float_dtype))
@@ -144,8 +157,10 @@ def write_compressed_tensors(source: Source, out: Path, opts: ExportOptions) -> 
             writer.add(name, cast_float(t, opts.float_dtype))
     weight_map = writer.close()
     if infos:  # an FP model (e.g. the draft) stays a plain HF checkpoint
-        config["quantization_config"] = quantization_config(infos, ignore)
-        write_json(out / "config.json", config, indent=2)
+        # The library writes its own config.json entry (version, quant_method, sparsity and
+        # transform configs), as llm-compressor's save does; ``out`` is still a staging dir.
+        qconfig = quantization_config(infos, ignore)
+        ct.ModelCompressor(quantization_config=qconfig).update_config(str(out))
     return {
         "format": opts.format,
         "model_type": config.get("model_type"),

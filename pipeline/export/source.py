@@ -19,7 +19,7 @@ from safetensors import safe_open
 from pipeline.errors import LowbitError
 from pipeline.quant.qtensor import QTensor
 
-_QFIELDS = ("codes", "scales", "zeros", "ratios", "format")
+_QFIELDS = ("codes", "scales", "zeros", "ratios", "keep_idx", "keep_vals", "format")
 INDEX = "model.safetensors.index.json"
 
 

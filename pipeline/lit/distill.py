@@ -23,6 +23,16 @@ ranks run the same forwards. The first validation is Lightning's sanity check, r
 windows before the first step: that is the input model's score (`val_input`), measured by the
 same code, strategy and precision as the checkpoints it is compared with, and kept in every
 checkpoint so a resumed run still knows it.
+
+Layer weights w_l of the matching term start from the quantize stage's errors (or uniform). With
+`reweight_every` = N they follow the training instead: every N optimizer steps they become the
+normalised current per-layer distances d_l of the batch that step trained on (the same d_l the
+loss multiplies by w_l, so no extra forward), summed over ranks first so that every rank holds
+the same weights. The idea: the layers training has not yet repaired keep the matching term's
+attention, the repaired ones release it to the KL term. The trade-off: one batch is a noisy
+measure, and d_l of a deep layer includes the error it inherits from the layers below it. The
+weights are then a persistent buffer (in every checkpoint, so a resumed run continues with the
+weights the killed one had) and their history is kept in the checkpoint like the validations.
 """
 
 from __future__ import annotations
@@ -39,7 +49,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from pipeline.errors import LowbitError
 from pipeline.lit.lm import WindowData, cosine_with_warmup
-from pipeline.lit.losses import distill_loss
+from pipeline.lit.losses import distill_loss, normalised
 from pipeline.lit.qat import keep_full_precision, prepare_qat
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -63,6 +73,7 @@ class DistillHParams:
     grad_scale: str
     fp32_modules: Sequence[str]
     teacher_dtype: str  # float32 | bfloat16
+    reweight_every: int | None = None  # optimizer steps between layer reweightings; None: static
 
     @classmethod
     def of(cls, cfg) -> DistillHParams:
@@ -166,7 +177,12 @@ class DistillModule(L.LightningModule):
         self.student, self.teacher, self.hp = student, teacher, hp
         self.teacher.requires_grad_(False)
         self.groups = groups  # the trainable sets `prepare_qat` chose
-        self.register_buffer("layer_w", layer_weights.float(), persistent=False)  # (L,)
+        # (L,) Static weights are the stage's input, not state; reweighted ones are training state.
+        self.register_buffer(
+            "layer_w", layer_weights.float().clone(), persistent=hp.reweight_every is not None
+        )
+        self._layer_err: Tensor | None = None  # (L,) d_l summed over this step's micro-batches
+        self.layer_w_history: list[dict] = []  # {"step", "weights"} at each reweighting
         # Checkpoints hold the student only; under DeepSpeed the frozen teacher and codes are
         # also left out of them (pipeline.lit.fit).
         self.strict_loading = False
@@ -213,8 +229,28 @@ class DistillModule(L.LightningModule):
 
     def training_step(self, batch: Tensor, batch_idx: int) -> Tensor:
         terms = self.losses(batch)
+        per_layer = terms.pop("layers")
         self.log_dict({f"loss/{k}": v.detach() for k, v in terms.items()}, on_step=True)
+        if self.hp.reweight_every:
+            # The weights this step's loss used, one curve per layer.
+            self.log_dict({f"distill/layer_w/{i}": w for i, w in enumerate(self.layer_w)})
+            err = self._layer_err
+            self._layer_err = per_layer if err is None else err + per_layer
         return terms["total"]
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        # Once per optimizer step, after backward (the loss's graph no longer holds layer_w) and
+        # before any checkpoint of this step is written.
+        err, self._layer_err = self._layer_err, None
+        if err is None or (self.global_step + 1) % self.hp.reweight_every:
+            return
+        if self._trainer is not None:  # every rank calls this at the same step
+            err = self.trainer.strategy.reduce(err, reduce_op="sum")
+        if bool(torch.isfinite(err).all()):  # a non-finite step (the NaN guard's) keeps them
+            self.layer_w.copy_(normalised(err))
+            self.layer_w_history.append(
+                {"step": self.global_step + 1, "weights": self.layer_w.tolist()}
+            )
 
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
         # Stopping at max_steps through `should_stop` makes Lightning validate the last step too,
@@ -272,11 +308,14 @@ class DistillModule(L.LightningModule):
             for key in [k for k in state if k.startswith("teacher.")]:
                 del state[key]
         checkpoint["distill_val"] = {"input": self.val_input, "history": self.val_history}
+        if self.hp.reweight_every:
+            checkpoint["distill_layer_w"] = self.layer_w_history
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         val = checkpoint.get("distill_val", {})
         self.val_input = val.get("input", self.val_input)
         self.val_history = list(val.get("history", []))
+        self.layer_w_history = list(checkpoint.get("distill_layer_w", []))
 
 
 class DistillData(WindowData):

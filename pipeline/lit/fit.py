@@ -163,7 +163,8 @@ def fit_validated(
         "max_steps": max_steps,
         "val_check_interval": val_every,
         "check_val_every_n_epoch": None,  # count steps across epochs, as max_steps does
-        "limit_val_batches": 1.0,
+        # None is Lightning's "all of it" without the info line an explicit 1.0 prints.
+        "limit_val_batches": None,
         # The sanity check scores the input on all of the validation data (step 0); a resumed
         # run restores that score from its checkpoint instead.
         "num_sanity_val_steps": 0 if resume else -1,

@@ -161,10 +161,19 @@ def layer_weights(errors: Mapping[str, float], num_layers: int) -> Tensor:
             raise ValueError(f"quantization error of {name} is {err}; expected a value >= 0")
         total[idx] += float(err)
         count[idx] += 1
-    mean = total / count.clamp_min(1)
-    if mean.sum() <= 0:
-        return torch.full((num_layers,), 1.0 / num_layers)
-    return mean / mean.sum()
+    return normalised(total / count.clamp_min(1))
+
+
+def normalised(errors: Tensor) -> Tensor:
+    """Per-layer errors (L,) -> weights w_l = e_l / Σ e, uniform when no error is positive.
+
+    Every layer weighting (the quantize stage's errors, the reweighted current ones) goes through
+    here, so Σ w_l = 1 and the matching term keeps its scale whichever weights it uses.
+    """
+    errors = errors.detach().float()
+    if not errors.sum() > 0:
+        return torch.full_like(errors, 1.0 / errors.numel())
+    return errors / errors.sum()
 
 
 def distill_loss(
@@ -191,17 +200,28 @@ def distill_loss(
 
     Returns:
         {"kl", "attn", "hidden", "total"}: scalar tensors (unused terms are 0); "total" carries the
-        gradient.
+        gradient. "layers": (L,) detached d_l (attention plus hidden distance of each layer, the
+        quantities the weights multiply; zeros when β = 0), the current per-layer error.
     """
     zero = student_logits.new_zeros((), dtype=torch.float32)
+    weights = weights.to(zero.device)
     kl = kl_divergence(teacher_logits, student_logits, temperature) if alpha else zero
     attn = hidden = zero
+    per_layer = torch.zeros_like(weights, dtype=torch.float32)
     if beta and teacher_attn is not None and student_attn is not None:
-        attn = (weights.to(zero.device) * attention_distances(teacher_attn, student_attn)).sum()
+        d = attention_distances(teacher_attn, student_attn)
+        attn, per_layer = (weights * d).sum(), per_layer + d.detach()
     if beta and teacher_hidden is not None and student_hidden is not None:
-        hidden = (weights.to(zero.device) * hidden_distances(teacher_hidden, student_hidden)).sum()
+        d = hidden_distances(teacher_hidden, student_hidden)
+        hidden, per_layer = (weights * d).sum(), per_layer + d.detach()
     total = alpha * kl + beta * (attn + hidden)
-    return {"kl": kl.detach(), "attn": attn.detach(), "hidden": hidden.detach(), "total": total}
+    return {
+        "kl": kl.detach(),
+        "attn": attn.detach(),
+        "hidden": hidden.detach(),
+        "total": total,
+        "layers": per_layer,
+    }
 
 
 # ------------------------------------------------------------------ reinforce

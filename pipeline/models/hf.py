@@ -15,6 +15,7 @@ what it accumulates.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
@@ -29,6 +30,9 @@ from pipeline.models.shards import (
     read_safetensors_header,
     weight_files,
 )
+from pipeline.progress import progress
+
+log = logging.getLogger(__name__)
 
 
 def check_checkpoint(path: Path, allow_bin: bool = False, key: str | None = None) -> None:
@@ -166,6 +170,7 @@ def load_causal_lm(
     )
     if device is not None and not where:
         model = model.to(device)
+    log.info("loaded %s: %s on %s", path, model.dtype, model.device)  # what the stage runs in
     return model.eval()
 
 
@@ -263,7 +268,7 @@ def perplexity(model, windows: torch.Tensor, batch_size: int = 8) -> float:
     """exp(mean next-token NLL) over the windows. windows: (W, T)"""
     model.eval()
     total, count = 0.0, 0
-    for i in range(0, windows.shape[0], batch_size):
+    for i in progress(range(0, windows.shape[0], batch_size), "perplexity", unit="batch"):
         x = windows[i : i + batch_size]
         logits = model(input_ids=x).logits[:, :-1].float()  # (B, T-1, V)
         nll = torch.nn.functional.cross_entropy(

@@ -42,6 +42,7 @@ class LowbitConfig(QuantizationConfigMixin):
         layers: Every quantized linear's format name (a linear not listed stays float).
         method: The algorithm that produced the codes ("gptq", "rtn", "distill").
         format_version: The directory layout version (see ``pipeline.models.quantized``).
+        kept_columns: ``{name: k}`` for linears that keep k outlier input columns in fp16.
     """
 
     def __init__(
@@ -49,12 +50,14 @@ class LowbitConfig(QuantizationConfigMixin):
         layers: dict[str, str] | None = None,
         method: str = "rtn",
         format_version: int = FORMAT_VERSION,
+        kept_columns: dict[str, int] | None = None,
         **kwargs: Any,  # transformers passes the dict whole; quant_method is fixed here
     ) -> None:
         self.quant_method = QUANT_METHOD
         self.format_version = format_version
         self.method = method
         self.layers = dict(layers or {})
+        self.kept_columns = dict(kept_columns or {})
         if format_version != FORMAT_VERSION:
             raise LowbitError(
                 f"quantization_config.format_version is {format_version!r}; this lowbit reads "
@@ -70,12 +73,15 @@ class LowbitConfig(QuantizationConfigMixin):
                 ) from None
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out = {
             "quant_method": self.quant_method,
             "format_version": self.format_version,
             "method": self.method,
             "layers": dict(self.layers),
         }
+        if self.kept_columns:  # absent when none are kept, as in lowbit_quant.json
+            out["kept_columns"] = dict(self.kept_columns)
+        return out
 
 
 class StoredQTensor(nn.Module):
@@ -85,11 +91,17 @@ class StoredQTensor(nn.Module):
     dtypes), plus ``bias`` when the linear had one; they are frozen, being storage, not weights.
     """
 
-    def __init__(self, linear: nn.Linear, fmt: str) -> None:
+    def __init__(self, linear: nn.Linear, fmt: str, kept: int = 0) -> None:
         super().__init__()
         out_features, in_features = linear.weight.shape
-        for key, (tail, dtype) in _fields(fmt, in_features).items():
-            shape = tail if key == "format" else (out_features, *tail)
+        shapes = {
+            key: (tail if key == "format" else (out_features, *tail), dtype)
+            for key, (tail, dtype) in _fields(fmt, in_features).items()
+        }
+        if kept:  # the side matrix QTensor stores beside the codes (quant.outliers=keep_fp16)
+            shapes["keep_idx"] = ((kept,), torch.int32)
+            shapes["keep_vals"] = ((out_features, kept), torch.float16)
+        for key, (shape, dtype) in shapes.items():
             empty = torch.empty(shape, dtype=dtype, device=linear.weight.device)
             self.register_parameter(key, nn.Parameter(empty, requires_grad=False))
         if linear.bias is not None:
@@ -132,7 +144,8 @@ class LowbitHfQuantizer(HfQuantizer):
                     f"quantization_config lists {name!r}, which is not a linear layer of "
                     f"{type(model).__name__}; the config.json does not match the weights"
                 )
-            model.set_submodule(name, StoredQTensor(linear, fmt))
+            kept = self.quantization_config.kept_columns.get(name, 0)
+            model.set_submodule(name, StoredQTensor(linear, fmt, kept))
         return model
 
     def _process_model_after_weight_loading(self, model: nn.Module, **kwargs: Any) -> nn.Module:

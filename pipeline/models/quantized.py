@@ -7,10 +7,13 @@ Layout (``<stage>/model/``):
   lowbit_quant.json), so ``AutoModelForCausalLM.from_pretrained`` loads the directory once
   ``pipeline.models.hf_quantizer`` is imported;
 * ``lowbit_quant.json`` = ``{"format_version": 1, "method": ..., "layers": {name: format}}``,
-  every quantized linear and its format (a linear not listed is float);
+  every quantized linear and its format (a linear not listed is float), and
+  ``"kept_columns": {name: k}`` for the linears that keep k outlier input columns in fp16
+  (``quant.outliers=keep_fp16``; absent when none does);
 * safetensors weights (``model.safetensors``, or ``model-0000i-of-0000N.safetensors`` plus
   HF's ``model.safetensors.index.json``): for a quantized linear ``P`` the tensors of
-  ``QTensor.to_state_dict(P)`` (``P.codes``, ``P.scales``, ...) and ``P.bias``; every other
+  ``QTensor.to_state_dict(P)`` (``P.codes``, ``P.scales``, ..., ``P.keep_idx`` and
+  ``P.keep_vals`` with kept columns) and ``P.bias``; every other
   tensor under its HF name in its float dtype.
 
 :class:`QuantizedWriter` writes one *part* (one output shard) at a time, each atomically into a
@@ -113,6 +116,7 @@ class QuantizedWriter:
         method: str,
         layers: dict[str, str],
         config_overrides: dict[str, Any] | None = None,
+        kept: dict[str, int] | None = None,
     ) -> Path:
         """Assemble parts ``0..n_parts-1`` into the model directory; returns ``out_dir``.
 
@@ -123,6 +127,7 @@ class QuantizedWriter:
             layers: Every quantized linear's format name.
             config_overrides: Fields changed in the copied config.json (e.g. untying the
                 lm_head when it was quantized).
+            kept: ``{linear: number of kept columns}`` of the linears that keep some.
         """
         missing = [k for k in range(n_parts) if not self.has_part(k)]
         if missing:
@@ -141,6 +146,8 @@ class QuantizedWriter:
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}
             (self.out_dir / INDEX).write_text(json.dumps(index, indent=2))
         meta = {"format_version": FORMAT_VERSION, "method": method, "layers": dict(layers)}
+        if kept:
+            meta["kept_columns"] = dict(kept)
         hf_meta = {"quantization_config": {"quant_method": QUANT_METHOD, **meta}}
         _copy_non_weights(Path(src_dir), self.out_dir, {**(config_overrides or {}), **hf_meta})
         (self.out_dir / QUANT_JSON).write_text(json.dumps(meta, indent=1))
@@ -332,8 +339,9 @@ def save_quantized_model(
         (quants if isinstance(t, QTensor) else floats)[key] = t
         size += nbytes
     writer.write_part(k, floats, quants)
+    kept = {n: m.keep_idx.numel() for n, m in qmods.items() if m.keep_idx is not None}
     return writer.close(
-        k + 1, src_dir=src_dir, method=method, layers=layers, config_overrides=overrides
+        k + 1, src_dir=src_dir, method=method, layers=layers, config_overrides=overrides, kept=kept
     )
 
 

@@ -68,6 +68,12 @@ def layer_bits(fmt: Format | str, shape: Sequence[int]) -> int:
     return out_features * per_row
 
 
+def kept_bits(out_features: int, columns: int) -> int:
+    """Exact storage of ``columns`` kept input columns of an (out, in) weight, in bits: the fp16
+    side matrix (out × k) and the int32 column indices (``QTensor.keep_idx``/``keep_vals``)."""
+    return columns * (16 * int(out_features) + 32)
+
+
 def solve_mckp(
     costs: Sequence[Sequence[int]],
     values: Sequence[Sequence[float]],

@@ -21,11 +21,16 @@ instead would be useless: they sit exactly on the grid, where LSQ's ``round(v) -
 The per-family forward (and so the gradients) is the format codec's (``fmt.codec``:
 ``trained``, ``fake_quant``, ``fake_decode``); for exponential formats the learnable scale is
 the base ``s`` and the ratio ``r`` stays as fitted (``pipeline.quant.codec.exponential``).
+
+Kept columns (``QTensor.keep_idx``, outlier input channels stored in fp16) are buffers: the
+forward overwrites those columns of ``W_hat`` with their exact values, so they get no gradient
+and stay frozen through distillation, and what trains is scored as it will be stored.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -129,6 +134,9 @@ class FakeQuantLinear(nn.Module):
         if qt.zeros is not None:
             self.zero = nn.Parameter(qt.zeros.float(), requires_grad=learn_scales)
         self.register_buffer("ratio", None if qt.ratios is None else qt.ratios.float())
+        kept = qt.keep_idx is not None
+        self.register_buffer("keep_idx", qt.keep_idx.long() if kept else None)  # (k,)
+        self.register_buffer("keep_vals", qt.keep_vals.clone() if kept else None)  # (out, k)
         self.grad_scale = 1.0
 
     @classmethod
@@ -169,7 +177,10 @@ class FakeQuantLinear(nn.Module):
             w_hat = self.fmt.codec.fake_decode(to_groups(self.codes, g), p1, p2)
         else:  # LSQ on float weights
             w_hat = self.fmt.codec.fake_quant(to_groups(self.weight.float(), g), p1, p2)
-        return w_hat.flatten(1)[:, : self.in_features]
+        w_hat = w_hat.flatten(1)[:, : self.in_features]
+        if self.keep_idx is not None:  # exact, frozen: no gradient reaches these columns
+            w_hat = w_hat.index_copy(1, self.keep_idx, self.keep_vals.to(w_hat.dtype))
+        return w_hat
 
     def forward(self, x: Tensor) -> Tensor:
         w = self.quantized_weight()
@@ -186,14 +197,19 @@ class FakeQuantLinear(nn.Module):
         ratio = None if self.ratio is None else self.ratio.float()
         p1, p2 = codec.trained(self.scale.float(), zero, ratio)
         if self.codes is not None:
-            return QTensor.from_params(self.codes.long(), self.fmt, p1, p2)
-        wg = to_groups(self.weight.float(), self.fmt.group_len(self.in_features))
-        codes = codec.encode(wg, p1[..., None], p2[..., None])
-        return QTensor.from_params(codes.flatten(1)[:, : self.in_features], self.fmt, p1, p2)
+            qt = QTensor.from_params(self.codes.long(), self.fmt, p1, p2)
+        else:
+            wg = to_groups(self.weight.float(), self.fmt.group_len(self.in_features))
+            codes = codec.encode(wg, p1[..., None], p2[..., None]).flatten(1)
+            qt = QTensor.from_params(codes[:, : self.in_features], self.fmt, p1, p2)
+        if self.keep_idx is None:
+            return qt
+        return replace(qt, keep_idx=self.keep_idx.int(), keep_vals=self.keep_vals.clone())
 
     def extra_repr(self) -> str:
         mode = "frozen codes" if self.codes is not None else "lsq"
+        kept = "" if self.keep_idx is None else f", kept_columns={self.keep_idx.numel()}"
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
-            f"fmt={self.fmt.name}, mode={mode}, bias={self.bias is not None}"
+            f"fmt={self.fmt.name}, mode={mode}, bias={self.bias is not None}{kept}"
         )

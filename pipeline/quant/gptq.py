@@ -23,6 +23,11 @@ Choices made here:
   order, and the codes are un-permuted before they are stored.
 * Fitting and rounding are the format codec's (``fmt.codec``), so every family gets the same
   feedback with its own rounding (exp: nearest LUT level).
+* Kept columns (``keep``, SpQR-style outlier columns stored exactly in fp16) are quantized
+  with error 0 (their fp16 rounding only) and go *last* in the column order: every other
+  column's rounding error is then compensated onto them through the OBS update, and the
+  compensated values are what is stored. Their codes are still written (the packed layout
+  stays dense) but ``QTensor.keep_vals`` overrides them. Group parameters are fitted as usual.
 * The returned loss is 1/2 * sum (w - q)^2 / [H^-1]_qq over all weights (the diagonal of
   the inverse of the still-unquantized sub-Hessian, i.e. U_qq^2). With H = 2 X X^T / N this
   is the mean over calibration samples of the squared layer-output error ||(W - Q) x||^2
@@ -113,6 +118,7 @@ def gptq_quantize(
     block_size: int = 128,
     damp: float = 0.01,
     act_order: bool = False,
+    keep: Tensor | None = None,
 ) -> tuple[QTensor, float]:
     """Quantize a weight matrix with GPTQ.
 
@@ -123,6 +129,7 @@ def gptq_quantize(
         block_size: Columns per lazy-update block.
         damp: Relative dampening (fraction of mean diag(H)).
         act_order: Quantize columns in order of decreasing H_ii.
+        keep: Optional input columns kept exactly in fp16 (see the module docstring).
 
     Returns:
         ``(qtensor, loss)`` with loss = 1/2 sum (w - q)^2 / [H^-1]_qq (see module docstring).
@@ -152,6 +159,11 @@ def gptq_quantize(
         perm = torch.argsort(H.diagonal(), descending=True)
     else:
         perm = torch.arange(n_in, device=w.device)
+    kept = torch.zeros(n_in, dtype=torch.bool, device=w.device)
+    if keep is not None and len(keep):
+        kept[torch.as_tensor(keep, dtype=torch.int64, device=w.device)] = True
+        perm = torch.cat([perm[~kept[perm]], perm[kept[perm]]])  # kept columns last
+    kept_at = kept[perm].tolist()  # whether each permuted position is kept
     pos_of = torch.argsort(perm)  # permuted position of each original column
     Wt, H = Wt[perm], H[perm][:, perm]
     U = _inverse_cholesky(H, damp)  # (in, in) upper
@@ -180,6 +192,9 @@ def gptq_quantize(
                 rounders[g] = codec.rounder(p1[:, g], p2[:, g])  # its tables, once
             col = W1[i]  # (out,)
             c, q = rounders[g](col)
+            if kept_at[i1 + i]:  # stored exactly: only the fp16 rounding remains
+                q = col.half().float()
+                Wt[i1 + i] = q  # the final value of the column, read back below
             codes[i1 + i] = c
             err = (col - q) / U1[i, i]
             losses += err.square()
@@ -188,7 +203,10 @@ def gptq_quantize(
         Wt[i2:].addmm_(U[i1:i2, i2:].t(), Err1, alpha=-1.0)  # lazy update of later columns
 
     codes = codes[pos_of].t()  # back to the original column order, (out, in)
-    return QTensor.from_params(codes, fmt, p1, p2), float(0.5 * losses.sum())
+    qt = QTensor.from_params(codes, fmt, p1, p2)
+    if kept.any():
+        qt = qt.with_kept(Wt[pos_of].t(), kept.nonzero().flatten())  # fp16-exact already
+    return qt, float(0.5 * losses.sum())
 
 
 def _current(

@@ -15,6 +15,12 @@ Code convention (what every other part of lowbit relies on):
 * ``float``: ``codes`` is the int16 bit pattern of the fp16 weight (``codes.view(fp16)``);
   no group parameters.
 
+Kept columns (``quant.outliers=keep_fp16``, SpQR / LLM.int8()-style): ``keep_idx`` int32
+``[k]`` (ascending input columns) and ``keep_vals`` fp16 ``[out, k]``, the exact weights of those
+columns. They override the decoded codes there: ``W[:, keep_idx] = keep_vals``; the codes of a
+kept column are still stored (the packed layout stays dense) but never read. Both are None for a
+layer without kept columns, and then absent from the state dict.
+
 Export (Ascend, ``W = (q - offset) * scale``, q signed): ``signed()`` maps an int QTensor to
 ``q = codes - 2**(b-1)`` (int8, in ``[-2**(b-1), 2**(b-1) - 1]``),
 ``offset = zeros - 2**(b-1)`` (0 for symmetric) and ``scale`` as float32, which is exact.
@@ -37,7 +43,7 @@ from torch import Tensor
 
 from pipeline.quant.formats import Format, parse_format
 
-_FIELDS = ("codes", "scales", "zeros", "ratios")
+_FIELDS = ("codes", "scales", "zeros", "ratios", "keep_idx", "keep_vals")
 
 
 @dataclass
@@ -50,11 +56,22 @@ class QTensor:
     fmt: Format
     shape: tuple[int, int]
     ratios: Tensor | None = None  # (out, n_groups) fp16; exp only
+    keep_idx: Tensor | None = None  # (k,) int32 kept input columns, ascending
+    keep_vals: Tensor | None = None  # (out, k) fp16 their exact weights
 
     def __post_init__(self) -> None:
         self.shape = tuple(int(d) for d in self.shape)
         if tuple(self.codes.shape) != self.shape:
             raise ValueError(f"codes shape {tuple(self.codes.shape)} != shape {self.shape}")
+        if (self.keep_idx is None) != (self.keep_vals is None):
+            raise ValueError("keep_idx and keep_vals come together")
+        if self.keep_idx is not None:
+            k = self.keep_idx.numel()
+            if self.fmt.kind == "float" or tuple(self.keep_vals.shape) != (self.shape[0], k):
+                raise ValueError(
+                    f"keep_vals shape {tuple(self.keep_vals.shape)} != ({self.shape[0]}, {k}) "
+                    f"or a float layer ({self.fmt.name}) with kept columns"
+                )
         if self.fmt.kind != "float":
             n_groups = self.fmt.n_groups(self.shape[1])
             for name in ("scales", "zeros", "ratios"):
@@ -84,6 +101,22 @@ class QTensor:
             h.view(torch.int16).contiguous(), None, None, parse_format("float"), tuple(h.shape)
         )
 
+    def with_kept(self, w: Tensor, columns: Tensor | list[int] | None) -> QTensor:
+        """This QTensor with ``columns`` of ``w`` (out, in) kept exactly (fp16); no columns (None
+        or empty) leaves it as it is."""
+        if columns is None or len(columns) == 0:
+            return self
+        idx = torch.as_tensor(columns, dtype=torch.int64, device=w.device).sort().values
+        vals = w.detach()[:, idx].to(torch.float16)
+        if not torch.isfinite(vals).all():
+            raise ValueError("kept columns have values that are not finite in fp16")
+        return replace(self, keep_idx=idx.to(torch.int32), keep_vals=vals.contiguous())
+
+    @property
+    def kept(self) -> int:
+        """Number of kept columns."""
+        return 0 if self.keep_idx is None else self.keep_idx.numel()
+
     @property
     def group_len(self) -> int:
         return self.fmt.group_len(self.shape[1])
@@ -103,7 +136,10 @@ class QTensor:
         """Reconstruct the ``[out, in]`` weight."""
         if self.fmt.kind == "float":
             return self.codes.view(torch.float16).to(dtype)
-        return self.fmt.codec.dequantize(self.codes, *self.params(), self.group_len).to(dtype)
+        w = self.fmt.codec.dequantize(self.codes, *self.params(), self.group_len)
+        if self.keep_idx is not None:
+            w[:, self.keep_idx.long()] = self.keep_vals.to(w)
+        return w.to(dtype)
 
     def signed(self) -> tuple[Tensor, Tensor, Tensor]:
         """Ascend convention ``W = (q - offset) * scale``.

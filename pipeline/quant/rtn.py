@@ -18,7 +18,9 @@ from pipeline.quant.formats import Format, parse_format
 from pipeline.quant.qtensor import QTensor
 
 
-def quantize_rtn(w: Tensor, fmt: Format | str, hdiag: Tensor | None = None) -> QTensor:
+def quantize_rtn(
+    w: Tensor, fmt: Format | str, hdiag: Tensor | None = None, keep: Tensor | None = None
+) -> QTensor:
     """Quantize a weight matrix by round-to-nearest.
 
     Args:
@@ -26,6 +28,8 @@ def quantize_rtn(w: Tensor, fmt: Format | str, hdiag: Tensor | None = None) -> Q
         fmt: Format or format name.
         hdiag: Optional (in,) non-negative per-input importance (e.g. the Hessian diagonal)
             weighting the error in the parameter search.
+        keep: Optional input columns kept exactly in fp16 (``QTensor.keep_idx``): their error
+            is the fp16 rounding only; the other columns are rounded as without them.
 
     Returns:
         The QTensor.
@@ -48,4 +52,4 @@ def quantize_rtn(w: Tensor, fmt: Format | str, hdiag: Tensor | None = None) -> Q
     codec = fmt.codec
     p1, p2 = codec.fit(wg, weight)  # (out, n_groups)
     codes = codec.encode(wg, p1[..., None], p2[..., None]).flatten(1)[:, : w.shape[1]]
-    return QTensor.from_params(codes, fmt, p1, p2)
+    return QTensor.from_params(codes, fmt, p1, p2).with_kept(w, keep)

@@ -103,6 +103,7 @@ def quantize_block(
     groups: Sequence[Sequence[str]],
     opts: QuantOptions,
     all_reduce: Callable[[Tensor], Tensor] | None = None,
+    keep: dict[str, Sequence[int]] | None = None,
 ) -> tuple[dict[str, QTensor], dict[str, dict[str, Any]]]:
     """Quantize the linears of ``block`` listed in ``formats``, group after group.
 
@@ -117,11 +118,14 @@ def quantize_block(
         groups: Linear names in execution order, grouped by shared input (``block_groups``).
         opts: Method and GPTQ settings.
         all_reduce: In-place sum over ranks; None for a single process.
+        keep: ``{relative linear name: input columns}`` kept exactly in fp16 (outlier
+            channels, ``QTensor.keep_idx``); linears not listed keep none.
 
     Returns:
         ``({name: QTensor}, {name: report})``, report keys: format, gptq_loss,
-        rel_output_error, seconds.
+        rel_output_error, seconds (and kept_columns for a linear with kept columns).
     """
+    keep = {n: c for n, c in (keep or {}).items() if len(c)}
     qtensors: dict[str, QTensor] = {}
     report: dict[str, dict[str, Any]] = {}
     for group in groups:
@@ -131,11 +135,14 @@ def quantize_block(
         mods = {n: block.get_submodule(n) for n in names}
         weights = {n: m.weight.detach().float() for n, m in mods.items()}  # (out, in)
         fmts = {n: formats[n] for n in names}
+        kept = {n: keep[n] for n in names if n in keep}
         inputs = _GroupInputs(block, list(mods.values()), batches, kwargs)
         if opts.method == "rtn":
-            qts, rep = _rtn_group(weights, fmts, inputs, all_reduce)
+            qts, rep = _rtn_group(weights, fmts, inputs, all_reduce, kept)
         else:
-            qts, rep = _gptq_group(weights, fmts, inputs, opts, all_reduce)
+            qts, rep = _gptq_group(weights, fmts, inputs, opts, all_reduce, kept)
+        for n in kept:
+            rep[n]["kept_columns"] = qts[n].kept
         qtensors.update(qts)
         report.update(rep)
         for n, m in mods.items():
@@ -162,10 +169,10 @@ class _GroupInputs:
                 h.remove()
 
 
-def _rtn_group(weights, formats, inputs: _GroupInputs, all_reduce):
+def _rtn_group(weights, formats, inputs: _GroupInputs, all_reduce, keep):
     """RTN needs no data: quantize first, then measure the output error on the inputs."""
     t0 = time.perf_counter()
-    qtensors = {n: quantize_rtn(weights[n], formats[n]) for n in weights}
+    qtensors = {n: quantize_rtn(weights[n], formats[n], keep=keep.get(n)) for n in weights}
     deltas = {n: weights[n] - qtensors[n].dequantize().to(weights[n]) for n in weights}
     stat = _OutputError(weights, deltas)
     inputs.feed(stat)
@@ -179,7 +186,7 @@ def _rtn_group(weights, formats, inputs: _GroupInputs, all_reduce):
     return qtensors, report
 
 
-def _gptq_group(weights, formats, inputs: _GroupInputs, opts: QuantOptions, all_reduce):
+def _gptq_group(weights, formats, inputs: _GroupInputs, opts: QuantOptions, all_reduce, keep):
     """One Hessian of the group's shared input, then GPTQ on each linear."""
     t0 = time.perf_counter()
     first = next(iter(weights.values()))
@@ -193,8 +200,9 @@ def _gptq_group(weights, formats, inputs: _GroupInputs, opts: QuantOptions, all_
     for n, w in weights.items():
         t1 = time.perf_counter()
         qt, loss = gptq_quantize(
-            w, H, formats[n], block_size=opts.block_size, damp=opts.damp, act_order=opts.act_order
-        )
+            w, H, formats[n], block_size=opts.block_size, damp=opts.damp,
+            act_order=opts.act_order, keep=keep.get(n),
+        )  # fmt: skip
         qtensors[n] = qt
         d = w - qt.dequantize().to(w)
         err = float(((d @ H) * d).sum())

@@ -18,6 +18,9 @@ step:
   has not run on Ascend hardware here; its argument layout is tested on CPU against a
   stand-in kernel with the documented semantics.
 
+A layer with kept outlier columns (``quant.outliers=keep_fp16``) adds ``x[..., idx] @ S.T``
+(``kernels.SideColumns``, the same on both backends) to the kernel's output.
+
 W8A8_DYNAMIC layers also quantize their input per token to int8 (symmetric, absmax/127) before
 the matmul, as MindIE's dynamic W8A8 does, so the runtime's numerics match that target.
 """
@@ -87,6 +90,7 @@ class TorchQuantLinear(nn.Module):
         self.kind, self.group = info.type, codes.group_len
         self.dynamic_act = info.type == "W8A8_DYNAMIC"
         self.impl = kernels.build(codes, device, kernel, name=name)
+        self.side = kernels.SideColumns.of(codes, device)
         self.register_buffer("bias", None if bias is None else bias.detach().to(device))
 
     @property
@@ -95,15 +99,22 @@ class TorchQuantLinear(nn.Module):
         return self.impl.name
 
     def weight_matrix(self) -> Tensor:
-        """The dequantized (n, k) float32 weight (reference layers only)."""
+        """The dequantized (n, k) float32 weight, kept columns applied (reference layers only)."""
         if not isinstance(self.impl, kernels.Reference):
             raise TypeError(f"a {self.kernel} layer keeps packed codes; build it as reference")
-        return self.impl.weight_matrix()
+        w = self.impl.weight_matrix()
+        if self.side is not None:
+            w = w.index_add(1, self.side.idx, self.side.correction)
+        return w
 
     def forward(self, x: Tensor) -> Tensor:
         if self.dynamic_act:
             x = quantize_tokens_int8(x)
-        y = self.impl(x.reshape(-1, self.in_features)).view(*x.shape[:-1], self.out_features)
+        x2 = x.reshape(-1, self.in_features)  # (tokens, k)
+        y = self.impl(x2)
+        if self.side is not None:
+            y = y + self.side(x2)
+        y = y.view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def extra_repr(self) -> str:
@@ -126,6 +137,7 @@ class NpuQuantLinear(nn.Module):
         self.dynamic_act = info.type == "W8A8_DYNAMIC"
         self.group = info.group_size  # 0 = per channel, as the kernel's antiquant_group_size
         self.register_buffer("bias", None if bias is None else bias.detach().to(dtype))
+        self.side = kernels.SideColumns.of(codes, "cpu")  # moves with the module
         if info.type == "W4A16_EXP":  # no LUT kernel: decode once to a dense fp16 weight
             self.kernel = "dense"
             self.register_buffer("weight", codes.dequantize(dtype))  # (n, k)
@@ -137,7 +149,8 @@ class NpuQuantLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if self.kind == "W4A16_EXP":
-            return F.linear(x, self.weight, self.bias)
+            y = F.linear(x, self.weight, self.bias)
+            return y if self.side is None else y + self.side(x)
         import torch_npu
 
         if self.dynamic_act:
@@ -151,6 +164,8 @@ class NpuQuantLinear(nn.Module):
             bias=self.bias,
             antiquant_group_size=self.group,
         )
+        if self.side is not None:
+            y = y + self.side(x2)
         return y.view(*x.shape[:-1], self.out_features)
 
 

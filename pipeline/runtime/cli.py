@@ -4,11 +4,16 @@
     lowbit-run ARTIFACT --prompt "..." --draft OTHER_ARTIFACT --temperature 0.7
     lowbit-run ARTIFACT --prompt "..." --no-draft --stats --kernel reference
     lowbit-run ARTIFACT --prompt "..." --temperature 0.8 --temperature-schedule
+    lowbit-run ARTIFACT --prompt "..." --chat --temperature 0.7 --top-p 0.9 --stop "###" --stream
 
 The artifact's own draft (``ARTIFACT/draft``, exported with the reinforced draft) is used for
 speculative decoding unless ``--draft`` names another one or ``--no-draft`` is given. Its draft
 length is adaptive (2-5, from the acceptance of the last 64 verifications, priced with the cost
 ratio measured once when the first prompt decodes) unless ``--gamma`` fixes it.
+``--top-p``, ``--top-k``, ``--stop`` and ``--stream`` decode through transformers'
+``model.generate`` on the same model, the draft as its assistant model (``--gamma``,
+``--pipelined`` and ``--temperature-schedule`` belong to lowbit's engine and do not mix with
+them); ``--chat`` wraps each prompt as a user turn with the tokenizer's chat template.
 ``--temperature-schedule`` makes the draft sample at T = temperature * (1 + 0.1 * cos(step /
 1000)) over the decoding steps, the schedule the reinforce stage trained it with; the output
 stays distributed as the target's.
@@ -62,6 +67,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="skip the sha256 check of every file (paths are still checked)",
     )
     p.add_argument("--stats", action="store_true", help="print tokens/s and acceptance to stderr")
+    hf = p.add_argument_group(
+        "transformers generate",
+        "any of these decodes through transformers' model.generate (the draft as its "
+        "assistant model) instead of lowbit's engine",
+    )
+    hf.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass (0, 1]")
+    hf.add_argument("--top-k", type=int, default=None, help="sample among the k likeliest")
+    hf.add_argument(
+        "--stop",
+        action="append",
+        default=[],
+        help="stop string: the output ends with the first one (repeatable)",
+    )
+    hf.add_argument("--stream", action="store_true", help="print tokens as they are decoded")
+    p.add_argument(
+        "--chat",
+        action="store_true",
+        help="wrap each prompt as a user turn with the tokenizer's chat template",
+    )
     args = p.parse_args(argv)
     if args.max_new_tokens < 0:
         p.error("--max-new-tokens must be >= 0")
@@ -69,6 +93,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--temperature must be >= 0")
     if args.gamma is not None and args.gamma < 1:
         p.error("--gamma must be >= 1")
+    from pipeline.runtime.hf_generate import check_options
+
+    try:
+        check_options(
+            args.temperature,
+            args.top_p,
+            args.top_k,
+            args.stop,
+            args.stream,
+            args.gamma,
+            args.pipelined,
+            args.temperature_schedule,
+        )
+    except ValueError as e:  # the rules of Runtime.generate, checked before loading
+        p.error(str(e))
     return args
 
 
@@ -89,6 +128,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.stats:
             print(f"[kernels: {rt.kernel_summary() or 'no quantized layers'}]", file=sys.stderr)
         for prompt in args.prompt:
+            if args.stream:  # the streamer prints the continuation and the newline
+                print(prompt, end="", flush=True)
             out = rt.generate(
                 prompt,
                 args.max_new_tokens,
@@ -97,8 +138,14 @@ def main(argv: list[str] | None = None) -> int:
                 seed=args.seed,
                 pipelined=args.pipelined,
                 temperature_schedule=args.temperature_schedule,
+                top_p=args.top_p,
+                top_k=args.top_k,
+                stop=args.stop,
+                stream=args.stream,
+                chat=args.chat,
             )
-            print(prompt + out.text, flush=True)
+            if not args.stream:
+                print(prompt + out.text, flush=True)
             if args.stats:
                 s = out.stats
                 rate = s.new_tokens / s.seconds if s.seconds else float("nan")

@@ -173,6 +173,26 @@ class DenseBf16(Kernel):
         return F.linear(x.to(ACT_DTYPE), self.weight).to(x.dtype)
 
 
+class SideColumns(nn.Module):
+    """Kept outlier columns (``quant.outliers=keep_fp16``): ``x[:, idx] @ S.T`` with the
+    correction ``S = W[:, idx] - Wq[:, idx]`` (``LinearCodes.side``), added to whatever kernel
+    runs the dense codes. k is ~1% of the columns, so this is a small dense matmul in the
+    caller's dtype; the kernels above stay as they are."""
+
+    def __init__(self, idx: Tensor, correction: Tensor, device: torch.device | str) -> None:
+        super().__init__()
+        self.register_buffer("idx", idx.to(device))  # (k,)
+        self.register_buffer("correction", correction.to(device))  # (n, k) float32
+
+    @classmethod
+    def of(cls, codes: LinearCodes, device: torch.device | str) -> SideColumns | None:
+        side = codes.side()
+        return None if side is None else cls(*side, device)
+
+    def forward(self, x: Tensor) -> Tensor:  # (tokens, in) -> (tokens, n)
+        return F.linear(x.index_select(-1, self.idx), self.correction.to(x.dtype))
+
+
 def _candidate(codes: LinearCodes, device: torch.device) -> Kernel | None:
     """The measured-fastest kernel for this layer on ``device``, or None (reference)."""
     if device.type not in ("cpu", "cuda"):

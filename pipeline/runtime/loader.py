@@ -9,13 +9,15 @@ artifact's size plus one layer's unpacking.
 
 ``Runtime.generate`` decodes plainly or, with a draft artifact, speculatively with an
 adaptive draft length (``pipeline.speculative``); at temperature 0 both give the target's greedy
-output.
+output. Top-p / top-k sampling, stop strings and streaming go through transformers' own
+``generate`` on the same model, with the draft as its assistant (``hf_generate``).
 """
 
 from __future__ import annotations
 
 import logging
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,6 +28,7 @@ from torch import nn
 from pipeline.artifact.lowbit_format import LayerInfo, unpack_linear
 from pipeline.artifact.manifest import ArtifactError, read_manifest, safe_relpath, verify
 from pipeline.runtime.backends import kernel_summary, make_linear, resolve
+from pipeline.runtime.hf_generate import check_options, hf_generate
 from pipeline.speculative.adaptive import AdaptiveGamma
 from pipeline.speculative.cost import measure_cost_ratio, measure_verify_cost
 from pipeline.speculative.decoding import SpecStats, plain_generate, speculative_generate
@@ -67,6 +70,25 @@ class Runtime:
         """{quantized layer: the kernel it runs}, read from the model's layers."""
         return {n: self.model.get_submodule(n).kernel for n in self.layers}
 
+    def encode(self, prompt: str, chat: bool = False) -> torch.Tensor:
+        """(1, T) prompt ids on the device; ``chat`` applies the tokenizer's chat template."""
+        if chat:
+            if not getattr(self.tokenizer, "chat_template", None):
+                raise ArtifactError(
+                    f"{self.root}: the tokenizer has no chat template (tokenizer_config.json "
+                    "`chat_template`); pass the prompt without --chat / chat=True, already "
+                    "formatted, or export from a model whose tokenizer has one"
+                )
+            turn = [{"role": "user", "content": prompt}]
+            # The template writes the special tokens (BOS...) itself: tokenize it as it is.
+            prompt = self.tokenizer.apply_chat_template(
+                turn, tokenize=False, add_generation_prompt=True
+            )
+        ids = self.tokenizer(prompt, return_tensors="pt", add_special_tokens=not chat).input_ids
+        if ids.shape[1] == 0:
+            ids = torch.tensor([[self.tokenizer.bos_token_id or 0]])
+        return ids.to(self.device)
+
     def kernel_summary(self) -> str:
         """e.g. "int4pack x12, reference x2": what the quantized linears run."""
         return kernel_summary(self.model)
@@ -83,8 +105,17 @@ class Runtime:
         seed: int = 0,
         pipelined: bool = False,
         temperature_schedule: bool = False,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        stop: str | Sequence[str] = (),
+        stream: bool = False,
+        chat: bool = False,
     ) -> Generation:
         """Continue ``prompt``.
+
+        With ``top_p``, ``top_k``, ``stop`` or ``stream`` it decodes through transformers'
+        ``generate`` (``pipeline.runtime.hf_generate``, the draft as its assistant model);
+        otherwise through lowbit's engine.
 
         Args:
             prompt: Text to continue.
@@ -102,10 +133,41 @@ class Runtime:
             temperature_schedule: The draft samples token n at temperature
                 ``T * (1 + 0.1 * cos(n / 1000))`` (``pipeline.speculative.schedule``), as the
                 reinforce stage trained it; the target, and so the output distribution, stay at T.
+            top_p: Nucleus sampling (temperature > 0): sample from the smallest set of tokens
+                holding this probability mass.
+            top_k: Sample (temperature > 0) among the k likeliest tokens; 1 = greedy.
+            stop: A stop string or several: the text ends with the first one to appear
+                (included).
+            stream: Print the continuation to stdout as it is decoded.
+            chat: Wrap ``prompt`` as one user turn with the tokenizer's chat template (and its
+                generation prompt); either decoder.
+
+        Raises:
+            ValueError: an option out of range, sampling options at temperature 0, or engine
+                options (``gamma``, ``pipelined``, ``temperature_schedule``) mixed with
+                transformers' ones.
+            ArtifactError: ``chat`` with a tokenizer that has no chat template.
         """
-        ids = self.tokenizer(prompt, return_tensors="pt").input_ids.to(self.device)
-        if ids.shape[1] == 0:
-            ids = torch.tensor([[self.tokenizer.bos_token_id or 0]], device=self.device)
+        stop = [stop] if isinstance(stop, str) else list(stop)
+        use_hf = check_options(
+            temperature, top_p, top_k, stop, stream, gamma, pipelined, temperature_schedule
+        )
+        ids = self.encode(prompt, chat)
+        if use_hf:
+            text, new, stats = hf_generate(
+                self.model,
+                self.tokenizer,
+                ids,
+                max_new_tokens,
+                temperature,
+                draft=self.draft.model if speculative and self.draft is not None else None,
+                top_p=top_p,
+                top_k=top_k,
+                stop=stop,
+                stream=stream,
+                seed=seed,
+            )
+            return Generation(text, new, stats)
         gen = torch.Generator(device=self.device).manual_seed(seed)
         eos = self.tokenizer.eos_token_id
         if speculative and self.draft is not None and pipelined:

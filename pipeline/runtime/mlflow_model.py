@@ -3,7 +3,8 @@
 ``mlflow.pyfunc.load_model(uri).predict(["prompt", ...], params={"max_new_tokens": 32})``
 returns one continuation per prompt, produced by lowbit's runtime (``pipeline.runtime.load``)
 on the artifact that MLflow stores next to the model (hashes are verified at load, as for
-``lowbit-run``).
+``lowbit-run``). The parameters (``PARAMS``) are ``Runtime.generate``'s: max_new_tokens,
+temperature, seed, speculative, top_p, top_k, stop (one string), chat.
 
 The model is logged from code (``mlflow_entry.py``, nothing pickled) with a copy of the
 ``pipeline`` package (``code_paths``) and pinned requirements of what the runtime imports, so
@@ -25,7 +26,20 @@ import pipeline
 
 log = logging.getLogger(__name__)
 ARTIFACT_KEY = "artifact"
-PARAMS = {"max_new_tokens": 64, "temperature": 0.0, "seed": 0, "speculative": True}
+# The parameter schema MLflow records (and validates requests against) is inferred from these
+# defaults, so each "off" value has the option's type: top_p 1.0 and top_k 0 sample from the
+# whole distribution, stop "" has no stop string (one string: MLflow infers no element type
+# from an empty list). top_p, top_k and stop decode through transformers' generate.
+PARAMS = {
+    "max_new_tokens": 64,
+    "temperature": 0.0,
+    "seed": 0,
+    "speculative": True,
+    "top_p": 1.0,
+    "top_k": 0,
+    "stop": "",
+    "chat": False,
+}
 MODEL_FILE = Path(__file__).with_name("mlflow_entry.py")
 # What pipeline.runtime imports to load an artifact and generate (numpy comes with torch's
 # tensors <-> MLflow's conversion); pinned to the versions the model was logged with.
@@ -52,6 +66,10 @@ class LowbitTextModel(mlflow.pyfunc.PythonModel):
                 float(p["temperature"]),
                 speculative=bool(p["speculative"]),
                 seed=int(p["seed"]),
+                top_p=float(p["top_p"]) if float(p["top_p"]) < 1 else None,
+                top_k=int(p["top_k"]) or None,
+                stop=[str(p["stop"])] if p["stop"] else [],
+                chat=bool(p["chat"]),
             ).text
             for text in prompts
         ]

@@ -10,8 +10,17 @@ candidate). Float layers are excluded from the average. The rest solve
 
 exactly (``pipeline.quant.allocate.solve_mckp``), with ``bits_i`` the exact storage of the
 layer's codes, scales and zeros (``Format.bits_per_weight``). A single candidate gives a uniform
-plan without sensitivity. Output: ``bitplan.json`` (every scored layer, ``float`` for the
-unquantized ones) and ``bits_per_layer.png``. ΔL is sensitivity.json's ``dloss``: one estimator's,
+plan without sensitivity.
+
+Kept columns (``quant.outliers=keep_fp16``): every item whose layers have outlier columns in
+sensitivity.json gets, per format f, a second option "f + kept columns" worth ``dloss_keep[f]``
+and costing f's bits plus the side matrix's exact storage (``kept_bits``: fp16 out × k values
+and int32 indices per layer; a fused group reads one input, so its members keep the same
+columns). The budget covers those bits too (equal total bytes), and so do ``avg_bits`` and
+``total_bytes``; ``outlier_columns`` lists the columns of every layer that keeps some.
+
+Output: ``bitplan.json`` (every scored layer, ``float`` for the unquantized ones) and
+``bits_per_layer.png``. ΔL is sensitivity.json's ``dloss``: one estimator's,
 or with ``stage.sensitivity.importance=combined`` the fitted combination of all three (the plan
 records which under ``score``).
 """
@@ -30,7 +39,7 @@ from pipeline import plots, runmodels
 from pipeline.analysis.shapes import LayerShapes, shapes_from_dir, shapes_from_spec
 from pipeline.config import ModelConfig, QuantConfig, RunConfig, positive
 from pipeline.errors import ConfigError
-from pipeline.quant.allocate import layer_bits, solve_mckp
+from pipeline.quant.allocate import kept_bits, layer_bits, solve_mckp
 from pipeline.quant.formats import parse_format
 from pipeline.stages import StageIO
 
@@ -167,8 +176,13 @@ def run(cfg: AllocateConfig, run: RunConfig, io: StageIO) -> dict:
             plan["importance_weights"] = report["importance"]["weights"]
     (io.out_dir / "bitplan.json").write_text(json.dumps(plan, indent=1))
     names = list(plan["layers"])
+    kept = plan.get("outlier_columns", {})
     plots.bars(
-        [parse_format(plan["layers"][n]).bits_per_weight(shapes[n][1]) for n in names],
+        [
+            parse_format(plan["layers"][n]).bits_per_weight(shapes[n][1])
+            + kept_bits(shapes[n][0], len(kept.get(n, []))) / math.prod(shapes[n])
+            for n in names
+        ],
         names,
         io.out_dir / "bits_per_layer.png",
         "bits per weight (scales and zeros included)",
@@ -181,6 +195,10 @@ def run(cfg: AllocateConfig, run: RunConfig, io: StageIO) -> dict:
     if plan["predicted_dloss"] is not None:
         metrics["predicted_dloss"] = plan["predicted_dloss"]
     metrics["float_layers"] = sum(f == "float" for f in plan["layers"].values())
+    if "outlier_columns" in plan:
+        metrics["kept_layers"] = len(plan["outlier_columns"])
+        metrics["kept_columns"] = sum(len(c) for c in plan["outlier_columns"].values())
+        metrics["kept_bytes"] = plan["kept_bytes"]
     for f in q.candidates:
         metrics[f"layers_{f}"] = sum(v == f for v in plan["layers"].values())
     log.info(
@@ -189,6 +207,12 @@ def run(cfg: AllocateConfig, run: RunConfig, io: StageIO) -> dict:
         q.budget_bits,
         plan["predicted_dloss"],
     )
+    exp = [n for n, f in plan["layers"].items() if f != "float" and parse_format(f).kind == "exp"]
+    if exp and layers:  # where the exponential grid won a mixed plan: by the weights' tails
+        log.info(
+            "allocate: exponential codes for %s",
+            ", ".join(f"{n} (weight kurtosis {layers[n].get('weight_kurtosis')})" for n in exp),
+        )
     return metrics
 
 
@@ -216,11 +240,30 @@ def make_plan(
     items = items_of(names, fused, floats)
     kept = set(floats)  # keep_float matches, widened to whole fused groups
 
-    def dloss(it: list[str], f: str) -> float:
-        return sum(layers[n]["dloss"][f] for n in it)
+    keeping = q.outliers == "keep_fp16"
+    if keeping and not layers:
+        raise ConfigError(
+            "quant.outliers",
+            "is keep_fp16, which needs the sensitivity stage's outlier columns",
+            "run sensitivity before allocate, or quant.outliers=none",
+        )
 
-    def cost(it: list[str], f: str) -> int:
-        return sum(layer_bits(f, shapes[n]) for n in it)
+    def dloss(it: list[str], f: str, keep: bool = False) -> float:
+        return sum(layers[n]["dloss_keep" if keep else "dloss"][f] for n in it)
+
+    def cost(it: list[str], f: str, keep: bool = False) -> int:
+        return sum(layer_bits(f, shapes[n]) + (side(n) if keep else 0) for n in it)
+
+    def side(n: str) -> int:
+        return kept_bits(shapes[n][0], len(layers[n]["outlier_columns"]))
+
+    def options(it: list[str]) -> list[tuple[str, bool]]:
+        """(format, keep columns) choices of an item: the candidates, and with keep_fp16 each
+        quantized one plus kept columns where every layer of the item has some."""
+        plain = [(f, False) for f in cands]
+        if not keeping or not all(layers[n].get("outlier_columns") for n in it):
+            return plain
+        return plain + [(f, True) for f in cands if parse_format(f).kind != "float"]
 
     if not items:
         raise ConfigError("quant.keep_float", "keeps every layer float: nothing to quantize")
@@ -241,29 +284,36 @@ def make_plan(
         items = [it for it in items if it[0] not in fallback]
     check_budget(q, shapes, items, exact=True)
     n_q = sum(math.prod(shapes[n]) for it in items for n in it)
-    if len(cands) == 1:
+    opts = [options(it) for it in items]
+    if all(len(o) == 1 for o in opts):
         choice, exact = [0] * len(items), True
     else:
         capacity = math.floor(Fraction(q.budget_bits) * n_q)  # exact: floats are dyadic
         sol = solve_mckp(
-            [[cost(it, f) for f in cands] for it in items],
-            [[dloss(it, f) for f in cands] for it in items],
+            [[cost(it, *o) for o in opt] for it, opt in zip(items, opts)],
+            [[dloss(it, *o) for o in opt] for it, opt in zip(items, opts)],
             capacity,
             max_units,
         )
         choice, exact = sol.choice, sol.exact
+    chosen = [opt[j] for opt, j in zip(opts, choice)]  # (format, keep) per item
     plan = dict.fromkeys(names, "float")
-    for it, j in zip(items, choice):
-        plan.update(dict.fromkeys(it, cands[j]))
-    q_bits = sum(cost(it, cands[j]) for it, j in zip(items, choice))
+    for it, (f, _) in zip(items, chosen):
+        plan.update(dict.fromkeys(it, f))
+    q_bits = sum(cost(it, *o) for it, o in zip(items, chosen))
     all_bits = q_bits + sum(layer_bits("float", shapes[n]) for n in floats | set(fallback))
+    extra = {}
+    if keeping:
+        keepers = [n for it, (_, keep) in zip(items, chosen) if keep for n in it]
+        extra = {
+            "outlier_columns": {n: layers[n]["outlier_columns"] for n in keepers},
+            "kept_bytes": math.ceil(sum(side(n) for n in keepers) / 8),
+        }
     return {
         "budget_bits": q.budget_bits,
         "avg_bits": q_bits / n_q,
         "total_bytes": math.ceil(all_bits / 8),
-        "predicted_dloss": sum(dloss(it, cands[j]) for it, j in zip(items, choice))
-        if layers
-        else None,
+        "predicted_dloss": sum(dloss(it, *o) for it, o in zip(items, chosen)) if layers else None,
         "layers": plan,
         "fused_groups": [g for g in fused if all(n in plan for n in g)],
         "candidates": cands,
@@ -272,4 +322,5 @@ def make_plan(
         "keep_float": sorted(kept & set(names)),
         "fallback": fallback,
         "exact": exact,
+        **extra,
     }

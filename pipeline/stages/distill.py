@@ -91,6 +91,10 @@ class DistillConfig:
     match: Literal["attention", "hidden", "both"] = "attention"
     # error (from quant_report.json rel_output_error) | uniform
     layer_weights: Literal["error", "uniform"] = "error"
+    # Every N optimizer steps, set the layer weights from each layer's current distance to the
+    # teacher on the step's batch (normalised like the static ones; pipeline.lit.distill);
+    # null: the static weights above for the whole run.
+    reweight_every: int | None = None
     teacher_dtype: Literal["float32", "bfloat16"] = "float32"
     clip_norm: float = 1.0  # gradient clipping, 1.0-3.0
     # Scale/zero gradient factor: bits (grad x 2^-bits) | lsq (1/sqrt(N*Q_P)) | none.
@@ -133,7 +137,14 @@ class DistillConfig:
             val_windows=self.val_windows,
             val_every=self.val_every,
             early_stop_patience=self.early_stop_patience,
+            reweight_every=self.reweight_every,
         )
+        if self.reweight_every is not None and self.beta == 0:
+            raise ConfigError(
+                f"{prefix}.reweight_every",
+                f"={self.reweight_every} with beta=0",
+                "beta > 0 (the weights scale the matching term), or reweight_every=null",
+            )
         problem = train_sets_problem(list(self.train))
         if problem:
             raise ConfigError(f"{prefix}.train", f"is {list(self.train)}", problem)
@@ -201,6 +212,10 @@ def run(cfg: DistillConfig, run: RunConfig, io: StageIO) -> dict:
         save_quantized_model(final.eval(), io.out_dir / "model", model_dir, method="distill")
     metrics = _metrics(fit, val, guard)
     report = _report(cfg, fit, val, metrics, weights, io.dist.world_size)
+    if cfg.reweight_every:
+        report["layer_weights_history"] = [{"step": 0, "weights": weights.tolist()}]
+        report["layer_weights_history"] += module.layer_w_history
+        _plot_layer_weights(report["layer_weights_history"], io.out_dir / "layer_weights.png")
     (io.out_dir / "distill_report.json").write_text(json.dumps(report, indent=1))
     log.info("distill: %s", "  ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
     return metrics | fit.resume_metrics()
@@ -220,6 +235,24 @@ def _layer_weights(cfg: DistillConfig, quantize_dir: Path, n_layers: int) -> tor
             "stage.distill.layer_weights=uniform"
         ) from None
     return layer_weights(errors, n_layers)
+
+
+def _plot_layer_weights(history: list[dict], path: Path) -> None:
+    """Layers × reweighting steps: where the matching term's weight went during training
+    (at most ~12 columns: evenly spaced reweightings and the last one)."""
+    from pipeline import plots
+
+    shown = history[:: math.ceil(len(history) / 12)]
+    shown += history[-1:] if shown[-1] is not history[-1] else []
+    plots.heatmap(
+        [list(ws) for ws in zip(*(h["weights"] for h in shown))],
+        [f"layer {i}" for i in range(len(history[0]["weights"]))],
+        [f"step {h['step']}" for h in shown],
+        path,
+        "distill: layer weights of the matching term",
+        "w_l",
+        log10=False,
+    )
 
 
 def _validation(corpus: Corpus, seq_len: int, n_windows: int) -> Heldout:

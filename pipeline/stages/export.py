@@ -28,7 +28,7 @@ NEEDS: tuple[str, ...] = ("quantize",)
 USES: tuple[str, ...] = ("bootstrap", "distill", "reinforce")
 # model: which draft goes along (model.draft.path); quant: the formats checked against `format`;
 # name: the registered model's default name.
-SECTIONS = ("name", "model", "quant.candidates")
+SECTIONS = ("name", "model", "quant.candidates", "quant.outliers")
 DISTRIBUTED = False
 
 log = logging.getLogger(__name__)
@@ -85,6 +85,11 @@ def check_candidates(p: ExportConfig, candidates: list[str]) -> None:
 
     if p.format == "lowbit":
         return
+    if p.format == "compressed-tensors":  # the library writes this format: fail before any stage
+        try:
+            compressed_tensors.library()
+        except ExportError as e:
+            raise ConfigError("stage.export.format", f"is 'compressed-tensors', but {e}") from None
     shape = (4096, 4096)  # a typical layer: only the format decides here
     groups = {}
     for i, name in enumerate(candidates):
@@ -111,6 +116,13 @@ def check_candidates(p: ExportConfig, candidates: list[str]) -> None:
 
 def check(cfg: ExportConfig, run: RunConfig) -> None:
     check_candidates(cfg, run.quant.candidates)
+    if run.quant.outliers != "none" and cfg.format != "lowbit":
+        raise ConfigError(
+            "stage.export.format",
+            f"is {cfg.format!r} with quant.outliers={run.quant.outliers}: only the lowbit format "
+            "holds kept fp16 outlier columns",
+            "stage.export.format=lowbit, or quant.outliers=none",
+        )
 
 
 def run(cfg: ExportConfig, run: RunConfig, io: StageIO) -> dict:

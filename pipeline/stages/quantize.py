@@ -3,8 +3,10 @@
 Wires the config to :func:`pipeline.streaming.quantize_checkpoint` (see there for the
 algorithm, memory and resume behaviour): the calibration windows come from the train split,
 the per-layer formats from the allocate stage's ``bitplan.json`` when it ran, else the uniform
-recipe ``quant.candidates[0]``. Writes ``model/`` (pipeline.models.quantized format) and
-``quant_report.json``; finished segments wait in ``io.work_dir`` so a killed run resumes.
+recipe ``quant.candidates[0]``; with ``quant.outliers=keep_fp16`` the bit plan's
+``outlier_columns`` are stored exactly in fp16 beside the codes. Writes ``model/``
+(pipeline.models.quantized format) and ``quant_report.json``; finished segments wait in
+``io.work_dir`` so a killed run resumes.
 """
 
 from __future__ import annotations
@@ -83,6 +85,25 @@ def load_plan(
     return {n: f for n, f in layers.items() if parse_format(f).kind != "float"}
 
 
+def load_kept(inputs: dict[str, Path], outliers: str) -> dict[str, list[int]]:
+    """``{linear: kept input columns}`` of the bit plan (empty with ``quant.outliers=none``)."""
+    if outliers == "none":
+        return {}
+    if "allocate" not in inputs:
+        raise LowbitError(
+            f"quant.outliers={outliers} keeps the columns the allocate stage chose, but this run "
+            "has no allocate stage: add sensitivity and allocate to stages, or set "
+            "quant.outliers=none"
+        )
+    plan = json.loads((inputs["allocate"] / "bitplan.json").read_text())
+    if "outlier_columns" not in plan:
+        raise LowbitError(
+            f"{inputs['allocate'] / 'bitplan.json'} has no outlier_columns: rerun allocate "
+            f"with quant.outliers={outliers}"
+        )
+    return plan["outlier_columns"]
+
+
 def _device(choice: str, local_rank: int) -> str:
     if choice == "auto":
         return f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"
@@ -111,7 +132,7 @@ def run(cfg: QuantizeConfig, run: RunConfig, io: StageIO) -> dict:
     walk = StreamOptions(q.segment_size, cfg.batch_size, q.activation_budget_gb)
     report = quantize_checkpoint(
         ckpt, io.out_dir / "model", plan, calib, quant_options(q), walk,
-        work_dir=io.work_dir, dist=io.dist,
+        work_dir=io.work_dir, dist=io.dist, keep=load_kept(io.inputs, q.outliers),
     )  # fmt: skip
     if io.dist.is_main:
         # The file holds only what the weights determine, so a resumed or forced rerun leaves its

@@ -22,6 +22,11 @@ residuals) to the KL measured with ``fit_layers`` layers quantized alone on the 
 windows (:mod:`pipeline.analysis.importance`); sensitivity.json keeps every estimator's ΔL and the
 weights.
 
+Outliers: with ``quant.outliers=keep_fp16`` every scored linear also records its outlier input
+columns (MAD rule, at most ``quant.outlier_cap`` of its inputs) and ``dloss_keep`` beside
+``dloss``, the predicted loss increase with those columns kept exactly in fp16, on every path
+but ``importance=combined`` (refused: its fitted weights see one ΔL per layer and format).
+
 Ranks: every rank loads the model and takes ``dist.shard`` of the calibration sequences; sums
 are all-reduced, so the result does not depend on the number of ranks.
 """
@@ -62,6 +67,8 @@ SECTIONS: tuple[str, ...] = (
     "quant.calib",
     "quant.activation_budget_gb",
     "quant.segment_size",  # the streamed Fisher's unit of recomputation
+    "quant.outliers",  # keep_fp16: outlier columns and dloss_keep too
+    "quant.outlier_cap",
 )
 DISTRIBUTED = True
 
@@ -115,9 +122,24 @@ class SensitivityConfig:
 CONFIG = SensitivityConfig
 
 
+def check(cfg: SensitivityConfig, run: RunConfig) -> None:
+    if run.quant.outliers != "none" and cfg.importance == "combined":
+        raise ConfigError(
+            "stage.sensitivity.importance",
+            f"is combined with quant.outliers={run.quant.outliers}: the fitted combination "
+            "scores no kept columns; set stage.sensitivity.importance=single or "
+            "quant.outliers=none",
+        )
+
+
+def keep_cap(run: RunConfig) -> float | None:
+    """The cap of kept columns to score, or None when no columns are kept."""
+    return run.quant.outlier_cap if run.quant.outliers == "keep_fp16" else None
+
+
 def skip_reason(cfg: SensitivityConfig, run: RunConfig) -> str | None:
     q = run.quant
-    if len(q.candidates) == 1 and not q.float_fallback:
+    if len(q.candidates) == 1 and not q.float_fallback and q.outliers == "none":
         return f"quant.candidates has one format ({q.candidates[0]}): the plan is uniform"
     return None
 
@@ -142,6 +164,7 @@ def run(cfg: SensitivityConfig, run: RunConfig, io: StageIO) -> dict:
     )  # (S, T), identical on every rank
     device = _device(cfg, io.dist.local_rank)
     scope = dict(include_lm_head=cfg.include_lm_head, include_embeddings=cfg.include_embeddings)
+    cap = keep_cap(run)
     t0 = time.time()
     if cfg.stream:
         # fp32 like the loaded path and quantize: the stored dtype (often fp16) would score in
@@ -152,14 +175,14 @@ def run(cfg: SensitivityConfig, run: RunConfig, io: StageIO) -> dict:
             walk = StreamOptions(q.segment_size, cfg.batch_size, q.activation_budget_gb)
             report = analyze_fisher_streamed(
                 ckpt, windows, candidates, walk, spill_dir=io.work_dir,
-                labels=cfg.fisher_labels, seed=run.seed, dist=io.dist, **scope,
+                labels=cfg.fisher_labels, seed=run.seed, dist=io.dist, keep_cap=cap, **scope,
             )  # fmt: skip
         else:
             # One block per spill file, as the loaded path scores one block at a time anyway.
             walk = StreamOptions(1, cfg.batch_size, q.activation_budget_gb)
             report = analyze_streamed(
                 ckpt, windows, candidates, walk, spill_dir=io.work_dir,
-                weighting=cfg.gptq_weighting, dist=io.dist, **scope,
+                weighting=cfg.gptq_weighting, dist=io.dist, keep_cap=cap, **scope,
             )  # fmt: skip
     elif cfg.importance == "combined":
         model = load_causal_lm(
@@ -179,7 +202,7 @@ def run(cfg: SensitivityConfig, run: RunConfig, io: StageIO) -> dict:
         report = analyze(
             model, windows, candidates, cfg.method, io.dist, probes=cfg.hutchinson_probes,
             fisher_labels=cfg.fisher_labels, seed=run.seed, weighting=cfg.gptq_weighting,
-            batch_size=cfg.batch_size, progress=True, **scope,
+            batch_size=cfg.batch_size, progress=True, keep_cap=cap, **scope,
         )  # fmt: skip
     seconds = time.time() - t0
     log.info(
@@ -191,6 +214,8 @@ def run(cfg: SensitivityConfig, run: RunConfig, io: StageIO) -> dict:
     )
     if not io.dist.is_main:
         return {}
+    if cap is not None:
+        report = {**report, "outliers": q.outliers, "outlier_cap": q.outlier_cap}
     (io.out_dir / "sensitivity.json").write_text(json.dumps(report, indent=1))
     write_plots(report, io.out_dir)
     layers = report["layers"]
@@ -204,6 +229,8 @@ def run(cfg: SensitivityConfig, run: RunConfig, io: StageIO) -> dict:
     ]
     if shares:
         metrics["outlier_share_max"] = max(shares)
+    if cap is not None:
+        metrics["outlier_columns"] = sum(len(layer["outlier_columns"]) for layer in layers)
     return metrics
 
 

@@ -32,10 +32,10 @@ from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
-from tqdm.auto import tqdm
 
 from pipeline.dist import Dist
 from pipeline.models.checkpoint import StreamingCheckpoint
+from pipeline.progress import progress
 from pipeline.streaming.actcache import ActivationCache
 from pipeline.streaming.workdir import Scratch, WorkDir
 
@@ -172,13 +172,13 @@ class BlockWalk:
             log.info("%s: resuming after %d finished segment(s)", self.name, self.start)
 
         n_seg = len(self.segments)
-        bar = tqdm(
+        bar = progress(
             range(self.start, n_seg),
-            desc=f"{self.name} segments",
+            f"{self.name} segments",
             unit="seg",
-            disable=dist.bar_disable(self.opts.progress),
             initial=self.start,
-            total=n_seg,
+            enabled=self.opts.progress,
+            is_main=dist.is_main,
         )
         for k in bar:
             out = cache.for_outputs(store.outputs_file(k, dist.rank))

@@ -11,6 +11,9 @@ Durability: the work dir holds the committed segments (:class:`~pipeline.streami
 and the finished shards (``parts/``); a killed run resumes after the last finished segment from
 the same activations, hence with the same codes. With several ranks the calibration windows are
 split across ranks, Hessians are all-reduced, every rank computes the same codes, rank 0 writes.
+
+Kept columns (``keep``, from the bit plan's ``outlier_columns``) are handed to each linear's
+quantizer, which stores them exactly in fp16 (``QTensor.keep_idx``/``keep_vals``).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from pipeline.errors import LowbitError
 from pipeline.models.adapters import linear_names
 from pipeline.models.checkpoint import StreamingCheckpoint
 from pipeline.models.quantized import QuantizedWriter
+from pipeline.quant.allocate import kept_bits
 from pipeline.quant.formats import parse_format
 from pipeline.quant.qtensor import QTensor
 from pipeline.quant.sequential import QuantOptions, block_groups, quantize_block
@@ -63,8 +67,8 @@ class _QuantizeStep:
     Float tensors are copied from ``raw`` in their stored dtype (fp16 stays fp16).
     """
 
-    def __init__(self, raw, plan, opts, reduce, writer: QuantizedWriter | None, n_seg: int):
-        self.raw, self.a, self.plan, self.opts = raw, raw.adapter, plan, opts
+    def __init__(self, raw, plan, opts, reduce, writer: QuantizedWriter | None, n_seg: int, keep):
+        self.raw, self.a, self.plan, self.opts, self.keep = raw, raw.adapter, plan, opts, keep
         self.reduce, self.writer, self.n_seg = reduce, writer, n_seg
         self.groups = block_groups(self.a.linears, self.a.fused)
         self.qtensors: dict[str, QTensor] = {}
@@ -81,8 +85,9 @@ class _QuantizeStep:
     def before(self, i: int, block: nn.Module, batches: Batches, kwargs: dict) -> None:
         prefix = self.a.block_prefix(i)
         formats = {n[len(prefix) :]: f for n, f in self.plan.items() if n.startswith(prefix)}
+        keep = {n[len(prefix) :]: c for n, c in self.keep.items() if n.startswith(prefix)}
         qts, rep = quantize_block(
-            block, formats, batches, kwargs, self.groups, self.opts, self.reduce
+            block, formats, batches, kwargs, self.groups, self.opts, self.reduce, keep
         )
         self.qtensors.update({prefix + n: qt for n, qt in qts.items()})
         self.report.update({prefix + n: r for n, r in rep.items()})
@@ -108,8 +113,9 @@ class _QuantizeStep:
         if "lm_head" in self.plan:
             head = _Head(source.norm(), source.lm_head())
             formats, groups = {"lm_head": self.plan["lm_head"]}, [("lm_head",)]
+            keep = {"lm_head": self.keep[a.lm_head]} if a.lm_head in self.keep else {}
             qtensors, report = quantize_block(
-                head, formats, batches, {}, groups, self.opts, self.reduce
+                head, formats, batches, {}, groups, self.opts, self.reduce, keep
             )
             del head
         elif a.lm_head + ".weight" in self.raw:
@@ -119,8 +125,9 @@ class _QuantizeStep:
         return report
 
 
-def _check_plan(plan: dict[str, str], config: Any) -> None:
+def _check_plan(plan: dict[str, str], config: Any, keep: dict[str, list[int]]) -> None:
     unknown = sorted(set(plan) - set(linear_names(config)))
+    unknown += sorted(set(keep) - set(plan))  # kept columns of a layer that is not quantized
     if unknown:
         raise LowbitError(
             f"the quantization plan names layers the model does not have: "
@@ -141,6 +148,7 @@ def quantize_checkpoint(
     *,
     work_dir: str | Path,
     dist: Dist | None = None,
+    keep: dict[str, list[int]] | None = None,
 ) -> dict[str, Any]:
     """Quantize a HF checkpoint segment by segment into a quantized model directory.
 
@@ -153,6 +161,8 @@ def quantize_checkpoint(
         walk: Segment size, batch size, activation budget.
         work_dir: Persistent folder for committed segments (same path on every rank).
         dist: Ranks; None = a single process.
+        keep: ``{linear name: input columns}`` kept exactly in fp16 (the bit plan's
+            ``outlier_columns``); None keeps none.
 
     Returns:
         The quant report: ``{"layers": {name: {format, shape, gptq_loss, rel_output_error,
@@ -161,14 +171,17 @@ def quantize_checkpoint(
     t_start = time.time()
     dist = dist or Dist()
     raw = StreamingCheckpoint(ckpt.path, ckpt.allow_bin)  # float tensors in their stored dtype
-    _check_plan(plan, ckpt.config)
+    keep = {n: list(c) for n, c in (keep or {}).items() if len(c)}
+    _check_plan(plan, ckpt.config, keep)
     key = [str(ckpt.path.resolve()), plan, dataclasses.asdict(opts), str(ckpt.dtype)]
+    if keep:  # another set of kept columns is another result (none: the key as it always was)
+        key.append(keep)
     work = WorkDir(work_dir, key)
     engine = BlockWalk("quantize", ckpt, calib, walk, dist, work)
     writer = QuantizedWriter(out_dir, parts_dir=work.path / "parts") if dist.is_main else None
     reduce = dist.all_reduce_ if dist.world_size > 1 else None
     n_seg = len(engine.segments)
-    result = engine.run(_QuantizeStep(raw, plan, opts, reduce, writer, n_seg))
+    result = engine.run(_QuantizeStep(raw, plan, opts, reduce, writer, n_seg, keep))
     layers: dict[str, dict] = {}
     for report in result.reports:
         layers.update(report)
@@ -183,6 +196,7 @@ def quantize_checkpoint(
             method=opts.method,
             layers=plan,
             config_overrides=overrides,
+            kept={n: len(c) for n, c in keep.items()},
         )
     dist.barrier()
     return _summary(layers, opts.method, n_seg, result.resumed, dist, calib, time.time() - t_start)
@@ -193,6 +207,7 @@ def _summary(layers, method, n_seg, start, dist, calib, seconds) -> dict[str, An
     for r in layers.values():
         out_f, in_f = r["shape"]
         bits += parse_format(r["format"]).bits_per_weight(in_f) * out_f * in_f
+        bits += kept_bits(out_f, r.get("kept_columns", 0))  # the fp16 side matrix
         numel += out_f * in_f
     errors = [r["rel_output_error"] for r in layers.values()]
     return {

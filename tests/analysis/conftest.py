@@ -22,12 +22,17 @@ def tiny_llama(seed: int = 0, tied: bool = False):
         tie_word_embeddings=tied,
     )
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
+    return scaled_(LlamaForCausalLM(config)).eval()
+
+
+def scaled_(model):
+    """N(0, 1/fan_in) matrices, in place: every layer matters (not HF's near-zero init), so
+    sensitivities differ between layers."""
     with torch.no_grad():
         for p in model.parameters():
             if p.ndim == 2:
                 p.copy_(torch.randn_like(p) * p.shape[-1] ** -0.5)
-    return model.eval()
+    return model
 
 
 def windows(n: int = 6, seq_len: int = 12, seed: int = 1) -> torch.Tensor:

@@ -15,6 +15,7 @@ from pipeline.models import StreamingCheckpoint
 from pipeline.models.synthetic import synthetic_config
 from pipeline.stages.sensitivity import SensitivityConfig
 from pipeline.streaming import StreamOptions
+from tests.analysis.conftest import scaled_
 
 FORMATS = ["int2g32", "int4", "int8"]
 TINY = dict(hidden=64, layers=3, intermediate=96, heads=4, kv_heads=2, vocab=61)
@@ -34,11 +35,7 @@ def ckpt(request, tmp_path_factory) -> StreamingCheckpoint:
     config = synthetic_config(**TINY, arch=arch, dtype=torch.float32,
                               tie_word_embeddings=bool(tied), pad_token_id=PAD)  # fmt: skip
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.ndim == 2:
-                p.copy_(torch.randn_like(p) * p.shape[-1] ** -0.5)
+    model = scaled_(AutoModelForCausalLM.from_config(config))
     path = tmp_path_factory.mktemp(request.param)
     model.save_pretrained(path)
     return StreamingCheckpoint(path)

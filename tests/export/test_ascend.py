@@ -93,6 +93,8 @@ def test_description_lists_every_tensor(qmodels, tmp_path):
     assert desc["model.layers.0.mlp.down_proj.weight_offset"] == "W4A16"
     config = json.loads((art / "config.json").read_text())
     assert "quantization_config" not in config
+    # MindIE's keys: `quantize` routes to its quantized loader; transformers 4.x reads torch_dtype.
+    assert config["quantize"] == "w4a16" and config["torch_dtype"] == config["dtype"]
     assert (art / "tokenizer.json").is_file() and not (art / "lowbit_quant.json").exists()
 
 
@@ -161,3 +163,12 @@ def test_description_unit():
     d = description({"a.weight": "W4A16", "b.weight": "FLOAT"}, {"a": 64})
     assert d["model_quant_type"] == "W4A16" and d["group_size"] == 64
     assert description({"b.weight": "FLOAT"}, {})["model_quant_type"] == "FLOAT"
+
+
+def test_kept_columns_are_refused_naming_the_fix():
+    from pipeline.artifact.lowbit_format import refuse_kept_columns
+
+    layers = {"a": "int4g128", "b": "int4g128"}
+    refuse_kept_columns({"a.codes", "b.codes"}, layers, "ascend")  # none kept: fine
+    with pytest.raises(ExportError, match=r"1 layers \(e\.g\. b\).*quant\.outliers=none.*lowbit"):
+        refuse_kept_columns({"a.codes", "b.codes", "b.keep_idx"}, layers, "ascend")

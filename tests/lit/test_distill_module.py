@@ -12,7 +12,7 @@ import torch
 from pipeline.lit.distill import DistillData, DistillHParams, DistillModule
 from pipeline.lit.guards import NanGuard
 from pipeline.lit.qat import apply_grad_scale, keep_full_precision, prepare_qat
-from pipeline.lit.resume import best_and_last, resume_path
+from pipeline.lit.resume import ResumeCheckpoint, best_and_last, load_checkpoint, resume_path
 from pipeline.quant.fakequant import FakeQuantLinear, grad_scale_factor
 
 VOCAB, SEQ = 64, 8
@@ -279,3 +279,110 @@ def test_resume_continues_at_the_checkpointed_step(tmp_path):
     for a, b in zip(second.at_start, first.after[1]):  # the weights of step 2, not the init's
         assert torch.equal(a, b)
     assert step_of(resume_path(tmp_path)) == 5  # the last step is validated and checkpointed
+
+
+# ------------------------------------------------------------------ reweighting
+def detune_layer(module, layer: int, factor: float) -> None:
+    """Scale the step sizes of one decoder layer's fake-quant linears: more error there."""
+    with torch.no_grad():
+        for fq in module.student.model.layers[layer].modules():
+            if isinstance(fq, FakeQuantLinear):
+                fq.scale.mul_(factor)
+
+
+class LayerErrors(L.Callback):
+    """The per-layer distances d_l of each step's batch, measured before the step trains."""
+
+    def __init__(self):
+        self.at_step: dict[int, torch.Tensor] = {}
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        with torch.no_grad():
+            self.at_step[trainer.global_step] = module.losses(batch)["layers"]
+
+
+class GrowErrorAt(L.Callback):
+    """Detune `layer` by `factor` before the batch of step `step`."""
+
+    def __init__(self, step: int, layer: int, factor: float):
+        self.step, self.layer, self.factor = step, layer, factor
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        if trainer.global_step == self.step:
+            detune_layer(module, self.layer, self.factor)
+
+
+def test_reweighting_sets_the_normalised_current_errors_every_n_steps():
+    module = make_module(max_steps=4, reweight_every=2)
+    initial = torch.tensor([0.5, 0.5])
+    module = DistillModule(module.student, module.teacher, module.hp, initial, module.groups)
+    detune_layer(module, 1, 2.0)  # layer 1 far worse than layer 0
+    errors = LayerErrors()
+    trainer = fit(module, 4, [errors])
+    # Steps 2 and 4 take the weights from the batch each step trained on (steps 1 and 3).
+    assert [h["step"] for h in module.layer_w_history] == [2, 4]
+    for h, measured_at in zip(module.layer_w_history, (1, 3)):
+        d = errors.at_step[measured_at]
+        torch.testing.assert_close(torch.tensor(h["weights"]), d / d.sum())
+    w = module.layer_w
+    assert w[1] > w[0] and w.sum() == pytest.approx(1.0)
+    assert torch.equal(initial, torch.tensor([0.5, 0.5]))  # the caller's weights stay as given
+    # The curve logged at the last step is the weights that step trained with (step 2's).
+    logged = [trainer.callback_metrics[f"distill/layer_w/{i}"] for i in (0, 1)]
+    torch.testing.assert_close(
+        torch.stack(logged), torch.tensor(module.layer_w_history[0]["weights"])
+    )
+
+
+def test_static_weights_stay_and_train_differently():
+    runs = {}
+    for every in (None, 2):
+        module = make_module(max_steps=4, reweight_every=every)
+        detune_layer(module, 1, 2.0)
+        trainer = fit(module, 4, [])
+        runs[every] = module
+        assert any(k.startswith("distill/layer_w") for k in trainer.callback_metrics) == bool(every)
+    static = runs[None]
+    assert torch.equal(static.layer_w, torch.tensor([0.5, 0.5])) and not static.layer_w_history
+    assert "layer_w" not in static.state_dict()  # the stage's input, not training state
+    assert "layer_w" in runs[2].state_dict()
+    # The reweighted loss gave other gradients: the students parted after the first reweighting.
+    assert any(not torch.equal(a, b) for a, b in zip(scales(static), scales(runs[2])))
+
+
+def test_weight_moves_toward_the_layer_whose_error_grows():
+    """lr = 0, so only the detuning changes the errors: layer 0's weight rises once its error
+    grows, against the same run without it."""
+    history = {}
+    for grow in (False, True):
+        module = make_module(max_steps=5, lr=0.0, reweight_every=1)
+        callbacks = [GrowErrorAt(step=2, layer=0, factor=2.0)] if grow else []
+        fit(module, 5, callbacks)
+        history[grow] = [h["weights"][0] for h in module.layer_w_history]
+    before, after = history[False], history[True]
+    assert len(before) == len(after) == 5
+    assert after[:2] == before[:2]  # steps 1-2 trained before the detuning
+    assert all(a > b + 0.05 for a, b in zip(after[2:], before[2:]))
+
+
+def test_resume_with_reweighting_ends_where_the_uninterrupted_run_ends(tmp_path):
+    """The reweighted layer weights are training state: a run killed after a checkpoint and
+    resumed ends with the uninterrupted run's weights, scales and layer-weight history."""
+
+    def run(path, callbacks, ckpt_path=None):
+        module = make_module(max_steps=6, reweight_every=2)
+        detune_layer(module, 1, 2.0)
+        fit(module, 6, [ResumeCheckpoint(path, every=2), *callbacks], ckpt_path)
+        return module
+
+    whole = run(tmp_path / "a", [])
+    assert [h["step"] for h in whole.layer_w_history] == [2, 4, 6]
+    with pytest.raises(RuntimeError, match="killed"):
+        run(tmp_path / "b", [CrashAtStep3()])
+    saved = load_checkpoint(tmp_path / "b" / "last.ckpt")
+    assert saved["global_step"] == 2 and "layer_w" in saved["state_dict"]
+    resumed = run(tmp_path / "b", [], ckpt_path=str(tmp_path / "b" / "last.ckpt"))
+    assert resumed.layer_w_history == whole.layer_w_history
+    assert torch.equal(resumed.layer_w, whole.layer_w)
+    for a, b in zip(scales(resumed), scales(whole), strict=True):
+        assert torch.equal(a, b)

@@ -13,6 +13,7 @@ from pipeline.lit.losses import (
     kl_divergence,
     layer_of,
     layer_weights,
+    normalised,
 )
 
 
@@ -106,3 +107,24 @@ def test_distill_loss_combines_terms():
     assert sl.grad is not None and sl.grad.abs().sum() > 0
     # beta = 0: the matching terms are not computed at all.
     assert distill_loss(tl, sl, w, 1.0, 0.0, 1.0, ta, sa)["attn"] == 0
+
+
+def test_distill_loss_returns_the_per_layer_distances_the_weights_multiply():
+    g = torch.Generator().manual_seed(2)
+    tl, sl = torch.randn(2, 5, 7, generator=g), torch.randn(2, 5, 7, generator=g)
+    ta, sa = [_attn(t=5, seed=3), _attn(t=5, seed=4)], [_attn(t=5, seed=5), _attn(t=5, seed=6)]
+    th = [torch.randn(2, 5, 8, generator=g) for _ in range(2)]
+    sh = [torch.randn(2, 5, 8, generator=g) for _ in range(2)]
+    w = torch.tensor([0.3, 0.7])
+    out = distill_loss(tl, sl, w, 1.0, 1.0, 1.0, ta, sa, th, sh)
+    expected = attention_distances(ta, sa) + hidden_distances(th, sh)
+    torch.testing.assert_close(out["layers"], expected)
+    torch.testing.assert_close((w * out["layers"]).sum(), out["attn"] + out["hidden"])
+    assert not out["layers"].requires_grad
+    assert torch.equal(distill_loss(tl, sl, w, 1.0, 0.0, 1.0, ta, sa)["layers"], torch.zeros(2))
+
+
+def test_normalised_weights_sum_to_one_and_follow_the_errors():
+    w = normalised(torch.tensor([1.0, 3.0, 0.0]))
+    torch.testing.assert_close(w, torch.tensor([0.25, 0.75, 0.0]))
+    assert torch.equal(normalised(torch.zeros(4)), torch.full((4,), 0.25))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -64,6 +65,32 @@ def test_model_dtype_leaves_stored_scales_exact(qdir):
     got, want = model.get_submodule(name), ref.get_submodule(name)
     assert torch.equal(got.scale, want.scale) and torch.equal(got.codes, want.codes)
     assert not torch.equal(want.scale.bfloat16().float(), want.scale)  # bf16 would change them
+
+
+def test_kept_outlier_columns_load_through_from_pretrained(tmp_path):
+    """quant.outliers=keep_fp16 directories: the side matrix loads, and the logits are
+    load_quantized's (which applies it); dropping it would change them."""
+    from pipeline.models import StreamingCheckpoint
+    from pipeline.models.quantized import QuantizedWriter
+    from pipeline.quant.rtn import quantize_rtn
+
+    src = write_synthetic_checkpoint(tmp_path / "src", **TINY, dtype=torch.float32)
+    ck, writer = StreamingCheckpoint(src), QuantizedWriter(tmp_path / "q")
+    name = "model.layers.0.mlp.down_proj"
+    w = ck.tensor(f"{name}.weight")
+    w[:, [3, 7]] *= 40  # two outlier columns, far outside the int2 grid of their groups
+    qt = quantize_rtn(w, "int2g32").with_kept(w, [3, 7])
+    names = [n for n in ck.names() if n != f"{name}.weight"]
+    writer.write_part(0, {n: ck.tensor(n) for n in names}, {name: qt})
+    out = writer.close(1, src_dir=src, method="rtn", layers={name: "int2g32"}, kept={name: 2})
+    model, ref = from_pretrained(out), load_quantized(out)
+    got = model.get_submodule(name)
+    assert got.keep_idx.tolist() == [3, 7] and torch.equal(got.keep_vals, qt.keep_vals)
+    ids = torch.randint(0, TINY["vocab"], (2, 10))
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, ref(input_ids=ids).logits)
+        plain = replace(qt, keep_idx=None, keep_vals=None).dequantize()
+        assert not torch.allclose(got.quantized_weight(), plain)  # the columns were applied
 
 
 def test_tied_head_quantized_roundtrip(tmp_path):

@@ -82,3 +82,36 @@ def test_temperature_schedule_flag_reaches_the_runtime(artifact, monkeypatch, ca
     assert main(base) == 0 and main([*base, "--temperature-schedule"]) == 0
     assert seen == [False, True]
     assert parse_args(["a", "--prompt", "x"]).temperature_schedule is False
+
+
+def run(artifact, capsys, *flags: str) -> tuple[int, str, str]:
+    rc = main([str(artifact), "--prompt", "the quick", "--max-new-tokens", "8", *flags])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_transformers_generate_flags(artifact, capsys):
+    rc, greedy, _ = run(artifact, capsys)
+    assert rc == 0
+    # top-k 1 sampling is greedy; streaming prints the line the plain run prints
+    assert run(artifact, capsys, "--temperature", "1", "--top-k", "1")[:2] == (0, greedy)
+    assert run(artifact, capsys, "--stream")[:2] == (0, greedy)
+    # a stop string (the greedy text's 5th and 6th new characters) ends the output
+    stop = greedy[len("the quick") :][4:6]
+    rc, out, _ = run(artifact, capsys, "--stop", stop, "--stream", "--no-draft")
+    cut = greedy[: greedy.index(stop, len("the quick")) + 2]
+    assert rc == 0 and out == cut + "\n" and len(cut) < len(greedy) - 1
+
+
+def test_chat_without_template_exits_with_message(artifact, capsys):
+    rc, _, err = run(artifact, capsys, "--chat")
+    assert rc == 2 and "no chat template" in err
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [["--top-k", "3"], ["--temperature", "1", "--top-p", "0"], ["--stop", "x", "--gamma", "2"]],
+)
+def test_transformers_generate_flag_errors(flags):
+    with pytest.raises(SystemExit):
+        parse_args(["a", "--prompt", "x", *flags])

@@ -56,6 +56,19 @@ def test_log_register_load_predict(qmodels, tmp_path, tracking, caplog, recwarn)
     )
     assert same == [expected]
 
+    # transformers' generate options: top-k 1 sampling is greedy; a stop string cuts the text
+    rt = load(art, "torch")
+    greedy = rt.generate("the quick", 8).text
+    sampled = model.predict(
+        ["the quick"], params={"max_new_tokens": 8, "temperature": 1.0, "top_k": 1, "seed": 5}
+    )
+    assert sampled == [greedy]
+    stop = greedy[3:5]
+    stopped = model.predict(["the quick"], params={"max_new_tokens": 8, "stop": stop})
+    assert stopped == [greedy[: greedy.index(stop) + 2]] and len(stopped[0]) < len(greedy)
+    params = {p.name: p.default for p in mlflow.models.Model.load(model_uri).signature.params}
+    assert params["top_p"] == 1.0 and params["top_k"] == 0 and params["chat"] is False
+
     # Logged from code with lowbit's package beside it: no pickle, no release to install.
     local = Path(mlflow.artifacts.download_artifacts(model_uri, dst_path=str(tmp_path / "dl")))
     assert (local / "code" / "pipeline" / "runtime" / "loader.py").is_file()

@@ -20,6 +20,7 @@ from pipeline.data.heldout import heldout
 from pipeline.data.text import Corpus
 from pipeline.errors import ConfigError
 from pipeline.lit.distill import DistillModule
+from pipeline.lit.losses import layer_weights
 from pipeline.models.hf import load_tokenizer
 from pipeline.models.quantized import (
     load_quantized,
@@ -158,6 +159,9 @@ def test_end_to_end_bf16_with_attention_and_hidden_matching(detuned, tmp_path):
     assert metrics["val_ppl_distilled"] < metrics["val_ppl_quantized"]
     report = json.loads((tmp_path / "run" / "distill" / "distill_report.json").read_text())
     assert abs(sum(report["layer_weights"]) - 1) < 1e-6
+    # Static weights (reweight_every null): no history, no picture.
+    assert "layer_weights_history" not in report
+    assert not (tmp_path / "run" / "distill" / "layer_weights.png").exists()
     assert metrics["resumed"] == 0 and metrics["nan_skipped"] == 0
     val = report["validation"]
     assert val["split"] == "validation" and report["kept_input"] is False
@@ -180,6 +184,7 @@ def test_end_to_end_bf16_with_attention_and_hidden_matching(detuned, tmp_path):
         ("stage.distill.val_windows=0", "stage.distill.val_windows"),
         ("stage.distill.val_every=0", "stage.distill.val_every"),
         ("stage.distill.early_stop_patience=0", "stage.distill.early_stop_patience"),
+        ("stage.distill.reweight_every=0", "stage.distill.reweight_every"),
     ],
 )
 def test_check_names_the_bad_key(tmp_path, override, key):
@@ -191,6 +196,31 @@ def test_alpha_and_beta_cannot_both_be_zero(tmp_path):
     with pytest.raises(ConfigError, match="not both 0"):
         cfg = smoke_cfg(tmp_path, "stage.distill.alpha=0", "stage.distill.beta=0")
         workflow.check_stage(cfg, "distill")
+
+
+def test_reweighting_needs_the_matching_term(tmp_path):
+    cfg = smoke_cfg(tmp_path, "stage.distill.beta=0", "stage.distill.reweight_every=5")
+    with pytest.raises(ConfigError, match=r"stage\.distill\.reweight_every.*beta > 0"):
+        workflow.check_stage(cfg, "distill")
+
+
+def test_reweighted_layer_weights_are_reported_and_plotted(detuned, tmp_path):
+    args = distill_args(detuned, tmp_path, "stage.distill.reweight_every=2")
+    workflow.run(smoke_cfg(tmp_path, *args))
+    out = tmp_path / "run" / "distill"
+    report = json.loads((out / "distill_report.json").read_text())
+    history = report["layer_weights_history"]
+    assert [h["step"] for h in history] == [0, 2, 4]
+    # Started from quantize's errors (a direct reference), reported as they were at step 0.
+    layers = json.loads((tmp_path / "run" / "quantize" / "quant_report.json").read_text())
+    errors = {name: r["rel_output_error"] for name, r in layers["layers"].items()}
+    static = layer_weights(errors, len(history[0]["weights"])).tolist()
+    assert history[0]["weights"] == report["layer_weights"] == static
+    for h in history:
+        assert len(h["weights"]) == len(history[0]["weights"])
+        assert sum(h["weights"]) == pytest.approx(1.0, abs=1e-6)
+    assert history[1]["weights"] != history[0]["weights"]  # they followed the training
+    assert "layer_weights.png" in json.loads((out / "_done.json").read_text())["outputs"]
 
 
 def test_check_refuses_an_unknown_trainer_argument(tmp_path):
@@ -274,9 +304,8 @@ def test_the_result_is_the_best_checkpoint_not_the_last(detuned, tmp_path, monke
     assert metrics["val_ppl_distilled"] == pytest.approx(math.exp(written), rel=1e-5)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("trainer", ["ddp", "deepspeed_zero2", "deepspeed_zero3"])
-def test_two_ranks_on_cpu(detuned, tmp_path, trainer):
+def two_ranks(detuned, tmp_path, trainer: str, *overrides: str) -> tuple[dict, dict]:
+    """A 2-rank distill run on CPU through the CLI: (its metrics, its distill_report.json)."""
     args = distill_args(
         detuned,
         tmp_path,
@@ -284,6 +313,7 @@ def test_two_ranks_on_cpu(detuned, tmp_path, trainer):
         f"run_dir={tmp_path / 'run'}",
         "experiment=smoke",
         "stage.distill.max_steps=3",
+        *overrides,
     )
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     proc = subprocess.run(
@@ -298,5 +328,23 @@ def test_two_ranks_on_cpu(detuned, tmp_path, trainer):
     metrics = check_output(tmp_path / "run", steps=3)
     assert metrics["world_size"] == 2
     report = json.loads((tmp_path / "run" / "distill" / "distill_report.json").read_text())
+    return metrics, report
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("trainer", ["ddp", "deepspeed_zero2", "deepspeed_zero3"])
+def test_two_ranks_on_cpu(detuned, tmp_path, trainer):
+    _, report = two_ranks(detuned, tmp_path, trainer)
     expected = "DDPStrategy" if trainer == "ddp" else "AnyDeviceDeepSpeedStrategy"
     assert report["strategy"] == expected
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("trainer", ["ddp", "deepspeed_zero3"])
+def test_two_ranks_reweight_from_errors_summed_over_ranks(detuned, tmp_path, trainer):
+    """Each rank trains on its half of the batch; the weights come from both halves' errors
+    (an all-reduce every rank joins at the same step), then go on training on every rank."""
+    _, report = two_ranks(detuned, tmp_path, trainer, "stage.distill.reweight_every=1")
+    history = report["layer_weights_history"]
+    assert [h["step"] for h in history] == [0, 1, 2, 3]
+    assert all(sum(h["weights"]) == pytest.approx(1.0, abs=1e-6) for h in history)

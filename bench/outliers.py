@@ -1,0 +1,124 @@
+"""Does keeping outlier input columns in fp16 beat spending the same bytes on wider formats?
+
+Runs the real workflow on the bootstrap target: bootstrap once (reused), then for each
+``quant.outliers`` setting (none, keep_fp16) sensitivity + allocate + quantize with the mixed
+candidates at one ``quant.budget_bits`` (2.5 by default). The budget covers the kept columns'
+fp16 side matrix and indices, so both plans hold at most the same bytes; the allocator decides
+per layer whether a layer's outlier columns are worth their bytes. Every quantized model is
+scored on the whole test split (the evaluate protocol). The table shows test perplexity, the
+plan's average bits and total bytes, the kept columns and their bytes, and the MAD outlier
+shares sensitivity measured.
+
+Goal: keep_fp16 (at one of the ``--caps`` tried) lowers test perplexity at the same budget,
+side matrices included; exits 1 when it does not. A plan that keeps no column (the allocator
+found wider formats worth more per bit everywhere) is the none plan, with its perplexity.
+
+    python -m bench.outliers --root /tmp/outliers-bench
+    python -m bench.outliers --root /tmp/outliers-bench --caps 0.01,0.05 quant.method=rtn
+    python -m bench.outliers --root /tmp/s2 model.target.layers=6 model.draft.layers=2 ...
+
+Stage folders are reused across invocations (the workflow skips what is up to date): copy a
+finished ``bootstrap`` run into ``<root>/bootstrap`` to skip training.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from bench._common import (
+    bootstrapped,
+    compose,
+    goal,
+    low_bit_model,
+    markdown_table,
+    report_goals,
+    seed_run,
+)
+
+STAGES = ("sensitivity", "allocate", "quantize")
+
+
+def _row(run_dir: Path, setting: str, cap: float | None, ppl: float) -> dict:
+    plan = json.loads((run_dir / "allocate" / "bitplan.json").read_text())
+    sens = json.loads((run_dir / "sensitivity" / "sensitivity.json").read_text())
+    shares = [s for layer in sens["layers"] if (s := layer["outliers"]["share"]) is not None]
+    kept = plan.get("outlier_columns", {})
+    return {
+        "outliers": setting,
+        "cap": cap,
+        "test_ppl": ppl,
+        "avg_bits": plan["avg_bits"],
+        "total_bytes": plan["total_bytes"],
+        "kept_layers": len(kept),
+        "kept_columns": sum(len(c) for c in kept.values()),
+        "kept_bytes": plan.get("kept_bytes", 0),
+        "outlier_share_mean": sum(shares) / len(shares) if shares else None,
+        "outlier_share_max": max(shares, default=None),
+        "predicted_dloss": plan["predicted_dloss"],
+    }
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("overrides", nargs="*", help="config overrides, e.g. quant.method=rtn")
+    p.add_argument("--root", type=Path, default=Path("outputs/outliers"))
+    p.add_argument("--budget", type=float, default=2.5, help="quant.budget_bits")
+    p.add_argument("--caps", default="0.01", help="quant.outlier_cap values, comma-separated")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (1 on a busy host)")
+    args = p.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+
+    from pipeline import workflow
+    from pipeline.models.hf import perplexity
+    from pipeline.models.quantized import load_quantized
+
+    base = ["tracking=none", *args.overrides]
+    recipe = ["quant=mixed", f"quant.budget_bits={args.budget}"]
+    boot, _, _, win = bootstrapped(args.root, base)
+
+    variants = [("none", None)] + [("keep_fp16", float(c)) for c in args.caps.split(",")]
+    rows = []
+    for setting, cap in variants:
+        name = setting if cap is None else f"{setting}-cap{cap}"
+        run_dir = args.root / f"budget{args.budget}" / name
+        seed_run(boot, run_dir, ["bootstrap"])
+        stages = f"stages=[{','.join(STAGES)}]"
+        quant = [f"quant.outliers={setting}"] + ([f"quant.outlier_cap={cap}"] if cap else [])
+        workflow.run(compose([f"run_dir={run_dir}", *base, *recipe, *quant, stages]))
+        model = load_quantized(low_bit_model(run_dir, "target_quantized"))
+        rows.append(_row(run_dir, setting, cap, perplexity(model, win)))
+
+    print(f"\nbudget {args.budget} bits; eval windows {tuple(win.shape)} (test split)")
+    print(markdown_table(rows, list(rows[0])))
+    none, keeps = rows[0], rows[1:]
+    best = min(keeps, key=lambda r: r["test_ppl"])
+    goals = [
+        goal(
+            f"keep_fp16 (cap {best['cap']}) test ppl at budget {args.budget}",
+            best["test_ppl"],
+            f"< {none['test_ppl']:.4f} (none)",
+            best["test_ppl"] < none["test_ppl"],
+        ),
+        *(
+            goal(
+                f"keep_fp16 (cap {r['cap']}) avg bits, side matrices included",
+                r["avg_bits"],
+                f"<= {args.budget} (the budget none is held to)",
+                r["avg_bits"] <= args.budget,
+            )
+            for r in keeps
+        ),
+    ]
+    return report_goals(goals, args.root)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,86 @@
+"""Progress of long loops: a tqdm bar on a terminal, periodic log lines with an ETA elsewhere.
+
+A bar written to a log file or a pipe is one ever-growing line, so off a terminal a loop instead
+logs ``desc: k/n (p%), 1m05s elapsed, ETA 2m10s`` at most every ``every_s`` seconds, and a last
+line when it ends, through this module's logger: the lines land in the stage log and lowbit.log
+like every other. A loop shorter than ``every_s`` logs nothing. Only rank 0 reports.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from collections.abc import Iterable, Iterator, Sized
+from typing import TypeVar
+
+from tqdm.auto import tqdm
+
+log = logging.getLogger(__name__)
+
+EVERY_S = 30.0  # seconds between two log lines of one loop
+T = TypeVar("T")
+
+
+def progress(
+    items: Iterable[T],
+    desc: str,
+    *,
+    total: int | None = None,
+    initial: int = 0,
+    unit: str = "it",
+    enabled: bool = True,
+    is_main: bool = True,
+    every_s: float = EVERY_S,
+) -> Iterable[T]:
+    """``items``, reporting progress (see the module docstring).
+
+    Args:
+        items: The loop's items.
+        desc: What the loop does, e.g. ``"quantize segments"``.
+        total: Number of items when ``items`` has no length (counted from 0, as ``initial``).
+        initial: Items already done before this call (a resumed loop).
+        unit: tqdm's unit name.
+        enabled: False: no bar and no lines (the caller's own switch).
+        is_main: False on ranks other than 0: silent.
+        every_s: Seconds between two log lines off a terminal.
+    """
+    if not (enabled and is_main):
+        return items
+    if total is None and isinstance(items, Sized):
+        total = initial + len(items)
+    if sys.stderr.isatty():
+        return tqdm(items, desc=desc, total=total, initial=initial, unit=unit, leave=False)
+    return _logged(items, desc, total, initial, every_s)
+
+
+def _logged(
+    items: Iterable[T], desc: str, total: int | None, initial: int, every_s: float
+) -> Iterator[T]:
+    start = last = time.monotonic()
+    done, reported = initial, False
+    for item in items:
+        yield item
+        done += 1
+        now = time.monotonic()
+        if now - last >= every_s:
+            log.info("%s", _line(desc, done, total, initial, now - start))
+            last, reported = now, True
+    if reported:  # the end of a loop that said it was running
+        log.info("%s", _line(desc, done, total, initial, time.monotonic() - start))
+
+
+def _line(desc: str, done: int, total: int | None, initial: int, elapsed: float) -> str:
+    if total is None:
+        return f"{desc}: {done} done, {_clock(elapsed)} elapsed"
+    rate = (done - initial) / elapsed if elapsed > 0 else 0.0
+    eta = _clock((total - done) / rate) if rate > 0 else "unknown"
+    pct = 100.0 * done / total if total else 100.0
+    return f"{desc}: {done}/{total} ({pct:.0f}%), {_clock(elapsed)} elapsed, ETA {eta}"
+
+
+def _clock(seconds: float) -> str:
+    s = int(round(seconds))
+    h, rest = divmod(s, 3600)
+    m, s = divmod(rest, 60)
+    return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s" if m else f"{s}s"
