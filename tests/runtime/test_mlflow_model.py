@@ -10,15 +10,21 @@ from pipeline.export import export_artifact
 from tests.export.models import export_options
 
 
-@pytest.fixture
-def tracking(tmp_path, monkeypatch):
+@pytest.fixture(params=["sqlite", "server"])
+def tracking(request, tmp_path, monkeypatch):
+    """A local store, and the real `mlflow server` (REST: registry, aliases, artifacts)."""
     import mlflow
     from mlflow.tracking import MlflowClient
 
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    if request.param == "server":
+        uri = request.getfixturevalue("mlflow_server")
+    else:
+        uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     client = MlflowClient(uri)
-    exp = client.create_experiment("t", artifact_location=(tmp_path / "arts").as_uri())
+    exp = client.create_experiment(
+        f"t-{tmp_path.name}", artifact_location=(tmp_path / "arts").as_uri()
+    )
     run = client.create_run(exp)
     yield uri, client, run.info.run_id
     mlflow.set_tracking_uri(None)
