@@ -17,9 +17,8 @@ import torch
 from safetensors import safe_open
 
 from pipeline.errors import LowbitError
-from pipeline.quant.qtensor import QTensor
+from pipeline.quant.qtensor import STATE_FIELDS, QTensor
 
-_QFIELDS = ("codes", "scales", "zeros", "ratios", "keep_idx", "keep_vals", "format")
 INDEX = "model.safetensors.index.json"
 
 
@@ -85,7 +84,7 @@ class Source:
 
         owner = {}
         for name in self.layers:
-            for f in _QFIELDS:
+            for f in STATE_FIELDS:
                 owner[f"{name}.{f}"] = name
             owner[f"{name}.bias"] = name
         missing = [n for n in self.layers if f"{n}.codes" not in self.weight_map]
@@ -105,7 +104,7 @@ class Source:
             done.add(name)
             sd = {
                 f"{name}.{f}": get(f"{name}.{f}")
-                for f in _QFIELDS
+                for f in STATE_FIELDS
                 if f"{name}.{f}" in self.weight_map
             }
             qt = QTensor.from_state_dict(sd, name)

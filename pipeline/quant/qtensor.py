@@ -44,6 +44,7 @@ from torch import Tensor
 from pipeline.quant.formats import Format, parse_format
 
 _FIELDS = ("codes", "scales", "zeros", "ratios", "keep_idx", "keep_vals")
+STATE_FIELDS = (*_FIELDS, "format")  # every ``{prefix}.<field>`` key ``to_state_dict`` may write
 
 
 @dataclass
