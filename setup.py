@@ -7,5 +7,9 @@ from setuptools import find_packages, setup
 setup(
     packages=[*find_packages(include=["pipeline", "pipeline.*"]), "pipeline.conf"],
     package_dir={"pipeline.conf": "conf"},
-    package_data={"pipeline.conf": ["*.yaml", "*/*.yaml", "*/*.json"]},
+    # the W4A8 CPU kernel's source, compiled at first use (pipeline/runtime/cpu_w4a8.py)
+    package_data={
+        "pipeline.conf": ["*.yaml", "*/*.yaml", "*/*.json"],
+        "pipeline.runtime": ["csrc/*.cpp"],
+    },
 )

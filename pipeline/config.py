@@ -209,7 +209,7 @@ class DataConfig:
     test_fraction: float = 0.05
     # Perplexity window; null: the model's context up to 2048 (user models), seq_len (bootstrap).
     eval_seq_len: int | None = None
-    # null: score the whole test split (the standard protocol); N: only the first N windows.
+    # null: score the whole test split (the standard protocol); N: N windows spread evenly over it.
     eval_windows: int | None = None
     builtin_packages: list[str] = field(default_factory=lambda: list(BUILTIN_PACKAGES))
     # The built-in corpus stops here (about 3.7 M training tokens at vocab 2048).

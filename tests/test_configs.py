@@ -21,7 +21,16 @@ GROUPS = ["model", "data", "quant", "trainer", "cluster", "tracking", "experimen
 # What the default options (model=bootstrap, data=builtin, quant=mixed, tracking=sqlite) change
 # from the dataclass defaults: the mixed recipe; every other default is the schema's.
 DEFAULT_CHOICES = {
-    "quant.candidates": ["int2g64", "int3g128", "int4g128", "int8", "exp4g128"],
+    "quant.candidates": [
+        "int2g64",
+        "int3g128",
+        "int4g128",
+        "int8",
+        "exp4g128",
+        "int2g128",
+        "int2g32",
+        "int3g64",
+    ],
     "quant.budget_bits": 3.0,
 }
 

@@ -212,7 +212,8 @@ def token_stream(docs: list[str], tokenizer) -> torch.Tensor:
 
 
 def windows(stream: torch.Tensor, seq_len: int, limit: int | None = None) -> torch.Tensor:
-    """Non-overlapping windows of seq_len tokens. # (W, seq_len)"""
+    """Non-overlapping windows of seq_len tokens; `limit` of them spread evenly over the stream
+    (a prefix would be a few documents, not the split). # (W, seq_len)"""
     n = stream.numel() // seq_len
     if n == 0:
         raise LowbitError(
@@ -220,7 +221,9 @@ def windows(stream: torch.Tensor, seq_len: int, limit: int | None = None) -> tor
             "lower data.seq_len or add text"
         )
     w = stream[: n * seq_len].view(n, seq_len)
-    return w if limit is None else w[:limit]
+    if limit is None or limit >= n:
+        return w
+    return w[torch.arange(limit) * n // limit]
 
 
 def random_windows(stream: torch.Tensor, seq_len: int, count: int, seed: int) -> torch.Tensor:

@@ -2,7 +2,8 @@
 
 The student is the quantized model with every quantized linear a FakeQuantLinear (straight-
 through estimator); the teacher is the FP model. Both see the same windows; the loss is
-`pipeline.lit.losses.distill_loss` (α·KL at temperature τ + β·Σ_l w_l·d_l). What trains is a
+`pipeline.lit.losses.distill_loss` (α·KL at temperature τ + β·Σ_l w_l·d_l, plus
+ce·CE on the windows' own tokens when `ce` > 0). What trains is a
 choice (EfficientQAT trains step sizes alone end to end, at a fraction of the memory; on the
 default model that recovered a quarter of a 2-bit gap, and re-fitting the float-kept layers most
 of the rest, docs/benchmarks.md): `scales` (scale/zero of every quantized linear, codes
@@ -74,6 +75,7 @@ class DistillHParams:
     fp32_modules: Sequence[str]
     teacher_dtype: str  # float32 | bfloat16
     reweight_every: int | None = None  # optimizer steps between layer reweightings; None: static
+    ce: float = 0.0  # weight of the student's cross-entropy on the windows' tokens
 
     @classmethod
     def of(cls, cfg) -> DistillHParams:
@@ -225,6 +227,8 @@ class DistillModule(L.LightningModule):
             s.attentions,
             t_hidden,
             s_hidden,
+            self.hp.ce,
+            batch,
         )
 
     def training_step(self, batch: Tensor, batch_idx: int) -> Tensor:

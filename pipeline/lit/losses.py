@@ -187,8 +187,10 @@ def distill_loss(
     student_attn: Sequence[Tensor] | None = None,
     teacher_hidden: Sequence[Tensor] | None = None,
     student_hidden: Sequence[Tensor] | None = None,
+    ce: float = 0.0,
+    ids: Tensor | None = None,
 ) -> dict[str, Tensor]:
-    """α·KL + β·Σ_l w_l·d_l, with d_l from attention maps and/or hidden states.
+    """α·KL + β·Σ_l w_l·d_l + ce·CE, with d_l from attention maps and/or hidden states.
 
     Args:
         teacher_logits, student_logits: (B, T, V).
@@ -197,11 +199,14 @@ def distill_loss(
         temperature: τ of the KL term.
         teacher_attn, student_attn: L attention maps (B, H, T, T) each, or None.
         teacher_hidden, student_hidden: L decoder-layer outputs (B, T, C) each, or None.
+        ce: weight of the student's next-token cross-entropy on ``ids`` (0: not computed).
+        ids: (B, T) the token windows both models read; needed when ``ce`` > 0.
 
     Returns:
-        {"kl", "attn", "hidden", "total"}: scalar tensors (unused terms are 0); "total" carries the
-        gradient. "layers": (L,) detached d_l (attention plus hidden distance of each layer, the
-        quantities the weights multiply; zeros when β = 0), the current per-layer error.
+        {"kl", "ce", "attn", "hidden", "total"}: scalar tensors (unused terms are 0); "total"
+        carries the gradient. "layers": (L,) detached d_l (attention plus hidden distance of each
+        layer, the quantities the weights multiply; zeros when β = 0), the current per-layer
+        error.
     """
     zero = student_logits.new_zeros((), dtype=torch.float32)
     weights = weights.to(zero.device)
@@ -214,9 +219,13 @@ def distill_loss(
     if beta and teacher_hidden is not None and student_hidden is not None:
         d = hidden_distances(teacher_hidden, student_hidden)
         hidden, per_layer = (weights * d).sum(), per_layer + d.detach()
-    total = alpha * kl + beta * (attn + hidden)
+    nll = zero
+    if ce and ids is not None:  # the window's own next tokens
+        nll = F.cross_entropy(student_logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
+    total = alpha * kl + beta * (attn + hidden) + ce * nll
     return {
         "kl": kl.detach(),
+        "ce": nll.detach(),
         "attn": attn.detach(),
         "hidden": hidden.detach(),
         "total": total,

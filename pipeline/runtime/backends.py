@@ -95,7 +95,8 @@ class TorchQuantLinear(nn.Module):
 
     @property
     def kernel(self) -> str:
-        """The kernel this layer runs: "int4pack", "int8pack", "dense-bf16" or "reference"."""
+        """The kernel this layer runs: "w4a8pack", "int4pack", "int8pack", "dense-bf16" or
+        "reference"."""
         return self.impl.name
 
     def weight_matrix(self) -> Tensor:

@@ -174,8 +174,8 @@ def format_speed(speed: dict, fp: str = "target_fp") -> list[str]:
         out += [
             "",
             f"{', '.join(slow)} decode slower than {fp} here: on a model this small each "
-            "linear's matmul costs less than the per-call overhead of the packed kernel (bf16 "
-            "casts, dispatch), so the bytes the low-bit weights save do not show. "
-            "`bench/decode_speed.py` shows where the crossover lies.",
+            "linear's matmul costs less than the per-call overhead of the packed kernel (casting "
+            "or quantizing its activations, dispatch), so the bytes the low-bit weights save do "
+            "not show. `bench/decode_speed.py` shows where the crossover lies.",
         ]
     return out

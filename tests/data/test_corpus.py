@@ -6,6 +6,7 @@ import sys
 
 import pytest
 
+from pipeline.data import corpus
 from pipeline.data.corpus import builtin_documents
 
 DOC = "A docstring long enough to count as a document of the built-in corpus, about {}."
@@ -43,3 +44,13 @@ def test_max_chars_stops_the_corpus(package):
     docs = builtin_documents(max_chars=stdlib_chars + 10, packages=[package])
     assert sum(map(len, docs)) >= stdlib_chars + 10
     assert len(docs) == len(builtin_documents()) + 1  # stopped after the first package document
+
+
+def test_the_corpus_is_collected_once_per_process_and_each_caller_gets_its_own_list():
+    first = builtin_documents(max_chars=5000)
+    first.append("a caller's own document")
+    hits = corpus._collected.cache_info().hits
+    again = builtin_documents(max_chars=5000)
+    assert corpus._collected.cache_info().hits == hits + 1  # not collected a second time
+    assert "a caller's own document" not in again  # a fresh list, the cached documents intact
+    assert again == first[:-1]

@@ -24,6 +24,9 @@ def test_the_whole_split_is_scored_in_non_overlapping_windows():
     assert "test split" in h.label() and "945 tokens" in h.label()
 
 
-def test_a_cap_keeps_the_first_windows_and_says_so():
+def test_a_cap_spreads_its_windows_over_the_split_and_says_so():
     h = heldout(torch.arange(1000), "validation", 100, limit=3)
     assert h.describe() == {"split": "validation", "window": 100, "windows": 3, "tokens": 297}
+    # windows 0, 3 and 6 of the ten: from the whole split, not its first three hundred tokens
+    assert h.windows[:, 0].tolist() == [0, 300, 600]
+    assert torch.equal(h.windows[1], torch.arange(300, 400))  # each one still contiguous

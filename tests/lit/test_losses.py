@@ -109,6 +109,20 @@ def test_distill_loss_combines_terms():
     assert distill_loss(tl, sl, w, 1.0, 0.0, 1.0, ta, sa)["attn"] == 0
 
 
+def test_distill_loss_adds_the_students_cross_entropy_on_the_windows_tokens():
+    g = torch.Generator().manual_seed(1)
+    tl, sl = torch.randn(2, 5, 7, generator=g), torch.randn(2, 5, 7, generator=g)
+    ids = torch.randint(0, 7, (2, 5), generator=g)
+    w = torch.tensor([1.0])
+    out = distill_loss(tl, sl, w, 1.0, 0.0, 1.0, ce=0.5, ids=ids)
+    nll = torch.nn.functional.cross_entropy(sl[:, :-1].reshape(-1, 7), ids[:, 1:].reshape(-1))
+    torch.testing.assert_close(out["ce"], nll)
+    torch.testing.assert_close(out["total"], kl_divergence(tl, sl) + 0.5 * nll)
+    # ce = 0 (the default): the term is not computed and the total is the KL alone.
+    plain = distill_loss(tl, sl, w, 1.0, 0.0, 1.0, ids=ids)
+    assert plain["ce"] == 0 and torch.equal(plain["total"], kl_divergence(tl, sl))
+
+
 def test_distill_loss_returns_the_per_layer_distances_the_weights_multiply():
     g = torch.Generator().manual_seed(2)
     tl, sl = torch.randn(2, 5, 7, generator=g), torch.randn(2, 5, 7, generator=g)

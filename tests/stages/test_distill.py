@@ -192,8 +192,8 @@ def test_check_names_the_bad_key(tmp_path, override, key):
         workflow.check_stage(smoke_cfg(tmp_path, override), "distill")
 
 
-def test_alpha_and_beta_cannot_both_be_zero(tmp_path):
-    with pytest.raises(ConfigError, match="not both 0"):
+def test_the_loss_weights_cannot_all_be_zero(tmp_path):
+    with pytest.raises(ConfigError, match="not all 0"):
         cfg = smoke_cfg(tmp_path, "stage.distill.alpha=0", "stage.distill.beta=0")
         workflow.check_stage(cfg, "distill")
 
