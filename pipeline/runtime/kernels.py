@@ -238,7 +238,7 @@ def _candidate(codes: LinearCodes, device: torch.device) -> Kernel | None:
     info = codes.info
     if info.type == "W4A16_EXP":
         return DenseBf16(codes, device)
-    if device.type == "cpu" and cpu_w4a8.fits(codes) and cpu_w4a8.extension() is not None:
+    if cpu_w4a8.fits(codes) and _w4a8_runs_on(device):
         return W4A8(codes)
     block = _int4_block(codes)
     if block is not None:
@@ -250,12 +250,15 @@ def _candidate(codes: LinearCodes, device: torch.device) -> Kernel | None:
     return None
 
 
+def _w4a8_runs_on(device: torch.device) -> bool:
+    """Whether the W4A8 kernel serves ``device``: a CPU with VNNI where the extension built."""
+    return device.type == "cpu" and cpu_w4a8.extension() is not None
+
+
 def int_kernel_name(device: torch.device | str = "cpu") -> str:
     """The kernel int2/3/4 layers of ordinary shapes get on ``device``: "w4a8pack" on a CPU
     that runs it, else "int4pack"."""
-    if torch.device(device).type == "cpu" and cpu_w4a8.extension() is not None:
-        return W4A8.name
-    return Int4Pack.name
+    return W4A8.name if _w4a8_runs_on(torch.device(device)) else Int4Pack.name
 
 
 def relative_error(got: Tensor, want: Tensor) -> float:

@@ -156,11 +156,14 @@ class DistillConfig:
         if problem:
             raise ConfigError(f"{prefix}.train", f"is {list(self.train)}", problem)
         check_clip(prefix, "clip_norm", self.clip_norm)
-        if min(self.alpha, self.beta, self.ce) < 0 or self.alpha + self.beta + self.ce == 0:
+        terms = {"alpha": self.alpha, "beta": self.beta, "ce": self.ce}
+        negative = [k for k, v in terms.items() if v < 0]
+        if negative or not any(terms.values()):
+            key = (negative or ["alpha"])[0]  # the negative weight, else the KL's
             raise ConfigError(
-                f"{prefix}.alpha",
-                f"={self.alpha}, beta={self.beta} and ce={self.ce}",
-                "all >= 0 and not all 0",
+                f"{prefix}.{key}",
+                f"is {terms[key]} (alpha={self.alpha}, beta={self.beta}, ce={self.ce})",
+                "all three >= 0 and not all 0",
             )
         for key, v in (("warmup_steps", self.warmup_steps), ("weight_decay", self.weight_decay)):
             if v < 0:

@@ -185,6 +185,8 @@ def test_end_to_end_bf16_with_attention_and_hidden_matching(detuned, tmp_path):
         ("stage.distill.val_every=0", "stage.distill.val_every"),
         ("stage.distill.early_stop_patience=0", "stage.distill.early_stop_patience"),
         ("stage.distill.reweight_every=0", "stage.distill.reweight_every"),
+        ("stage.distill.ce=-1", "stage.distill.ce"),
+        ("stage.distill.beta=-0.1", "stage.distill.beta"),
     ],
 )
 def test_check_names_the_bad_key(tmp_path, override, key):
