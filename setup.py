@@ -7,7 +7,7 @@ from setuptools import find_packages, setup
 setup(
     packages=[*find_packages(include=["pipeline", "pipeline.*"]), "pipeline.conf"],
     package_dir={"pipeline.conf": "conf"},
-    # the W4A8 CPU kernel's source, compiled at first use (pipeline/runtime/cpu_w4a8.py)
+    # the CPU kernels' sources, compiled at first use (pipeline/runtime/cpu_ext.py)
     package_data={
         "pipeline.conf": ["*.yaml", "*/*.yaml", "*/*.json"],
         "pipeline.runtime": ["csrc/*.cpp"],

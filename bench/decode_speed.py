@@ -3,12 +3,15 @@
 A random-weight Llama (TinyLlama-1.1B's shape by default; speed does not depend on the
 weights' values) is built in memory, and each row runs it one way, one row at a time:
 
-* ``FP32`` as built; ``BF16``: the whole model cast to bfloat16;
+* ``FP32`` as built, its float32 linears on the runtime's few-row kernel (``float_rows``:
+  ``f32rows``, which serves verification's gamma + 1 rows; one-token steps and prompts run
+  ``F.linear``); ``BF16``: the whole model cast to bfloat16;
 * ``W8``, ``W4g128``, ``W3``, ``W2``, ``exp4``: every decoder-layer linear quantized by RTN
   (int8, int4g128, int3g128, int2g64, exp4g128) and replaced by the runtime's layer
   (``runtime_linear``: the export's packing, the kernel ``load`` picks); embeddings, norms and
-  lm_head stay float32, as the quantize stage keeps them. exp4 codes are fitted once per weight
-  shape (RTN's exp grid search would take most of the run) and copied to every layer.
+  lm_head stay float32, as the quantize stage keeps them (lm_head on ``f32rows``). exp4 codes
+  are fitted once per weight shape (RTN's exp grid search would take most of the run) and
+  copied to every layer.
 
 Per row: decode tokens/s (greedy ``plain_generate``, prompt excluded: (n - 1) / (t(n) - t(1)),
 medians of ``--repeats`` runs after a warm-up), the kernels the layers run, the bytes one
@@ -72,6 +75,7 @@ from bench._common import (
     report_goals,
     write_csv,
 )
+from pipeline.runtime import float_rows
 
 ROWS = {  # row: the decoder linears' format (None: float, in the dtype the row casts to)
     "FP32": None,
@@ -290,6 +294,7 @@ def crossover(args: argparse.Namespace) -> list[dict]:
     for width in [int(w) for w in args.crossover_widths.split(",") if w]:
         model = llama(width, args.crossover_layers, 3 * width, args.crossover_vocab,
                       args.kv_heads)  # fmt: skip
+        float_rows.convert(model)
         prompt = random_prompt(args.crossover_vocab, args.prompt_len)
         fp = decode_rate(model, prompt, args.new_tokens, args.repeats)
         with run_as(model, "W4g128") as m:
@@ -420,6 +425,7 @@ def main() -> int:
     print(f"copy bandwidth: {bandwidth / 1e9:.1f} GB/s", flush=True)
     model = llama(args.hidden, args.layers, args.intermediate, args.vocab, args.kv_heads)
     damp_tail(model, args.draft_layers, args.tail_scale)
+    float_rows.convert(model)  # float32 layers as the runtime runs them (every row's lm_head)
     info["params"] = sum(p.numel() for p in model.parameters())
     print(f"model: {info['params'] / 1e9:.3f}B params", flush=True)
     rows, spec = measure_rows(model, args, random_prompt(args.vocab, args.prompt_len), bandwidth)

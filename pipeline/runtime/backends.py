@@ -39,6 +39,7 @@ from pipeline.artifact.lowbit_format import LinearCodes
 from pipeline.errors import LowbitError
 from pipeline.quant.packing import pack_int4_npu_int32
 from pipeline.runtime import kernels
+from pipeline.runtime.float_rows import FloatRowsLinear
 
 BACKENDS = ("auto", "torch", "npu")
 
@@ -95,8 +96,8 @@ class TorchQuantLinear(nn.Module):
 
     @property
     def kernel(self) -> str:
-        """The kernel this layer runs: "w4a8pack", "int4pack", "int8pack", "dense-bf16" or
-        "reference"."""
+        """The kernel this layer runs: "w4a8pack", "w8a8pack", "int4pack", "int8pack",
+        "dense-bf16" or "reference"."""
         return self.impl.name
 
     def weight_matrix(self) -> Tensor:
@@ -190,6 +191,8 @@ def make_linear(
 
 
 def kernel_summary(model: nn.Module) -> str:
-    """What the model's quantized linears run, e.g. "int4pack x12, reference x2"."""
-    counts = Counter(m.kernel for m in model.modules() if isinstance(m, QUANT_LINEARS))
+    """What the model's quantized linears run, and its float linears where they run lowbit's
+    kernel, e.g. "int4pack x12, reference x2, f32rows x1"; "" for a model of plain layers."""
+    layers = (*QUANT_LINEARS, FloatRowsLinear)
+    counts = Counter(m.kernel for m in model.modules() if isinstance(m, layers) and m.kernel)
     return ", ".join(f"{k} x{n}" for k, n in counts.most_common())

@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from pipeline.artifact.lowbit_format import LinearCodes, pack_linear, plan_layer, unpack_linear
 from pipeline.quant.fakequant import FakeQuantLinear
 from pipeline.quant.qtensor import QTensor
+from pipeline.runtime import float_rows
 from pipeline.runtime.backends import TorchQuantLinear
 
 
@@ -37,12 +38,14 @@ def runtime_linear(
 
 @torch.no_grad()
 def to_runtime(model: nn.Module, kernel: str = "auto", *, copy_model: bool = True) -> nn.Module:
-    """``model`` with every quantized FakeQuantLinear replaced by the runtime's layer.
+    """``model`` with every quantized FakeQuantLinear replaced by the runtime's layer, and its
+    float32 linears, with ``kernel="auto"`` on CPU, on the few-row kernel (``float_rows``).
 
     Args:
-        model: A causal LM holding FakeQuantLinear modules (float-format ones stay as they
-            are: the runtime runs them as plain float weights too).
-        kernel: "auto" or "reference", as in :func:`pipeline.runtime.load`.
+        model: A causal LM, FP or holding FakeQuantLinear modules (float-format ones run as
+            plain float weights, as in the runtime).
+        kernel: "auto" or "reference" (every float linear stays ``F.linear``), as in
+            :func:`pipeline.runtime.load`.
         copy_model: Convert a deep copy (the caller keeps its fake-quant model).
 
     Returns:
@@ -54,4 +57,6 @@ def to_runtime(model: nn.Module, kernel: str = "auto", *, copy_model: bool = Tru
         if isinstance(mod, FakeQuantLinear) and mod.fmt.kind != "float":
             layer = runtime_linear(name, mod.to_qtensor(), mod.bias, kernel, device)
             out.set_submodule(name, layer)
+    if kernel == "auto":
+        float_rows.convert(out)
     return out.eval()

@@ -19,8 +19,9 @@ LUT gather per call, then FP32 matmul         175.0   exponential codes
 =============================================  =====  =========================================
 
 Speculative decoding verifies M = gamma + 1 tokens in one forward, so what a kernel costs at
-M > 1 matters as much (same layer, int4 g128, 1 thread, ms, best of 30 interleaved rounds;
-int4pack's time grows with M because it dequantizes its weights per row block):
+M > 1 matters as much (same layer, int4 g128, 1 thread, ms, best of 30 interleaved rounds; the
+int8 rows: int8 per channel, best of 15 calls; int4pack's and int8pack's time grows with M
+because they convert their weights per row block):
 
 =============================================  =====  =====  ==================================
 path                                           M = 1  M = 5  note
@@ -28,6 +29,8 @@ path                                           M = 1  M = 5  note
 FP32 ``F.linear``                              10.1   36.3   MKL sgemm: ~one weight pass per row
 ``_weight_int4pack_mm_for_cpu``, bf16 input    2.6    7.1
 W4A8, AVX-512 VNNI (``cpu_w4a8``)              1.2    1.9    bound by vpdpbusd throughput at M=5
+``_weight_int8pack_mm``, bf16 input, int8      3.7    9.5
+W8A8, AVX-512 VNNI (``cpu_w4a8``), int8        2.3    3.3
 =============================================  =====  =====  ==================================
 
 Hence (``bench/decode_speed.py`` measures them again on a whole model):
@@ -37,17 +40,23 @@ Hence (``bench/decode_speed.py`` measures them again on a whole model):
   quantized to int8 per 32 columns (~5e-3 relative error); the output returns in the caller's
   dtype. Faster than int4pack at every M measured (1 to 128; 34 against 139 ms at 128), so on
   such CPUs it replaces int4pack instead of sharing the layer: one packed copy of the weights.
+* ``w8a8pack``: the same kernel on int8 codes (``u = q + 128``, 512 bytes a block), per
+  channel or per group of a multiple of 32 columns; replaces int8pack where it runs for the
+  same reason (1.6x faster at M = 1, 2.9x at M = 5).
 * ``int4pack``: the other int2/int3/int4 layers (CUDA, CPUs without VNNI, a partial last group)
   whose group length is a multiple of 32; per-channel layers repeat their scale per
   256/128/64/32-column block. Activations enter in bf16, the output returns in the caller's
   dtype.
-* ``int8pack``: int8 codes with one scale per output channel and ``in_features % 16 == 0``;
+* ``int8pack``: other int8 codes with one scale per output channel and ``in_features % 16 == 0``;
   an asymmetric row's offset is folded as ``- sum(x) * offset * scale``. bf16 activations.
 * ``dense-bf16``: exponential codes, decoded once through their LUT to a bf16 weight at load
   (gathering per call loses 30x; no LUT kernel exists in torch). 16 bits per weight in memory.
 * ``reference``: dequantize then matmul in the caller's dtype; the oracle, bit-exact with the
   fake-quant model in float32, and the fallback for every layer a kernel cannot take
-  (int8 with groups, shapes a kernel refuses).
+  (int8 with groups where w8a8pack cannot run, shapes a kernel refuses).
+
+Float layers a model keeps (lm_head) are not built here: ``float_rows`` gives float32 CPU
+linears their few-row kernel.
 
 On CUDA, int2/int3/int4 layers take int4pack through ``_weight_int4pack_mm`` (tinygemm, bf16)
 and int8 ones ``_weight_int8pack_mm``. They have not run here (no GPU); :func:`build` therefore
@@ -65,10 +74,11 @@ from torch import Tensor, nn
 
 from pipeline.artifact.lowbit_format import LinearCodes
 from pipeline.quant.codec import expand_groups
-from pipeline.runtime import cpu_w4a8
+from pipeline.runtime import cpu_ext, cpu_w4a8
 
 log = logging.getLogger(__name__)
 
+W8A8_NAME = "w8a8pack"  # the W4A8 kernel on 8-bit codes
 KERNELS = ("auto", "reference")  # what a user chooses; "auto" = the table above
 ACT_DTYPE = torch.bfloat16  # the activation dtype the packed kernels are fast in
 INT4_BLOCKS = (256, 128, 64, 32)  # the group sizes the int4 kernels accept, largest first
@@ -156,13 +166,16 @@ class Int4Pack(Kernel):
 
 
 class W4A8(Kernel):
-    """int2/3/4 codes times int8 activations on AVX-512 VNNI (``cpu_w4a8``): 4-bit weights
-    read and unpacked once for all token rows, so 5 rows cost ~1.7 single rows (int4pack: 2.7)."""
+    """int2/3/4 codes (``w4a8pack``) and int8 ones (``w8a8pack``) times int8 activations on
+    AVX-512 VNNI (``cpu_w4a8``): weights read (and unpacked) once for all token rows, so 5 rows
+    cost ~1.7 single rows (int4pack: 2.7)."""
 
     name = "w4a8pack"
 
     def __init__(self, codes: LinearCodes) -> None:
         super().__init__()
+        if codes.info.bits == 8:
+            self.name = W8A8_NAME
         self.group = codes.group_len
         packed, scale, zero = cpu_w4a8.pack(codes)
         self.register_buffer("packed", packed)  # (n / 16, k / 32, 256) uint8
@@ -252,13 +265,15 @@ def _candidate(codes: LinearCodes, device: torch.device) -> Kernel | None:
 
 def _w4a8_runs_on(device: torch.device) -> bool:
     """Whether the W4A8 kernel serves ``device``: a CPU with VNNI where the extension built."""
-    return device.type == "cpu" and cpu_w4a8.extension() is not None
+    return device.type == "cpu" and cpu_ext.extension() is not None
 
 
-def int_kernel_name(device: torch.device | str = "cpu") -> str:
-    """The kernel int2/3/4 layers of ordinary shapes get on ``device``: "w4a8pack" on a CPU
-    that runs it, else "int4pack"."""
-    return W4A8.name if _w4a8_runs_on(torch.device(device)) else Int4Pack.name
+def int_kernel_name(device: torch.device | str = "cpu", bits: int = 4) -> str:
+    """The kernel int layers of ordinary shapes get on ``device``: on a CPU that runs lowbit's
+    kernel "w4a8pack" (2/3/4-bit codes) or "w8a8pack" (8-bit), else "int4pack" / "int8pack"."""
+    if _w4a8_runs_on(torch.device(device)):
+        return W8A8_NAME if bits == 8 else W4A8.name
+    return Int8Pack.name if bits == 8 else Int4Pack.name
 
 
 def relative_error(got: Tensor, want: Tensor) -> float:

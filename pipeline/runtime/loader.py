@@ -27,6 +27,7 @@ from torch import nn
 
 from pipeline.artifact.lowbit_format import LayerInfo, unpack_linear
 from pipeline.artifact.manifest import ArtifactError, read_manifest, safe_relpath, verify
+from pipeline.runtime import float_rows
 from pipeline.runtime.backends import kernel_summary, make_linear, resolve
 from pipeline.runtime.hf_generate import check_options, hf_generate
 from pipeline.speculative.adaptive import AdaptiveGamma
@@ -266,8 +267,9 @@ def load(
         dtype: Float dtype of activations and float weights (default float32 on CPU, else fp16).
         verify_hashes: Check every file's sha256 first (paths are always checked).
         kernel: torch backend: "auto" (each layer's measured-fastest packed kernel, see
-            ``pipeline.runtime.kernels``) or "reference" (dequantize per call; bit-exact with
-            the fake-quant model in float32).
+            ``pipeline.runtime.kernels``; float32 CPU linears take few-row calls on
+            ``float_rows``) or "reference" (dequantize per call, float linears on ``F.linear``;
+            bit-exact with the fake-quant model in float32).
 
     Returns:
         The Runtime.
@@ -315,6 +317,8 @@ def load(
     if missing:
         raise ArtifactError(f"{root} lacks tensors {missing[:5]}; export the artifact again")
     model = model.to(dev).eval()
+    if name == "torch" and kernel == "auto":
+        float_rows.convert(model)  # float32 CPU linears (lm_head): few-row calls read W once
     tokenizer = AutoTokenizer.from_pretrained(root, local_files_only=True)
     rt = Runtime(root, model, tokenizer, manifest, name, dev, layers=layers)
     if draft == "auto":

@@ -185,9 +185,7 @@ def _speed(p: EvaluateConfig, targets, drafts, pairs, prompts, seed: int) -> dic
     from pipeline.runtime.speed import decode_speed, format_speed
 
     # In place: perplexity and acceptance are done, and a copy would double the targets' memory.
-    models = {
-        n: m if n == "target_fp" else to_runtime(m, copy_model=False) for n, m in targets.items()
-    }
+    models = {n: to_runtime(m, copy_model=False) for n, m in targets.items()}
     ids = [torch.as_tensor([x], dtype=torch.long) for x in prompts[: p.spec_prompts]]
     speed = decode_speed(
         {**models, **drafts},

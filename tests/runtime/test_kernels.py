@@ -12,7 +12,7 @@ import torch
 
 from pipeline.artifact.lowbit_format import pack_linear, plan_layer, unpack_linear
 from pipeline.quant.rtn import quantize_rtn
-from pipeline.runtime import cpu_w4a8, kernels
+from pipeline.runtime import cpu_ext, cpu_w4a8, kernels
 from pipeline.runtime.backends import TorchQuantLinear, kernel_summary
 from pipeline.runtime.inmemory import runtime_linear, to_runtime
 from pipeline.runtime.kernels import TOLERANCE, build, int_kernel_name, relative_error
@@ -39,15 +39,20 @@ W4A8_TOL = 1e-2
         ("int2g64", "int"),
         ("int4", "int"),  # per channel: int4pack repeats the scale per 256-column block
         ("int2", "int"),
-        ("int8", "int8pack"),  # asymmetric: the offset folded as -sum(x) * offset * scale
-        ("int8-sym", "int8pack"),
+        ("int8", "int8"),  # "int8": w8a8pack, or int8pack (the offset folded as -sum(x) * o * s)
+        ("int8-sym", "int8"),
         ("exp4g128", "dense-bf16"),
-        ("int8g128", "reference"),  # no grouped int8 kernel
+        ("int8g128", "int8g"),  # w8a8pack, or the reference: torch has no grouped int8 kernel
     ],
 )
 def test_kernel_matches_reference(fmt, want):
     qt, codes = _codes(fmt)
-    want = int_kernel_name() if want == "int" else want
+    vnni = int_kernel_name() == "w4a8pack"
+    want = {
+        "int": int_kernel_name(),
+        "int8": int_kernel_name(bits=8),
+        "int8g": "w8a8pack" if vnni else "reference",
+    }.get(want, want)
     layer = build(codes)
     assert layer.name == want
     x = torch.randn(5, 256)
@@ -98,6 +103,7 @@ def test_a_kernel_that_raises_falls_back(monkeypatch, caplog):
         raise RuntimeError("no kernel for this device\nsecond line")
 
     monkeypatch.setattr(kernels.Int8Pack, "forward", refuse)
+    monkeypatch.setattr(kernels.W4A8, "forward", refuse)  # w8a8pack, where it runs
     with caplog.at_level(logging.WARNING, logger="pipeline.runtime.kernels"):
         assert build(codes, name="lm").name == "reference"
     assert "RuntimeError: no kernel for this device" in caplog.text
@@ -120,7 +126,7 @@ def test_bias_batch_dims_and_w8a8_dynamic():
     layer = TorchQuantLinear(codes, bias, kernel="auto")
     x = torch.randn(2, 3, 256)
     got = layer(x)
-    assert got.shape == (2, 3, 64) and layer.kernel == "int8pack"
+    assert got.shape == (2, 3, 64) and layer.kernel == int_kernel_name(bits=8)
     assert relative_error(got, x @ qt.dequantize().T + bias) < 1e-2
 
 
@@ -154,17 +160,20 @@ def test_int4pack_matches_reference(fmt):
 
 
 needs_vnni = pytest.mark.skipif(
-    not cpu_w4a8.cpu_has_vnni(), reason="the W4A8 kernel needs AVX-512 VNNI (avx512_vnni flag)"
+    not cpu_ext.cpu_has_vnni(), reason="lowbit's CPU kernels need AVX-512 VNNI (avx512_vnni flag)"
 )
 
 
 @needs_vnni
-@pytest.mark.parametrize("fmt", ["int4g32", "int4g128", "int3g64", "int2g64", "int4", "int2g128"])
+@pytest.mark.parametrize(
+    "fmt", ["int4g32", "int4g128", "int3g64", "int2g64", "int4", "int2g128", "int8", "int8g64-sym"]
+)
 @pytest.mark.parametrize("rows", [1, 2, 5, 9, 17])  # 9 and 17: more than one pass of 6 rows
 def test_w4a8_matches_reference(fmt, rows):
     _, codes = _codes(fmt, (48, 384))
-    assert codes.offset.any() or fmt == "int4"  # asymmetric: the zero term is exercised
+    assert codes.offset.any() or fmt in ("int4", "int8g64-sym")  # the zero term is exercised
     layer = kernels.W4A8(codes)
+    assert layer.name == ("w8a8pack" if fmt.startswith("int8") else "w4a8pack")
     x = torch.randn(rows, 384)
     got = layer(x)
     assert got.shape == (rows, 48) and got.dtype == x.dtype
@@ -188,14 +197,16 @@ def test_w4a8_refuses_a_partial_group_and_int4pack_takes_it():
 
 
 @needs_vnni
-def test_without_a_compiler_int_layers_keep_int4pack(tmp_path):
+def test_without_a_compiler_int_layers_keep_int4pack_and_float_ones_f_linear(tmp_path):
     # a fresh process (the build is cached per process) whose compiler does not exist
     script = (
         "import logging, torch\n"
         "logging.basicConfig()\n"
-        "from pipeline.runtime import cpu_w4a8\n"
+        "from pipeline.runtime import cpu_ext, float_rows\n"
         "from pipeline.runtime.kernels import int_kernel_name\n"
-        "print(cpu_w4a8.extension() is None, cpu_w4a8.extension() is None, int_kernel_name())\n"
+        "lm = torch.nn.Sequential(torch.nn.Linear(1024, 1024))\n"
+        "float_rows.convert(lm)\n"
+        "print(cpu_ext.extension() is None, int_kernel_name(), type(lm[0]).__name__)\n"
     )
     env = {
         **os.environ,
@@ -206,5 +217,5 @@ def test_without_a_compiler_int_layers_keep_int4pack(tmp_path):
         [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.split() == ["True", "True", "int4pack"]
-    assert proc.stderr.count("the W4A8 CPU kernel did not build") == 1  # one warning, not per call
+    assert proc.stdout.split() == ["True", "int4pack", "Linear"]  # float layers stay F.linear
+    assert proc.stderr.count("CPU kernels did not build") == 1  # one warning, not per call

@@ -1,0 +1,88 @@
+"""One float32 linear, a few token rows: torch's ``F.linear`` (MKL sgemm) against the runtime's
+few-row kernel (``pipeline/runtime/float_rows.py``, ``f32rows``).
+
+The shape defaults to a 1B Llama's lm_head (vocab 32000 x hidden 2048, 262 MB): the float layer
+a quantized model keeps, and the one speculative verification's gamma + 1 rows hit hardest.
+Each cell is the best of ``--repeats`` calls in milliseconds, the two paths interleaved per
+round so that drifts of the machine hit both; ``v`` is t(rows) / t(1 row of F.linear), what a
+verification of that many rows costs in single-token steps.
+
+Goal (exit 1 when missed): f32rows at most F.linear's time at every row count from
+``MIN_ROWS`` to ``MAX_ROWS``, the range where ``float_rows`` routes calls to it.
+
+Usage:
+  python -m bench.float_rows [--threads 1] [--n 32000 --k 2048] [--rows 1,2,3,4,5,6,8,12,16,32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from bench._common import goal, machine, markdown_table, report_goals, write_csv
+from pipeline.runtime import float_rows
+from pipeline.runtime.cpu_ext import extension
+
+COLUMNS = ("rows", "F.linear ms", "f32rows ms", "F.linear / f32rows", "v F.linear", "v f32rows")
+
+
+def ms(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return 1e3 * (time.perf_counter() - t0)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--n", type=int, default=32000, help="out features")
+    p.add_argument("--k", type=int, default=2048, help="in features")
+    p.add_argument("--rows", default="1,2,3,4,5,6,8,12,16,32")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--out", default="bench-out/float_rows")
+    args = p.parse_args()
+    ext = extension()
+    if ext is None:
+        print("lowbit's CPU kernels are unavailable here (no AVX-512 VNNI or no compiler)")
+        return 1
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    w = torch.randn(args.n, args.k) * 0.02
+    rows, best = [], {}
+    for m in [int(r) for r in args.rows.split(",")]:
+        x = torch.randn(m, args.k)
+        paths = {
+            "F.linear": lambda x=x: F.linear(x, w),
+            "f32rows": lambda x=x: ext.f32_rows_mm(x, w),
+        }
+        for fn in paths.values():  # warm-up
+            fn()
+        for _ in range(args.repeats):  # interleaved rounds
+            for name, fn in paths.items():
+                best[m, name] = min(best.get((m, name), float("inf")), ms(fn))
+        rows.append({"rows": m, **{f"{name} ms": best[m, name] for name in paths}})
+    one = rows[0]["F.linear ms"] if rows[0]["rows"] == 1 else float("nan")
+    for r in rows:
+        r["F.linear / f32rows"] = r["F.linear ms"] / r["f32rows ms"]
+        r["v F.linear"], r["v f32rows"] = r["F.linear ms"] / one, r["f32rows ms"] / one
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    print(f"machine: {machine()}; threads {torch.get_num_threads()}; "
+          f"weight {args.n} x {args.k} float32 ({4 * args.n * args.k / 1e6:.0f} MB)\n")  # fmt: skip
+    print(markdown_table(rows, COLUMNS))
+    write_csv(out / "float_rows.csv", rows, COLUMNS)
+    routed = [r for r in rows if float_rows.MIN_ROWS <= r["rows"] <= float_rows.MAX_ROWS]
+    worst = min(routed, key=lambda r: r["F.linear / f32rows"])
+    goals = [goal(f"F.linear / f32rows at {float_rows.MIN_ROWS}-{float_rows.MAX_ROWS} rows "
+                  f"(worst: {worst['rows']} rows)", worst["F.linear / f32rows"], ">= 1",
+                  worst["F.linear / f32rows"] >= 1)]  # fmt: skip
+    return report_goals(goals, out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
