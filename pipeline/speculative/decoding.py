@@ -28,7 +28,12 @@ from collections.abc import Sequence
 import torch
 
 from pipeline.speculative.adaptive import AdaptiveGamma
-from pipeline.speculative.sampling import logits_to_probs, sample_tokens, verify_draft
+from pipeline.speculative.sampling import (
+    logits_to_probs,
+    sample_tokens,
+    verify_draft,
+    verify_greedy,
+)
 from pipeline.speculative.schedule import draft_temperature
 from pipeline.speculative.stats import SpecStats
 
@@ -139,7 +144,9 @@ def draft_block(
     vocab: int,
     temperature: float | Sequence[float],
     generator: torch.Generator | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    *,
+    probs: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Sample ``g`` draft tokens autoregressively, one cached forward each.
 
     The draft reads ``pending`` and then every draft but the last, which stays unread: the
@@ -153,6 +160,8 @@ def draft_block(
         temperature: sampling temperature, one for the block or one per token (a schedule);
             0 = greedy.
         generator: randomness of the draft samples.
+        probs: False (greedy decoding only: every temperature 0) returns the argmax tokens
+            and None for q, which :func:`verify_greedy` does not need.
 
     Returns:
         (tokens, q): (1, g) int64 proposals on the draft's device, and (1, g, vocab) the
@@ -164,11 +173,18 @@ def draft_block(
     tokens, q_rows = [], []
     for t in temps:
         q_logits = drf.forward(pending, keep=1)[:, -1]  # (1, V_q)
-        q = draft_probs(q_logits, vocab, t)  # (1, V)
-        tok = sample_tokens(q, generator, t == 0)  # (1,)
+        if probs:
+            q = draft_probs(q_logits, vocab, t)  # (1, V)
+            tok = sample_tokens(q, generator, t == 0)  # (1,)
+            q_rows.append(q)
+        else:  # greedy: the argmax alone, no one-hot row over the vocabulary
+            tok = q_logits[..., :vocab].argmax(-1)
         tokens.append(tok)
-        q_rows.append(q)
         pending = tok.view(1, 1)
+    if not probs:
+        return torch.stack(tokens, 1) if g else torch.zeros(
+            1, 0, dtype=torch.long, device=drf.device
+        ), None
     if not g:
         empty = torch.zeros(1, 0, dtype=torch.long, device=drf.device)
         return empty, torch.zeros(1, 0, vocab, device=drf.device)
@@ -239,11 +255,15 @@ def speculative_generate(
         # Committed tokens the draft has not read yet: (1, 1), or (1, 2) after a full accept.
         pending = torch.tensor([seq[drf.length :]], dtype=torch.long)
         temps = block_temperatures(temperature, produced, g, temperature_schedule)
-        draft_t, q_probs = draft_block(drf, pending, g, vocab, temps, generator)
+        draft_t, q_probs = draft_block(drf, pending, g, vocab, temps, generator, probs=not greedy)
         draft_t = draft_t.to(tgt.device)  # (1, g)
         feed = torch.cat([torch.tensor([seq[tgt.length :]], device=tgt.device), draft_t], dim=1)
-        p = logits_to_probs(tgt.forward(feed, keep=g + 1), temperature)  # (1, g+1, V)
-        ver = verify_draft(draft_t, q_probs.to(p.device), p, greedy=greedy, generator=generator)
+        logits = tgt.forward(feed, keep=g + 1)  # (1, g+1, V)
+        if greedy:
+            ver = verify_greedy(draft_t, logits.argmax(-1))
+        else:
+            p = logits_to_probs(logits, temperature)
+            ver = verify_draft(draft_t, q_probs.to(p.device), p, generator=generator)
 
         n = int(ver.n_accepted.item())
         n_verified = min(n + 1, g)
@@ -285,7 +305,10 @@ def plain_generate(
     feed = ids
     for _ in range(max_new_tokens):
         logits = lm.forward(feed, keep=1)[:, -1]  # (1, V)
-        tok = sample_tokens(logits_to_probs(logits, temperature), generator, temperature == 0)
+        if temperature == 0:  # the argmax, without a one-hot row over the vocabulary
+            tok = logits.argmax(-1)
+        else:
+            tok = sample_tokens(logits_to_probs(logits, temperature), generator)
         seq.append(int(tok.item()))
         stats.record_round(0, 0, 1, [])
         if seq[-1] in eos:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Verification", "logits_to_probs", "sample_tokens", "verify_draft"]
+__all__ = ["Verification", "logits_to_probs", "sample_tokens", "verify_draft", "verify_greedy"]
 
 
 @dataclass(frozen=True)
@@ -148,6 +148,25 @@ def verify_draft(
         residual = torch.where(mass > 1e-12, residual / mass.clamp_min(1e-12), p_n)
         next_token = sample_tokens(residual, generator)
     return Verification(n_accepted, next_token, accepted, beta)
+
+
+def verify_greedy(draft_tokens: torch.Tensor, target_tokens: torch.Tensor) -> Verification:
+    """:func:`verify_draft` with ``greedy=True``, from the target's argmax tokens alone.
+
+    The same outcome without one-hot rows over the vocabulary: at a 152 k vocabulary and
+    gamma 4 building them cost ~11 ms a round on a 2-core CPU, a tenth of a 0.6 B model's round.
+    beta is 1 where the draft token is the target's argmax, as sum_x min(p, q) of two one-hots is.
+
+    Args:
+        draft_tokens: (B, G) the draft's greedy tokens.
+        target_tokens: (B, G + 1) the target's argmax at the same positions and the one after.
+    """
+    b, g = draft_tokens.shape
+    match = target_tokens[:, :g] == draft_tokens  # (B, G)
+    n_accepted = _leading_true(match)
+    accepted = torch.arange(g, device=match.device) < n_accepted.unsqueeze(-1)
+    next_token = target_tokens[torch.arange(b, device=match.device), n_accepted]
+    return Verification(n_accepted, next_token, accepted, match.float())
 
 
 def _rng_device(generator: torch.Generator | None, like: torch.Tensor) -> torch.device:

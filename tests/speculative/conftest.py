@@ -43,12 +43,12 @@ def record_draft_temperatures(monkeypatch, module, prompt_len: int) -> list:
     seen: list[tuple[int, list[float]]] = []
     real = module.draft_block
 
-    def spy(drf, pending, g, vocab, temperature, generator=None):
+    def spy(drf, pending, g, vocab, temperature, generator=None, **kw):
         # The committed sequence is what the draft has cached plus what it has not read yet.
         committed = drf.length + pending.shape[1] - prompt_len
         temps = [temperature] * g if isinstance(temperature, float) else list(temperature)
         seen.append((committed, temps))
-        return real(drf, pending, g, vocab, temperature, generator)
+        return real(drf, pending, g, vocab, temperature, generator, **kw)
 
     monkeypatch.setattr(module, "draft_block", spy)
     return seen

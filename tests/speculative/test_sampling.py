@@ -4,7 +4,12 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from pipeline.speculative.sampling import logits_to_probs, sample_tokens, verify_draft
+from pipeline.speculative.sampling import (
+    logits_to_probs,
+    sample_tokens,
+    verify_draft,
+    verify_greedy,
+)
 
 N = 40_000  # independent rows, all verified in one vectorised call
 
@@ -86,6 +91,20 @@ def test_greedy_accepts_iff_target_argmax_and_corrects_with_it():
     for drafts, (n, nxt) in cases.items():
         ver = verify_draft(torch.tensor([drafts]), q, p, greedy=True)
         assert ver.n_accepted.item() == n and ver.next_token.item() == nxt
+
+
+@pytest.mark.parametrize("g", [0, 1, 4])
+def test_verify_greedy_equals_greedy_verify_draft_on_one_hots(g):
+    # many rows, each draft agreeing with the target for a random prefix
+    gen = torch.Generator().manual_seed(g)
+    p_logits = torch.randn(64, g + 1, 50, generator=gen)
+    target = p_logits.argmax(-1)  # (64, g + 1)
+    drafts = torch.where(torch.rand(64, g, generator=gen) < 0.7, target[:, :g], 7)
+    q = logits_to_probs(torch.nn.functional.one_hot(drafts, 50).float(), 0.0)
+    want = verify_draft(drafts, q, logits_to_probs(p_logits, 0.0), greedy=True)
+    got = verify_greedy(drafts, target)
+    for field in ("n_accepted", "next_token", "accepted", "beta"):
+        assert torch.equal(getattr(got, field), getattr(want, field)), field
 
 
 def test_zero_gamma_is_a_plain_target_sample():
