@@ -181,14 +181,10 @@ def draft_block(
             tok = q_logits[..., :vocab].argmax(-1)
         tokens.append(tok)
         pending = tok.view(1, 1)
-    if not probs:
-        return torch.stack(tokens, 1) if g else torch.zeros(
-            1, 0, dtype=torch.long, device=drf.device
-        ), None
     if not g:
         empty = torch.zeros(1, 0, dtype=torch.long, device=drf.device)
-        return empty, torch.zeros(1, 0, vocab, device=drf.device)
-    return torch.stack(tokens, 1), torch.stack(q_rows, 1)
+        return empty, torch.zeros(1, 0, vocab, device=drf.device) if probs else None
+    return torch.stack(tokens, 1), torch.stack(q_rows, 1) if probs else None
 
 
 def block_temperatures(
