@@ -3,9 +3,9 @@
 A random-weight Llama (TinyLlama-1.1B's shape by default; speed does not depend on the
 weights' values) is built in memory, and each row runs it one way, one row at a time:
 
-* ``FP32`` as built, its float32 linears on the runtime's few-row kernel (``float_rows``:
-  ``f32rows``, which serves verification's gamma + 1 rows; one-token steps and prompts run
-  ``F.linear``); ``BF16``: the whole model cast to bfloat16;
+* ``FP32`` as built, its float32 linears of >= 4 MiB on the runtime's few-row kernel
+  (``float_rows``: ``f32rows``, for one-token steps and verification's gamma + 1 rows; prompts
+  run ``F.linear``); ``BF16``: the whole model cast to bfloat16;
 * ``W8``, ``W4g128``, ``W3``, ``W2``, ``exp4``: every decoder-layer linear quantized by RTN
   (int8, int4g128, int3g128, int2g64, exp4g128) and replaced by the runtime's layer
   (``runtime_linear``: the export's packing, the kernel ``load`` picks); embeddings, norms and

@@ -47,9 +47,7 @@ class FloatRowsLinear(nn.Linear):
     def kernel(self) -> str | None:
         """``NAME``, or None where every call goes to ``F.linear`` (a weight cast off float32
         or off the CPU), so that ``kernel_summary`` does not claim it."""
-        w = self.weight
-        ok = w.dtype == torch.float32 and w.device.type == "cpu" and w.is_contiguous()
-        return NAME if ok else None
+        return NAME if _takes(self.weight) else None
 
     @classmethod
     def of(cls, linear: nn.Linear) -> FloatRowsLinear:
@@ -73,16 +71,14 @@ class FloatRowsLinear(nn.Linear):
         return y.view(*x.shape[:-1], self.out_features)
 
 
+def _takes(weight: Tensor) -> bool:
+    """Whether ``f32_rows_mm`` takes this weight: float32, on the CPU, contiguous."""
+    return weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.is_contiguous()
+
+
 def fits(linear: nn.Module) -> bool:
     """Whether ``linear`` is a plain float32 CPU ``nn.Linear`` worth the kernel."""
-    w = getattr(linear, "weight", None)
-    return (
-        type(linear) is nn.Linear
-        and w.dtype == torch.float32
-        and w.device.type == "cpu"
-        and w.is_contiguous()
-        and w.nbytes >= MIN_BYTES
-    )
+    return type(linear) is nn.Linear and _takes(linear.weight) and linear.weight.nbytes >= MIN_BYTES
 
 
 def convert(model: nn.Module) -> nn.Module:

@@ -184,11 +184,12 @@ def _speed(p: EvaluateConfig, targets, drafts, pairs, prompts, seed: int) -> dic
     from pipeline.runtime.inmemory import to_runtime
     from pipeline.runtime.speed import decode_speed, format_speed
 
-    # In place: perplexity and acceptance are done, and a copy would double the targets' memory.
-    models = {n: to_runtime(m, copy_model=False) for n, m in targets.items()}
+    # In place: perplexity and acceptance are done, and a copy would double the models' memory.
+    # Drafts too, as bench/acceptance.py does: a large float draft takes the runtime's kernels.
+    models = {n: to_runtime(m, copy_model=False) for n, m in {**targets, **drafts}.items()}
     ids = [torch.as_tensor([x], dtype=torch.long) for x in prompts[: p.spec_prompts]]
     speed = decode_speed(
-        {**models, **drafts},
+        models,
         pairs,
         ids,
         new_tokens=p.spec_new_tokens,
