@@ -203,17 +203,28 @@ def log_mlflow(
     print(f"logged to MLflow {uri} (experiment {experiment!r})", file=sys.stderr)
 
 
+# The CPU flags that decide which kernels run (lowbit's AVX-512 VNNI or AVX2 ones, torch's
+# bf16 and AMX paths), named in every machine line whether present or not.
 def machine() -> str:
-    """CPU model, cores and memory, for the docs' machine line."""
-    cpu = "unknown CPU"
+    """CPU model, its flags that decide a default, cores, commit, memory and load: the docs'
+    machine line (``pipeline.hardware``)."""
+    from pipeline.hardware import describe, where
+
     try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if "model name" in line)
         with open("/proc/meminfo") as f:
             mem = int(f.readline().split()[1]) / 2**20
-    except (OSError, StopIteration):
+    except OSError:
         mem = float("nan")
-    return f"{cpu}, {os.cpu_count()} cores, {mem:.0f} GiB RAM, load avg {os.getloadavg()[0]:.1f}"
+    return f"{describe(where())}, {mem:.0f} GiB RAM, load avg {os.getloadavg()[0]:.1f}"
+
+
+def cpu_kernels() -> str:
+    """The ISA lowbit's CPU kernels run in and why (auto or ``LOWBIT_CPU_ISA``), e.g. "avx2
+    (LOWBIT_CPU_ISA=avx2)"; "none" where torch's kernels serve."""
+    from pipeline.runtime import cpu_ext
+
+    asked = os.environ.get(cpu_ext.ENV)
+    return f"{cpu_ext.isa() or 'none'} ({f'{cpu_ext.ENV}={asked}' if asked else 'auto'})"
 
 
 def goal(name: str, value: float, want: str, met: bool) -> dict[str, Any]:

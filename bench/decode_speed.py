@@ -13,6 +13,13 @@ weights' values) is built in memory, and each row runs it one way, one row at a 
   are fitted once per weight shape (RTN's exp grid search would take most of the run) and
   copied to every layer.
 
+``<row>@torch`` (FP32, W8, W4g128, W3, W2) runs the same row on torch's own kernels alone:
+float linears on ``F.linear`` (MKL) and int layers on ``int4pack`` / ``int8pack``, what the
+runtime falls back to without lowbit's CPU kernels; ``x torch`` divides a row's tokens/s by its
+``@torch`` row's, measured side by side in the same run. lowbit's kernels run on the ISA
+``pipeline.runtime.cpu_ext`` picks (``LOWBIT_CPU_ISA``: auto, avx512, avx2, none); every output
+names it and the CPU.
+
 Per row: decode tokens/s (greedy ``plain_generate``, prompt excluded: (n - 1) / (t(n) - t(1)),
 medians of ``--repeats`` runs after a warm-up), the kernels the layers run, the bytes one
 decode step reads (every parameter and buffer of the forward, one embedding row, and the KV
@@ -40,13 +47,19 @@ costs in single-token steps. The theory takes v = 1, as on memory-bound hardware
 v > 1 (CPU kernels whose time grows with the tokens) ``theory at v`` = tau / (gamma c + v)
 is the speed-up to expect.
 
-Goals (exit 1 when one is missed): W4g128 >= 1.8 x FP32 tokens/s; W8 >= 1.5 x FP32;
-speculative measured speed-up >= 0.8 x theoretical, at the fastest of the ``--gammas``.
+Goals (exit 1 when one is missed, or cannot be checked for want of its rows): speculative
+measured speed-up >= 0.8 x theoretical, at the fastest of the ``--gammas``; and on AVX-512 (or
+torch's kernels) W4g128 >= 1.8 x FP32 tokens/s, W8 >= 1.5 x FP32; on AVX2 (issue 29) W4g128 and
+W8 each >= 0.65 of their bandwidth limit, W4g128 >= 1.7 x and W8 >= 1.3 x their ``@torch`` rows,
+FP32 >= 1 x ``FP32@torch``, and v <= 1.3 at every gamma up to 4 (verifying up to 5 rows). On
+AVX2 the default ``--rows`` add FP32@torch, W8@torch and W4g128@torch.
 
 Usage:
   python -m bench.decode_speed                                  # ~1.1B, the full measurement
   python -m bench.decode_speed --hidden 512 --layers 2 --intermediate 1408 --vocab 4096 \\
       --new-tokens 16 --crossover-widths 256,512                # smoke
+  LOWBIT_CPU_ISA=avx2 python -m bench.decode_speed --threads 2 --crossover-widths '' \\
+      --rows FP32,FP32@torch,W8,W8@torch,W4g128,W4g128@torch   # AVX2 against torch's kernels
   [--rows FP32,W4g128,...] [--threads N] [--repeats 3] [--gammas 2,3,4] [--temperature 0]
   [--out bench-out/decode_speed] [--mlflow URI]
 """
@@ -67,6 +80,7 @@ import torch
 from torch import nn
 
 from bench._common import (
+    cpu_kernels,
     goal,
     hwm_mib,
     log_mlflow,
@@ -75,7 +89,7 @@ from bench._common import (
     report_goals,
     write_csv,
 )
-from pipeline.runtime import float_rows
+from pipeline.runtime import cpu_ext, float_rows
 
 ROWS = {  # row: the decoder linears' format (None: float, in the dtype the row casts to)
     "FP32": None,
@@ -86,10 +100,18 @@ ROWS = {  # row: the decoder linears' format (None: float, in the dtype the row 
     "W2": "int2g64",
     "exp4": "exp4g128",
 }
+TORCH = "@torch"  # a row's suffix: the same row on torch's own kernels
+TORCH_ROWS = ("FP32", "W8", "W4g128", "W3", "W2")  # rows whose kernels differ from torch's
 SPEC_TARGET = "W4g128"
 GOALS = {"W4g128": 1.8, "W8": 1.5}  # row: tokens/s it must reach, as a multiple of FP32
 SPEC_GOAL = 0.8  # measured speed-up / theoretical
-COLUMNS = ("row", "kernels", "MB/token", "tok/s", "limit tok/s", "of limit", "x FP32")
+# AVX2 (issue 29): a row's "of limit" and tokens/s as a multiple of its @torch row's, and the
+# verification cost v at up to AVX2_V_ROWS rows
+AVX2_OF_LIMIT = {"W4g128": 0.65, "W8": 0.65}
+AVX2_X_TORCH = {"W4g128": 1.7, "W8": 1.3, "FP32": 1.0}
+AVX2_V, AVX2_V_ROWS = 1.3, 5
+COLUMNS = ("row", "isa", "kernels", "MB/token", "tok/s", "limit tok/s", "of limit", "x FP32",
+           "x torch")  # fmt: skip
 CROSS_COLUMNS = ("width", "params M", "FP32 tok/s", "W4g128 tok/s", "W4g128 / FP32", "kernels")
 SPEC_COLUMNS = (
     "target", "draft", "gamma", "alpha", "tau", "c", "spec tok/s", "plain tok/s",
@@ -117,8 +139,31 @@ def llama(
 
 
 @contextlib.contextmanager
+def torch_kernels(model: nn.Module) -> Iterator[nn.Module]:
+    """``model`` on torch's own kernels, restored after: its ``FloatRowsLinear`` layers as plain
+    ``nn.Linear`` (parameters shared), and layers built inside on int4pack / int8pack."""
+    swapped = {}
+    for name, mod in list(model.named_modules()):
+        if isinstance(mod, float_rows.FloatRowsLinear):
+            lin = nn.Linear(mod.in_features, mod.out_features, bias=False, device="meta")
+            lin.weight, lin.bias = mod.weight, mod.bias
+            swapped[name] = mod
+            model.set_submodule(name, lin)
+    try:
+        with cpu_ext.forced_isa(None):
+            yield model
+    finally:
+        for name, mod in swapped.items():
+            model.set_submodule(name, mod)
+
+
+@contextlib.contextmanager
 def run_as(model: nn.Module, row: str) -> Iterator[nn.Module]:
     """``model`` as ``row`` runs it (decoder linears swapped or the model cast), restored after."""
+    if row.endswith(TORCH):
+        with torch_kernels(model), run_as(model, row.removesuffix(TORCH)) as m:
+            yield m
+        return
     fmt = ROWS[row]
     if row == "BF16":
         # An in-place cast: no second copy of the model. Casting back leaves the weights
@@ -219,7 +264,8 @@ def measure_rows(
             nbytes = bytes_per_token(m, context)
             limit = bandwidth / nbytes
             rows.append({
-                "row": row, "kernels": kernel_summary(m) or str(m.dtype).removeprefix("torch."),
+                "row": row, "isa": cpu_ext.isa() or "torch",
+                "kernels": kernel_summary(m) or str(m.dtype).removeprefix("torch."),
                 "MB/token": nbytes / 1e6, "tok/s": rate, "limit tok/s": limit,
                 "of limit": rate / limit, "build s": built,
             })  # fmt: skip
@@ -228,9 +274,11 @@ def measure_rows(
                 spec = [speculative_row(m, args, prompt, g) for g in args.gammas]
                 for r in spec:
                     print(r, flush=True)
-    fp = next((r["tok/s"] for r in rows if r["row"] == "FP32"), None)
+    rate = {r["row"]: r["tok/s"] for r in rows}
     for r in rows:
-        r["x FP32"] = r["tok/s"] / fp if fp else None
+        r["x FP32"] = r["tok/s"] / rate["FP32"] if "FP32" in rate else None
+        torch_rate = rate.get(r["row"] + TORCH)
+        r["x torch"] = r["tok/s"] / torch_rate if torch_rate else None
     return rows, spec
 
 
@@ -323,20 +371,49 @@ def random_prompt(vocab: int, length: int) -> torch.Tensor:
     return torch.randint(0, vocab, (1, length), generator=torch.Generator().manual_seed(0))
 
 
-def check_goals(rows: list[dict], spec: list[dict]) -> list[dict]:
-    """The goal rows that the measured rows allow checking."""
+def check_goals(rows: list[dict], spec: list[dict], isa: str | None) -> list[dict]:
+    """The goals of ``isa``'s kernels: on AVX2 all of them, checked or missed; elsewhere those
+    that the measured rows allow checking."""
     by_row = {r["row"]: r for r in rows}
-    goals = [
-        goal(f"{row} tok/s / FP32 tok/s", by_row[row]["x FP32"], f">= {want}",
-             by_row[row]["x FP32"] >= want)
-        for row, want in GOALS.items()
-        if row in by_row and by_row[row]["x FP32"] is not None
-    ]  # fmt: skip
+    if isa == "avx2":
+        goals = avx2_goals(by_row, spec)
+    else:
+        goals = [
+            goal(f"{row} tok/s / FP32 tok/s", by_row[row]["x FP32"], f">= {want}",
+                 by_row[row]["x FP32"] >= want)
+            for row, want in GOALS.items()
+            if row in by_row and by_row[row]["x FP32"] is not None
+        ]  # fmt: skip
     if spec:  # at the draft length a user would run: the fastest measured
         best = max(spec, key=lambda r: r["measured"])
         ratio = best["measured / theoretical"]
         goals.append(goal(f"speculative measured / theoretical speed-up (gamma {best['gamma']})",
                           ratio, f">= {SPEC_GOAL}", ratio >= SPEC_GOAL))  # fmt: skip
+    return goals
+
+
+def avx2_goals(by_row: dict[str, dict], spec: list[dict]) -> list[dict]:
+    """Issue 29's goals for the AVX2 kernels; one whose rows were not measured is missed."""
+
+    def at_least(name: str, value: float | None, want: float) -> dict:
+        if value is None:
+            return goal(f"{name} (not measured: add its rows)", None, f">= {want}", False)
+        return goal(name, value, f">= {want}", value >= want)
+
+    goals = [
+        at_least(f"{row} of bandwidth limit", by_row.get(row, {}).get("of limit"), want)
+        for row, want in AVX2_OF_LIMIT.items()
+    ]
+    goals += [
+        at_least(f"{row} tok/s / {row}{TORCH} tok/s", by_row.get(row, {}).get("x torch"), want)
+        for row, want in AVX2_X_TORCH.items()
+    ]
+    vs = [r["v"] for r in spec if r["gamma"] + 1 <= AVX2_V_ROWS]
+    name = f"v: verifying up to {AVX2_V_ROWS} rows, in single-row steps (worst gamma)"
+    if not vs:
+        goals.append(goal(f"{name} (not measured: --gammas)", None, f"<= {AVX2_V}", False))
+    else:
+        goals.append(goal(name, max(vs), f"<= {AVX2_V}", max(vs) <= AVX2_V))
     return goals
 
 
@@ -350,7 +427,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--rows", default=",".join(ROWS), help=f"a subset of {','.join(ROWS)}")
+    rows_help = (f"a subset of {','.join(ROWS)} and {TORCH} rows of {','.join(TORCH_ROWS)} "
+                 f"(default: all {len(ROWS)}; on AVX2 also FP32, W8, W4g128{TORCH})")  # fmt: skip
+    p.add_argument("--rows", default=None, help=rows_help)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--copy-mib", type=int, default=512, help="each copy buffer, MiB of float32")
     p.add_argument("--crossover-widths", default="128,256,512,1024,2048", help="'' skips it")
@@ -365,9 +444,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--out", default="bench-out/decode_speed")
     p.add_argument("--mlflow", default=None, help="tracking URI to log the rows to")
     args = p.parse_args()
-    unknown = set(args.rows.split(",")) - set(ROWS)
+    if args.rows is None:
+        extra = [f"{r}{TORCH}" for r in ("FP32", "W8", "W4g128")] if cpu_ext.isa() == "avx2" else []
+        args.rows = ",".join([*ROWS, *extra])
+    known = [*ROWS, *(f"{r}{TORCH}" for r in TORCH_ROWS)]
+    unknown = set(args.rows.split(",")) - set(known)
     if unknown:
-        p.error(f"unknown rows {sorted(unknown)}; choose from {','.join(ROWS)}")
+        p.error(f"unknown rows {sorted(unknown)}; choose from {','.join(known)}")
     args.gammas = [int(g) for g in args.gammas.split(",") if g]
     args.draft_layers = args.draft_layers or max(1, args.layers // 4)
     if not 0 < args.draft_layers < args.layers and args.gammas:
@@ -382,8 +465,9 @@ def report(
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     parts = [
-        f"machine: {info['machine']}; threads {info['threads']}; copy bandwidth "
-        f"{info['bandwidth_bytes_s'] / 1e9:.1f} GB/s; peak RSS {info['peak_rss_mib']:.0f} MiB\n"
+        f"machine: {info['machine']}\nlowbit CPU kernels: {info['isa']}; threads "
+        f"{info['threads']}; copy bandwidth {info['bandwidth_bytes_s'] / 1e9:.1f} GB/s; "
+        f"peak RSS {info['peak_rss_mib']:.0f} MiB\n"
         f"model: {info['params'] / 1e9:.3f}B params, prompt {args.prompt_len}, "
         f"{args.new_tokens} new tokens, median of {args.repeats}",
         markdown_table(rows, COLUMNS),
@@ -403,7 +487,7 @@ def report(
     (out / "decode_speed.md").write_text(text + "\n")
     write_csv(out / "decode_speed.csv", rows, (*COLUMNS, "build s"))
     write_csv(out / "crossover.csv", cross, CROSS_COLUMNS)
-    goals = check_goals(rows, spec)
+    goals = check_goals(rows, spec, cpu_ext.isa())
     (out / "decode_speed.json").write_text(json.dumps({
         **info, "args": vars(args), "rows": rows, "crossover": cross, "crossover_width": width,
         "speculative": spec, "goals": goals,
@@ -419,8 +503,9 @@ def main() -> int:
     args = parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    info = {"machine": machine(), "threads": torch.get_num_threads()}
-    print(f"machine: {info['machine']}\nthreads: {info['threads']}", flush=True)
+    info = {"machine": machine(), "isa": cpu_kernels(), "threads": torch.get_num_threads()}
+    print(f"machine: {info['machine']}\nlowbit CPU kernels: {info['isa']}\n"
+          f"threads: {info['threads']}", flush=True)  # fmt: skip
     info["bandwidth_bytes_s"] = bandwidth = copy_bandwidth(args.copy_mib)
     print(f"copy bandwidth: {bandwidth / 1e9:.1f} GB/s", flush=True)
     model = llama(args.hidden, args.layers, args.intermediate, args.vocab, args.kv_heads)

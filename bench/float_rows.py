@@ -7,11 +7,15 @@ Each cell is the best of ``--repeats`` calls in milliseconds, the two paths inte
 round so that drifts of the machine hit both; ``v`` is t(rows) / t(1 row of F.linear), what a
 verification of that many rows costs in single-token steps.
 
+f32rows runs on the ISA ``pipeline.runtime.cpu_ext`` picks (``LOWBIT_CPU_ISA``: auto, avx512,
+avx2); the output names it and the CPU.
+
 Goal (exit 1 when missed): f32rows at most F.linear's time at every row count from
 ``MIN_ROWS`` to ``MAX_ROWS``, the range where ``float_rows`` routes calls to it.
 
 Usage:
   python -m bench.float_rows [--threads 1] [--n 32000 --k 2048] [--rows 1,2,3,4,5,6,8,12,16,32]
+  LOWBIT_CPU_ISA=avx2 python -m bench.float_rows --threads 2     # the AVX2 kernel
 """
 
 from __future__ import annotations
@@ -24,9 +28,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from bench._common import goal, machine, markdown_table, report_goals, write_csv
-from pipeline.runtime import float_rows
-from pipeline.runtime.cpu_ext import extension
+from bench._common import cpu_kernels, goal, machine, markdown_table, report_goals, write_csv
+from pipeline.runtime import cpu_ext, float_rows
 
 COLUMNS = ("rows", "F.linear ms", "f32rows ms", "F.linear / f32rows", "v F.linear", "v f32rows")
 
@@ -50,9 +53,9 @@ def main() -> int:
         counts = [int(r) for r in args.rows.split(",")]
     except ValueError:
         p.error(f"--rows must be comma-separated integers, got {args.rows!r}")
-    ext = extension()
+    ext, isa = cpu_ext.extension(), cpu_ext.isa()
     if ext is None:
-        print("lowbit's CPU kernels are unavailable here (no AVX-512 VNNI or no compiler)")
+        print(f"lowbit's CPU kernels do not run here ({cpu_kernels()}; no AVX2, or no compiler)")
         return 1
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -62,24 +65,26 @@ def main() -> int:
         x = torch.randn(m, args.k)
         paths = {
             "F.linear": lambda x=x: F.linear(x, w),
-            "f32rows": lambda x=x: ext.f32_rows_mm(x, w),
+            "f32rows": lambda x=x: ext.f32_rows_mm(x, w, isa),
         }
         for fn in paths.values():  # warm-up
             fn()
         for _ in range(args.repeats):  # interleaved rounds
             for name, fn in paths.items():
                 best[m, name] = min(best.get((m, name), float("inf")), ms(fn))
-        rows.append({"rows": m, **{f"{name} ms": best[m, name] for name in paths}})
+        rows.append({"rows": m, "isa": isa, **{f"{name} ms": best[m, name] for name in paths}})
     one = rows[0]["F.linear ms"] if rows[0]["rows"] == 1 else float("nan")
     for r in rows:
         r["F.linear / f32rows"] = r["F.linear ms"] / r["f32rows ms"]
         r["v F.linear"], r["v f32rows"] = r["F.linear ms"] / one, r["f32rows ms"] / one
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    print(f"machine: {machine()}; threads {torch.get_num_threads()}; "
-          f"weight {args.n} x {args.k} float32 ({4 * args.n * args.k / 1e6:.0f} MB)\n")  # fmt: skip
-    print(markdown_table(rows, COLUMNS))
-    write_csv(out / "float_rows.csv", rows, COLUMNS)
+    text = (f"machine: {machine()}\nf32rows: {cpu_kernels()}; threads {torch.get_num_threads()}; "
+            f"weight {args.n} x {args.k} float32 ({4 * args.n * args.k / 1e6:.0f} MB)\n\n"
+            + markdown_table(rows, COLUMNS))  # fmt: skip
+    print(text)
+    (out / "float_rows.md").write_text(text + "\n")
+    write_csv(out / "float_rows.csv", rows, ("isa", *COLUMNS))
     routed = [r for r in rows if float_rows.MIN_ROWS <= r["rows"] <= float_rows.MAX_ROWS]
     if not routed:  # no measured row count is one the runtime routes to the kernel
         return report_goals([], out)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
-from collections.abc import Iterable, Iterator, Sized
+from collections.abc import Iterable, Iterator, Sequence, Sized
 from typing import TypeVar
 
 from tqdm.auto import tqdm
@@ -58,28 +58,38 @@ def _logged(
     items: Iterable[T], desc: str, total: int | None, initial: int, every_s: float
 ) -> Iterator[T]:
     start = last = time.monotonic()
-    done, reported = initial, False
+    done, reported = initial, None  # reported: the count of the last line
     for item in items:
         yield item
         done += 1
         now = time.monotonic()
         if now - last >= every_s:
             log.info("%s", _line(desc, done, total, initial, now - start))
-            last, reported = now, True
-    if reported:  # the end of a loop that said it was running
+            last, reported = now, done
+    if reported not in (None, done):  # the end of a loop that said it was running
         log.info("%s", _line(desc, done, total, initial, time.monotonic() - start))
 
 
 def _line(desc: str, done: int, total: int | None, initial: int, elapsed: float) -> str:
+    return f"{desc}: {status(done, total, initial, elapsed)}"
+
+
+def status(
+    done: int, total: int | None, initial: int, elapsed: float, fields: Sequence[str] = ()
+) -> str:
+    """``k/n (p%), <fields>, 1m05s elapsed, ETA 2m10s``, the ETA at the rate since ``initial``
+    (``k done, <fields>, 1m05s elapsed`` without a total)."""
+    shown = "".join(f", {f}" for f in fields)
     if total is None:
-        return f"{desc}: {done} done, {_clock(elapsed)} elapsed"
+        return f"{done} done{shown}, {clock(elapsed)} elapsed"
     rate = (done - initial) / elapsed if elapsed > 0 else 0.0
-    eta = _clock((total - done) / rate) if rate > 0 else "unknown"
+    eta = clock((total - done) / rate) if rate > 0 else "unknown"
     pct = 100.0 * done / total if total else 100.0
-    return f"{desc}: {done}/{total} ({pct:.0f}%), {_clock(elapsed)} elapsed, ETA {eta}"
+    return f"{done}/{total} ({pct:.0f}%){shown}, {clock(elapsed)} elapsed, ETA {eta}"
 
 
-def _clock(seconds: float) -> str:
+def clock(seconds: float) -> str:
+    """``2h05m00s``, ``4m10s``, ``9s``."""
     s = int(round(seconds))
     h, rest = divmod(s, 3600)
     m, s = divmod(rest, 60)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from pipeline.hardware import describe
 from pipeline.stages import ORDER
 
 
@@ -36,6 +37,19 @@ def _stage_table(run_dir: Path) -> list[str]:
         ][:5]
         rows.append(f"| {stage} | {done['timings']['seconds']:.1f} | {', '.join(shown)} |")
     return rows
+
+
+def _machines(run_dir: Path) -> list[str]:
+    """Where each stage ran (CPU, flags, commit): every timing above is that machine's."""
+    seen: dict[str, list[str]] = {}
+    for stage in ORDER:
+        done = _load(run_dir / stage / "_done.json")
+        machine = (done or {}).get("timings", {}).get("machine")
+        if machine:
+            seen.setdefault(describe(machine), []).append(stage)
+    if len(seen) == 1:
+        return ["", f"Measured on {next(iter(seen))}."]
+    return ["", *[f"- {', '.join(stages)}: {line}" for line, stages in seen.items()]]
 
 
 def _eval_tables(ev: dict) -> list[str]:
@@ -99,7 +113,8 @@ def _artifact_size(run_dir: Path) -> list[str]:
 
 def write_report(run_dir: Path) -> Path:
     """Write `<run_dir>/report.md` from the stage folders present; returns its path."""
-    lines = [f"# lowbit run `{run_dir.name}`", "", "## Stages", "", *_stage_table(run_dir), ""]
+    lines = [f"# lowbit run `{run_dir.name}`", "", "## Stages", "", *_stage_table(run_dir)]
+    lines += [*_machines(run_dir), ""]
     ev = _load(run_dir / "evaluate" / "eval.json")
     if ev:
         lines += _eval_tables(ev)

@@ -37,6 +37,7 @@ from pipeline import __version__, stages
 from pipeline.config import RunConfig, TrackingConfig, parse, run_config, to_plain, tracking_cfg
 from pipeline.dist import Dist, init_from_env
 from pipeline.errors import ConfigError, LowbitError, StageFailed, record_failure
+from pipeline.hardware import describe, where
 from pipeline.inputs import check_inputs
 from pipeline.lit.trainer import check_trainer
 from pipeline.peakmem import StagePeak, device_line
@@ -198,6 +199,7 @@ def _run_locked(cfg: DictConfig, planned: Plan, run_dir: Path, dist: Dist) -> di
         # What a user looks for first, before hours of stages scroll by.
         chosen = ", ".join(s.name for s in planned.stages)
         log.info("workflow %s in %s; stages %s", name, run_dir, chosen)
+        log.info("machine: %s", describe(where()))  # what every timing of this run is from
         if tracker.active:
             log.info("MLflow run %s: %s", tracker.parent.run_id, tracker.ui_command())
     dist.barrier()
@@ -351,7 +353,7 @@ def _run_stage(step: Step, run_dir: Path, dist: Dist, tracker: Tracker) -> dict:
             "inputs": {k: v["fingerprint"] for k, v in input_done.items()},
             "metrics": metrics,
             "outputs": outputs,
-            "timings": {"start": t0, "end": time.time(), "seconds": seconds},
+            "timings": {"start": t0, "end": time.time(), "seconds": seconds, "machine": where()},
             "version": __version__,
         }
         (tmp / DONE).write_text(json.dumps(done, indent=1))

@@ -30,3 +30,23 @@ def test_no_lm_eval_section_without_scores(tmp_path):
     (tmp_path / "evaluate").mkdir()
     (tmp_path / "evaluate" / "eval.json").write_text(json.dumps({"ppl": {"target_fp": 12.0}}))
     assert "Downstream" not in write_report(tmp_path).read_text()
+
+
+def test_the_report_says_which_machine_and_commit_the_timings_come_from(tmp_path):
+    from pipeline.hardware import where
+
+    machine = where()
+    other = machine | {"cpu": "Some AVX2 CPU", "cpu_flags": ["avx2", "fma"], "commit": "abc"}
+    for stage, m in (("sensitivity", machine), ("allocate", machine), ("quantize", other)):
+        (tmp_path / stage).mkdir()
+        done = {"metrics": {}, "timings": {"seconds": 1.0, "machine": m}}
+        (tmp_path / stage / "_done.json").write_text(json.dumps(done))
+    lines = write_report(tmp_path).read_text().splitlines()
+    assert f"- sensitivity, allocate: {machine['cpu']} ({machine['cores']} cores; " in "\n".join(
+        lines
+    )
+    assert "- quantize: Some AVX2 CPU (" in "\n".join(lines)
+    assert any("avx2 fma), lowbit abc, torch" in line for line in lines)
+    (tmp_path / "quantize" / "_done.json").unlink()
+    text = write_report(tmp_path).read_text()
+    assert f"Measured on {machine['cpu']} (" in text and "torch " + machine["torch"] in text

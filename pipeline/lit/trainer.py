@@ -41,6 +41,7 @@ from omegaconf import DictConfig
 from pipeline import conf_dir
 from pipeline.config import to_plain
 from pipeline.errors import ConfigError
+from pipeline.hardware import resolve_precision
 from pipeline.lit.devices import (
     ASCEND_VISIBLE_DEVICES,
     DEVICES_ALLOWED,
@@ -235,6 +236,7 @@ def build_trainer(
     cfg: DictConfig | dict,
     *,
     stage: str = "training",
+    name: str | None = None,
     owned: Mapping[str, Owned] | None = None,
     exclude_frozen_parameters: bool = False,
     **defaults,
@@ -244,11 +246,13 @@ def build_trainer(
     `dist_backend` becomes the process-group backend of a DDP strategy named by string (and of
     DeepSpeed); `accelerator: npu` also gets the NPU strategy and precision of `pipeline.lit.npu`.
     With a logger, a `LearningRateMonitor` logs every parameter group's learning rate each step
-    (`lr-<Optimizer>/<group name>`; `lr-<Optimizer>` for a single group).
+    (`lr-<Optimizer>/<group name>`; `lr-<Optimizer>` for a single group). A `TrainingProgress`
+    logs the expected duration, and progress lines where the bar is off (`pipeline.lit.progress`).
 
     Args:
         cfg: the trainer group.
         stage: the stage's name, for the messages.
+        name: what the progress lines call this training (default: `stage`).
         owned: Trainer arguments the stage sets itself (`Owned`); a `trainer.<key>` for one of
             them is refused (`refuse_owned`).
         exclude_frozen_parameters: leave frozen parameters out of DeepSpeed checkpoints (the
@@ -257,6 +261,8 @@ def build_trainer(
             wins over them.
     """
     import lightning as L
+
+    from pipeline.lit.progress import TrainingProgress
 
     _route_lightning_logs()
     owned = owned or {}
@@ -267,6 +273,11 @@ def build_trainer(
             kw[key] = value
     kw.update({key: o.value for key, o in owned.items()})
     kw["devices"] = pin_visible_devices(kw)
+    # "auto": bf16 where the device computes it natively, else fp32 (pipeline.hardware)
+    if kw.get("precision") is not None:
+        kw["precision"] = resolve_precision(
+            kw["precision"], kw.get("accelerator"), f"{stage}: trainer.precision"
+        )
     if kw.get("enable_progress_bar") is None:  # a bar in a log file is one ever-growing line
         kw["enable_progress_bar"] = sys.stderr.isatty()
     ds_config = kw.pop("deepspeed_config", None)
@@ -283,6 +294,8 @@ def build_trainer(
         )
     if kw.get("logger") not in (None, False):
         kw["callbacks"] = [*_as_list(kw.get("callbacks")), _lr_monitor()]
+    lines = not kw["enable_progress_bar"]  # off a terminal the log is the only progress
+    kw["callbacks"] = [*_as_list(kw.get("callbacks")), TrainingProgress(name or stage, lines=lines)]
     if str(kw.get("accelerator", "")).lower() == "npu":
         from pipeline.lit.npu import npu_trainer_kwargs
 

@@ -22,6 +22,7 @@ import torch
 
 from pipeline.config import ModelSpec
 from pipeline.errors import LowbitError, first_line
+from pipeline.hardware import compute_dtype, warn_if_emulated
 from pipeline.models.adapters import UnsupportedArchitectureError, get_adapter, supported
 from pipeline.models.shards import (
     CheckpointError,
@@ -170,6 +171,12 @@ def load_causal_lm(
     )
     if device is not None and not where:
         model = model.to(device)
+    # bf16/fp16 only where the device computes it natively (emulated: several times slower);
+    # a model loaded without a device is placed later, where this cannot be judged yet
+    if (device, device_map) != (None, None) and dtype == "auto":
+        model = model.to(compute_dtype(model.dtype, model.device.type, "model.dtype=auto"))
+    elif (device, device_map) != (None, None):
+        warn_if_emulated(model.dtype, model.device.type, "model.dtype")
     log.info("loaded %s: %s on %s", path, model.dtype, model.device)  # what the stage runs in
     return model.eval()
 

@@ -1,51 +1,146 @@
-"""lowbit's CPU kernels as one compiled extension: W4A8 (``cpu_w4a8``) and few-row float32
-(``float_rows``), both AVX-512 code for decoding's and speculative verification's few rows.
+"""lowbit's CPU kernels as one compiled extension: W4A8/W8A8 (``cpu_w4a8``) and few-row float32
+(``float_rows``), for decoding's and speculative verification's few rows.
+
+Each kernel exists for two ISAs, AVX-512 VNNI and AVX2 (with FMA and F16C), compiled into the
+same extension under per-ISA target pragmas and no global ``-m`` flags, so one build serves any
+x86-64 CPU and the kernels take the ISA as an argument. :func:`isa` picks the one this process
+runs: the best the CPU executes, or what ``LOWBIT_CPU_ISA`` asks (auto, avx512, avx2, none), so
+that the AVX2 path can be tested and timed on an AVX-512 machine.
 
 The extension is compiled at first use (``torch.utils.cpp_extension``, cached under
-``TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions``; ``.ci/setup`` builds it ahead).
-It is built with AVX-512 VNNI enabled, so it is loaded only where the CPU executes VNNI:
-elsewhere :func:`extension` returns None, and where the build fails (no compiler) too, after
-one warning. The callers then keep torch's own kernels.
+``TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions``). ``.ci/setup`` builds it ahead
+(:func:`main`) and fails when it cannot; at run time a failed build
+costs one warning and the callers keep torch's kernels.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
+import os
+import sys
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from types import ModuleType
+
+from pipeline.hardware import cpu_flags
 
 log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
 SOURCES = ("bindings.cpp", "w4a8.cpp", "f32_rows.cpp")
-_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni"]
+ENV = "LOWBIT_CPU_ISA"
+ISAS = ("avx512", "avx2")  # best first
+CHOICES = ("auto", *ISAS, "none")
+FLAGS = {  # the /proc/cpuinfo flags each ISA's kernels execute
+    "avx512": ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"),
+    "avx2": ("avx2", "fma", "f16c"),
+}
+FIX = "install a C++ compiler (g++) and ninja, or set LOWBIT_CPU_ISA=none to run on torch's kernels"
+_forced: list[str | None] = []  # forced_isa's stack
 
 
-def cpu_has_vnni() -> bool:
-    """Whether this CPU executes AVX-512 VNNI (Linux: its /proc/cpuinfo flags)."""
-    try:
-        return "avx512_vnni" in Path("/proc/cpuinfo").read_text().split()
-    except OSError:
-        return False
+def supported(flags: Iterable[str] | None = None) -> tuple[str, ...]:
+    """The ISAs whose kernels a CPU with ``flags`` (default: this one) executes, best first."""
+    have = cpu_flags() if flags is None else set(flags)
+    return tuple(i for i in ISAS if set(FLAGS[i]) <= have)
+
+
+def choose_isa(wanted: str, flags: Iterable[str]) -> str | None:
+    """The ISA for a ``LOWBIT_CPU_ISA`` value on a CPU with ``flags``; None: torch's kernels.
+
+    Raises:
+        ValueError: An unknown value, or an ISA this CPU lacks (naming the missing flags).
+    """
+    flags = set(flags)
+    wanted = wanted.strip().lower() or "auto"
+    if wanted not in CHOICES:
+        raise ValueError(f"{ENV}={wanted!r}: choose one of {', '.join(CHOICES)}")
+    runs = supported(flags)
+    if wanted == "auto":
+        return runs[0] if runs else None
+    if wanted == "none" or wanted in runs:
+        return None if wanted == "none" else wanted
+    missing = ", ".join(f for f in FLAGS[wanted] if f not in flags)
+    raise ValueError(
+        f"{ENV}={wanted}: this CPU lacks {missing}; unset {ENV} or set it to "
+        f"{' or '.join((*runs, 'none'))}"
+    )
 
 
 @functools.cache
-def extension() -> ModuleType | None:
-    """The compiled kernels, or None (with one warning) where they cannot run or build."""
-    if not cpu_has_vnni():
-        return None
-    try:
-        from torch.utils.cpp_extension import load
+def _env_isa() -> str | None:
+    return choose_isa(os.environ.get(ENV, "auto"), cpu_flags())
 
-        # -fopenmp: at::parallel_for is an OpenMP region compiled into this extension
-        return load(
-            name="lowbit_cpu",
-            sources=[str(_CSRC / s) for s in SOURCES],
-            extra_cflags=[*_FLAGS, "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
-        )
+
+def isa() -> str | None:
+    """The ISA lowbit's CPU kernels run in this process, or None (torch's kernels)."""
+    return _forced[-1] if _forced else _env_isa()
+
+
+@contextlib.contextmanager
+def forced_isa(name: str | None) -> Iterator[None]:
+    """Layers built inside take ``name``'s kernels (None: torch's), whatever ``LOWBIT_CPU_ISA``
+    says: what a benchmark needs to time both paths side by side in one process."""
+    if name is not None and name not in supported():
+        raise ValueError(f"this CPU does not run lowbit's {name} kernels (it runs: {supported()})")
+    _forced.append(name)
+    try:
+        yield
+    finally:
+        _forced.pop()
+
+
+def _load() -> ModuleType:
+    from torch.utils.cpp_extension import load
+
+    # -fopenmp: at::parallel_for is an OpenMP region compiled into this extension
+    return load(
+        name="lowbit_cpu",
+        sources=[str(_CSRC / s) for s in SOURCES],
+        extra_cflags=["-O3", "-fopenmp"],
+        extra_ldflags=["-fopenmp"],
+    )
+
+
+@functools.cache
+def loaded() -> ModuleType | None:
+    """The compiled kernels (built on the first call), or None after one warning where they
+    do not build. Layers built for an ISA call this; others ask :func:`extension`."""
+    try:
+        return _load()
     except Exception as e:  # a missing compiler, ninja or source: any is a reason to fall back
-        first = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
-        log.warning("runtime: lowbit's CPU kernels did not build (%s: %s)", type(e).__name__, first)
+        log.warning("runtime: lowbit's CPU kernels did not build (%s); %s", _first_line(e), FIX)
         return None
+
+
+def extension() -> ModuleType | None:
+    """The compiled kernels where this process runs them (:func:`isa` is not None), else None."""
+    return loaded() if isa() is not None else None
+
+
+def _first_line(e: Exception) -> str:
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0][:300]}" if lines else type(e).__name__
+
+
+def main() -> int:
+    """Set-up's step: build the kernels where the CPU runs an ISA; 1 with the fix if not."""
+    try:
+        chosen = isa()
+    except ValueError as e:
+        print(f"lowbit: {e}", file=sys.stderr)
+        return 1
+    if chosen is None:
+        why = f"{ENV}=none" if supported() else "this CPU has neither AVX-512 VNNI nor AVX2"
+        print(f"lowbit: CPU kernels not built ({why}); torch's kernels serve")
+        return 0
+    try:
+        _load()
+    except Exception as e:
+        print(f"lowbit: the CPU kernels ({chosen}) did not build ({_first_line(e)}); {FIX}",
+              file=sys.stderr)  # fmt: skip
+        return 1
+    print(f"lowbit: CPU kernels built; this CPU runs {chosen}")
+    return 0

@@ -1,21 +1,24 @@
-"""W4A8 (and W8A8) matmul on AVX-512 VNNI CPUs for the few rows of decoding and verification.
+"""W4A8 (and W8A8) matmul on AVX-512 VNNI and AVX2 CPUs for the few rows of decoding and
+verification.
 
 torch's ``_weight_int4pack_mm_for_cpu`` dequantizes its weights per row block, so its cost grows
 with the rows: verifying 5 draft tokens costs 2-3 single-token steps and eats most of what
 speculative decoding gains. Here the idea of llama.cpp's Q4 x Q8 dot product: activations are
 quantized per 32 columns to int8 (Q8_0, ``scale = max|x| / 127``), weights stay 4-bit codes
-``u = q + 8`` in [0, 15], and ``vpdpbusd`` multiplies u8 codes by s8 activations. A block of
-weights is read and unpacked once for up to 6 activation rows (``csrc/w4a8.cpp`` has the
-layout): 5 rows cost ~1.7 single rows, bound by vpdpbusd throughput, where int4pack's cost
-2.7. Trade-off: the int8 activations add ~0.5% relative error on top of the weights' own, where
-the bf16 path adds ~0.3%.
+``u = q + 8`` in [0, 15], and ``vpdpbusd`` (AVX-512 VNNI; on AVX2 ``vpmaddubsw`` + ``vpmaddwd``)
+multiplies u8 codes by s8 activations. A block of weights is read and unpacked once for all the
+activation rows of a pass (``csrc/w4a8.cpp`` has the layout), so more rows cost multiplies, not
+memory traffic. Trade-off: the int8 activations add ~0.5% relative error on top of the weights'
+own, where the bf16 path adds ~0.3%.
 
 8-bit codes take the same kernel as ``u = q + 128`` (llama.cpp's Q8_0 x Q8_0), unpacked by a
 plain load: torch's ``_weight_int8pack_mm`` reaches a third of the memory-bandwidth limit on a
 1B model at one thread, this path more than half (``docs/benchmarks.md``).
 
-The kernel lives in lowbit's CPU extension (``cpu_ext``: AVX-512 VNNI CPUs where it builds);
-where :func:`~pipeline.runtime.cpu_ext.extension` is None the caller keeps its other kernels.
+Both ISAs read the same packed layout and compute the same integer dot products, so a packed
+layer runs on either. The kernel lives in lowbit's CPU extension (``cpu_ext``, which picks the
+ISA); where :func:`~pipeline.runtime.cpu_ext.extension` is None the caller keeps its other
+kernels.
 """
 
 from __future__ import annotations
@@ -24,10 +27,10 @@ import torch
 from torch import Tensor
 
 from pipeline.artifact.lowbit_format import LinearCodes
-from pipeline.runtime.cpu_ext import extension
+from pipeline.runtime import cpu_ext
 
 BLOCK = 32  # columns per activation scale and per packed weight block
-TILE = 16  # output rows per packed tile: the int32 lanes of one AVX-512 register
+TILE = 16  # output rows per packed tile: the int32 lanes of one AVX-512 register (two AVX2)
 
 
 def base(codes: LinearCodes) -> int:
@@ -78,11 +81,17 @@ def pack(codes: LinearCodes) -> tuple[Tensor, Tensor, Tensor]:
     return packed.contiguous(), tiles(codes.scale), tiles(zero)
 
 
-def matmul(x: Tensor, packed: Tensor, scale: Tensor, zero: Tensor, group_len: int) -> Tensor:
-    """(..., k) -> (..., n) float32 with :func:`pack`'s tensors; needs :func:`extension`."""
-    ext = extension()
+def matmul(
+    x: Tensor, packed: Tensor, scale: Tensor, zero: Tensor, group_len: int, isa: str | None = None
+) -> Tensor:
+    """(..., k) -> (..., n) float32 with :func:`pack`'s tensors, on ``isa``'s kernel ("avx512",
+    "avx2"; default: ``cpu_ext.isa()``)."""
+    isa = isa or cpu_ext.isa()
+    if isa is None:
+        raise RuntimeError("the W4A8 CPU kernel does not run here (no AVX2 or LOWBIT_CPU_ISA=none)")
+    ext = cpu_ext.loaded()
     if ext is None:
-        raise RuntimeError("the W4A8 CPU kernel is unavailable here (no AVX-512 VNNI or no build)")
+        raise RuntimeError("the W4A8 CPU kernel is unavailable: the CPU extension did not build")
     x2 = x.reshape(-1, x.shape[-1]).float().contiguous()  # (tokens, k)
-    y = ext.w4a8_mm(x2, packed, scale, zero, group_len)  # (tokens, n)
+    y = ext.w4a8_mm(x2, packed, scale, zero, group_len, isa)  # (tokens, n)
     return y.view(*x.shape[:-1], y.shape[-1])

@@ -1,10 +1,11 @@
-"""The runtime's float32 linears on CPU: few-row calls read the weight once (``csrc/f32_rows.cpp``).
+"""The runtime's float32 linears on CPU: few-row calls read the weight once (``csrc/f32_rows.cpp``,
+AVX-512 or AVX2 as ``cpu_ext.isa()`` picks).
 
 A quantized model keeps some layers float (lm_head above all: 32000 x 2048 float32 is a third
 of a 4-bit 1B model's bytes per token), and an FP model is all float. MKL's sgemm streams such a
 weight near memory speed for one row but not for a few (it packs and re-reads it), and does
 not split one row over two threads. One 32000 x 2048 layer, ms, best of 10 interleaved calls
-(``python -m bench.float_rows --threads 1|2``):
+(``python -m bench.float_rows --threads 1|2``, AVX-512):
 
 =====  ================  ================
 rows   1 thread          2 threads
@@ -31,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from pipeline.runtime.cpu_ext import extension
+from pipeline.runtime import cpu_ext
 
 NAME = "f32rows"  # the kernel name ``kernel_summary`` reports
 MIN_ROWS, MAX_ROWS = 1, 12  # the token rows where it beats sgemm (module table)
@@ -41,20 +42,29 @@ MIN_BYTES = 4 * 2**20
 
 
 class FloatRowsLinear(nn.Linear):
-    """An ``nn.Linear`` whose few-row float32 CPU calls run ``f32_rows_mm``."""
+    """An ``nn.Linear`` whose few-row float32 CPU calls run ``f32_rows_mm`` on ``isa``."""
+
+    isa: str | None = None  # set by ``of``; None: every call goes to F.linear
 
     @property
     def kernel(self) -> str | None:
         """``NAME``, or None where every call goes to ``F.linear`` (a weight cast off float32
         or off the CPU), so that ``kernel_summary`` does not claim it."""
-        return NAME if _takes(self.weight) else None
+        return NAME if self.isa and _takes(self.weight) else None
 
     @classmethod
-    def of(cls, linear: nn.Linear) -> FloatRowsLinear:
-        """The same layer (its parameters shared, not copied) with this forward."""
+    def of(cls, linear: nn.Linear, isa: str | None = None) -> FloatRowsLinear:
+        """The same layer (its parameters shared, not copied) with this forward, on ``isa``'s
+        kernel ("avx512", "avx2"; default: ``cpu_ext.isa()``)."""
+        isa = isa or cpu_ext.isa()
+        if isa is None:
+            raise RuntimeError("the few-row float32 kernel does not run here (cpu_ext.isa() None)")
         new = cls(linear.in_features, linear.out_features, bias=False, device="meta")
-        new.weight, new.bias = linear.weight, linear.bias
+        new.weight, new.bias, new.isa = linear.weight, linear.bias, isa
         return new.train(linear.training)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, isa={self.isa}"
 
     def forward(self, x: Tensor) -> Tensor:
         rows = x.numel() // max(x.shape[-1], 1)
@@ -65,7 +75,8 @@ class FloatRowsLinear(nn.Linear):
             or (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))
         ):
             return F.linear(x, self.weight, self.bias)
-        y = extension().f32_rows_mm(x.reshape(rows, -1).contiguous(), self.weight)
+        x2 = x.reshape(rows, -1).contiguous()  # (rows, in)
+        y = cpu_ext.loaded().f32_rows_mm(x2, self.weight, self.isa)  # (rows, out)
         if self.bias is not None:
             y += self.bias
         return y.view(*x.shape[:-1], self.out_features)
@@ -84,7 +95,7 @@ def fits(linear: nn.Module) -> bool:
 def convert(model: nn.Module) -> nn.Module:
     """``model`` (in place) with every :func:`fits` linear as a :class:`FloatRowsLinear`; a
     no-op where the CPU extension is unavailable (``cpu_ext``)."""
-    if extension() is None:
+    if cpu_ext.extension() is None:
         return model
     for name, mod in list(model.named_modules()):
         if fits(mod):

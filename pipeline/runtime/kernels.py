@@ -35,15 +35,16 @@ W8A8, AVX-512 VNNI (``cpu_w4a8``), int8        2.3    3.3
 
 Hence (``bench/decode_speed.py`` measures them again on a whole model):
 
-* ``w4a8pack`` (CPUs with AVX-512 VNNI where the extension builds): int2/int3/int4 codes,
-  ``n % 16 == 0``, a group length that is a multiple of 32 and divides k. Activations are
+* ``w4a8pack`` (CPUs with AVX-512 VNNI or AVX2 where the extension builds, on the ISA
+  ``cpu_ext.isa()`` picks): int2/int3/int4 codes, ``n % 16 == 0``, a group length that is a
+  multiple of 32 and divides k. Activations are
   quantized to int8 per 32 columns (~5e-3 relative error); the output returns in the caller's
   dtype. Faster than int4pack at every M measured (1 to 128; 34 against 139 ms at 128), so on
   such CPUs it replaces int4pack instead of sharing the layer: one packed copy of the weights.
 * ``w8a8pack``: the same kernel on int8 codes (``u = q + 128``, 512 bytes a block), per
   channel or per group of a multiple of 32 columns; replaces int8pack where it runs for the
   same reason (1.6x faster at M = 1, 2.9x at M = 5).
-* ``int4pack``: the other int2/int3/int4 layers (CUDA, CPUs without VNNI, a partial last group)
+* ``int4pack``: the other int2/int3/int4 layers (CUDA, CPUs without AVX2, a partial last group)
   whose group length is a multiple of 32; per-channel layers repeat their scale per
   256/128/64/32-column block. Activations enter in bf16, the output returns in the caller's
   dtype.
@@ -167,15 +168,16 @@ class Int4Pack(Kernel):
 
 class W4A8(Kernel):
     """int2/3/4 codes (``w4a8pack``) and int8 ones (``w8a8pack``) times int8 activations on
-    AVX-512 VNNI (``cpu_w4a8``): weights read (and unpacked) once for all token rows, so 5 rows
-    cost ~1.7 single rows (int4pack: 2.7)."""
+    AVX-512 VNNI or AVX2 (``cpu_w4a8``; ``isa``, default ``cpu_ext.isa()``): weights read (and
+    unpacked) once for all token rows, so more rows cost multiplies, not memory traffic."""
 
     name = "w4a8pack"
 
-    def __init__(self, codes: LinearCodes) -> None:
+    def __init__(self, codes: LinearCodes, isa: str | None = None) -> None:
         super().__init__()
         if codes.info.bits == 8:
             self.name = W8A8_NAME
+        self.isa = isa or cpu_ext.isa()
         self.group = codes.group_len
         packed, scale, zero = cpu_w4a8.pack(codes)
         self.register_buffer("packed", packed)  # (n / 16, k / 32, 256) uint8
@@ -183,8 +185,11 @@ class W4A8(Kernel):
         self.register_buffer("zero", zero)
 
     def forward(self, x: Tensor) -> Tensor:
-        y = cpu_w4a8.matmul(x, self.packed, self.scale, self.zero, self.group)
+        y = cpu_w4a8.matmul(x, self.packed, self.scale, self.zero, self.group, self.isa)
         return y.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"isa={self.isa}"
 
 
 class Int8Pack(Kernel):
@@ -264,7 +269,8 @@ def _candidate(codes: LinearCodes, device: torch.device) -> Kernel | None:
 
 
 def _w4a8_runs_on(device: torch.device) -> bool:
-    """Whether the W4A8 kernel serves ``device``: a CPU with VNNI where the extension built."""
+    """Whether the W4A8 kernel serves ``device``: a CPU where ``cpu_ext.isa()`` is an ISA
+    (AVX-512 VNNI or AVX2, unless ``LOWBIT_CPU_ISA`` says otherwise) and the extension built."""
     return device.type == "cpu" and cpu_ext.extension() is not None
 
 

@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterable, Mapping
 
 import torch
 
+from pipeline.progress import progress
 from pipeline.speculative.adaptive import AdaptiveGamma
 from pipeline.speculative.decoding import speculative_generate
 from pipeline.speculative.metrics import teacher_forced_acceptance
@@ -72,7 +73,7 @@ def heldout_scenarios(
     )
 
 
-def decode_prompts(fn, prompts: list[torch.Tensor], seed: int) -> SpecStats:
+def decode_prompts(fn, prompts: Iterable[torch.Tensor], seed: int) -> SpecStats:
     """Merged stats of ``fn(prompt, generator)`` over the prompts, prompt i seeded seed + i."""
     total = SpecStats()
     for i, prompt in enumerate(prompts):
@@ -125,39 +126,44 @@ def acceptance_table(
     """
     pairs = list(pairs) if pairs is not None else [(d, t) for t in targets for d in drafts]
     table: Table = {}
-    for draft_name, target_name in pairs:
+    cells = [(d, t, scen) for d, t in pairs for scen in scenarios]
+    # Decoding is the long part (a prompt takes seconds on a large model): off a terminal a log
+    # line at most every 30 s, counting prompts over every cell. `zip` asks `decoded` for the
+    # next count as each prompt starts, which counts the one before it as done.
+    n_decode = sum(len(scenarios[scen][:max_prompts]) for _, _, scen in cells)
+    decoded = iter(progress(range(n_decode), "acceptance: prompts decoded", unit="prompt"))
+    for draft_name, target_name, scen in cells:
         target, draft = targets[target_name], drafts[draft_name]
         dev = _device(target)
-        row: dict[str, dict[str, float]] = {}
-        for scen, prompts in scenarios.items():
-            ids = torch.as_tensor(prompts, dtype=torch.long)  # (N, L)
-            batches = [ids[i : i + batch_size] for i in range(0, len(ids), batch_size)]
-            m = {"alpha_tf": teacher_forced_acceptance(target, draft, batches, temperature)}
-            decode = [p[None].to(dev) for p in ids[:max_prompts]]
-            window = adaptive(draft_name, target_name) if adaptive is not None else None
+        ids = torch.as_tensor(scenarios[scen], dtype=torch.long)  # (N, L)
+        batches = [ids[i : i + batch_size] for i in range(0, len(ids), batch_size)]
+        m = {"alpha_tf": teacher_forced_acceptance(target, draft, batches, temperature)}
+        decode = [p[None].to(dev) for p in ids[:max_prompts]]
+        window = adaptive(draft_name, target_name) if adaptive is not None else None
 
-            def spec(x, g, target=target, draft=draft, window=window):
-                return speculative_generate(
-                    target,
-                    draft,
-                    x,
-                    new_tokens,
-                    gamma=gamma,
-                    adaptive=window,
-                    temperature=temperature,
-                    temperature_schedule=temperature_schedule,
-                    generator=g,
-                )
-
-            stats = decode_prompts(spec, decode, seed)
-            m.update(
-                alpha=stats.alpha_hat,
-                acceptance_rate=stats.acceptance_rate,
-                tau=stats.tau,
-                gamma=sum(stats.gammas) / max(len(stats.gammas), 1),
+        def spec(x, g, target=target, draft=draft, window=window):
+            return speculative_generate(
+                target,
+                draft,
+                x,
+                new_tokens,
+                gamma=gamma,
+                adaptive=window,
+                temperature=temperature,
+                temperature_schedule=temperature_schedule,
+                generator=g,
             )
-            row[scen] = m
-        table[pair_name(draft_name, target_name)] = row
+
+        stats = decode_prompts(spec, (p for p, _ in zip(decode, decoded)), seed)
+        m.update(
+            alpha=stats.alpha_hat,
+            acceptance_rate=stats.acceptance_rate,
+            tau=stats.tau,
+            gamma=sum(stats.gammas) / max(len(stats.gammas), 1),
+        )
+        table.setdefault(pair_name(draft_name, target_name), {})[scen] = m
+    for _ in decoded:  # the last prompt is done: progress' closing line
+        pass
     return table
 
 

@@ -22,6 +22,7 @@ import torch
 from pipeline.config import RunConfig, positive, to_plain
 from pipeline.data.heldout import heldout
 from pipeline.data.text import Corpus
+from pipeline.hardware import resolve_precision
 from pipeline.lit.lm import CausalLM, WindowData
 from pipeline.lit.resume import CKPT_DIR, ResumeCheckpoint, ckpt_interval, resume_from
 from pipeline.lit.trainer import (
@@ -50,8 +51,9 @@ class BootstrapConfig:
     batch_size: int = 16
     lr: float = 1e-2
     warmup_steps: int = 50
-    # Autocast: 1.7x fp32's tokens/s on a CPU with AVX512-BF16; null = trainer.precision.
-    precision: str | None = "bf16-mixed"
+    # auto: bf16-mixed where the device computes bf16 natively, else 32-true
+    # (pipeline.hardware); null = trainer.precision.
+    precision: str | None = "auto"
     # Steps between resume checkpoints (work dir, each model); null: a tenth of max_steps /
     # draft_max_steps, so a kill loses at most ~10% of a training.
     ckpt_every: int | None = None
@@ -90,14 +92,19 @@ def check(cfg: BootstrapConfig, run: RunConfig) -> None:
 def _trainer_cfg(cfg: BootstrapConfig, run: RunConfig, tag: str) -> dict:
     """The trainer group, with stage.bootstrap.precision (when set) for trainer.precision."""
     trainer = dict(to_plain(run.trainer) or {})
-    if cfg.precision and cfg.precision != trainer.get("precision"):
+    if not cfg.precision:
+        return trainer
+    precision = resolve_precision(
+        cfg.precision, trainer.get("accelerator"), "stage.bootstrap.precision"
+    )
+    if precision != trainer.get("precision"):
         log.info(
             "bootstrap: %s in precision %s (stage.bootstrap.precision), not trainer.precision=%s",
             tag,
-            cfg.precision,
+            precision,
             trainer.get("precision"),
         )
-        trainer["precision"] = cfg.precision
+        trainer["precision"] = precision
     return trainer
 
 
@@ -121,6 +128,7 @@ def _train(
     trainer = build_trainer(
         _trainer_cfg(cfg, run, tag),
         stage="bootstrap",
+        name=f"bootstrap {tag}",
         owned={key: Owned(value, OWNED[key]) for key, value in owned.items()},
         # It does not validate (both models are scored once trained); a user key wins.
         limit_val_batches=0,

@@ -21,6 +21,7 @@ import torch
 
 from pipeline.config import RunConfig, positive
 from pipeline.errors import LowbitError
+from pipeline.hardware import warn_if_emulated
 from pipeline.models.adapters import linear_names
 from pipeline.models.checkpoint import StreamingCheckpoint
 from pipeline.quant.formats import parse_format
@@ -128,6 +129,7 @@ def run(cfg: QuantizeConfig, run: RunConfig, io: StageIO) -> dict:
         q.keep_float,
     )
     device = _device(cfg.device, io.dist.local_rank)
+    warn_if_emulated(_DTYPES[cfg.dtype], torch.device(device).type, "stage.quantize.dtype")
     ckpt = StreamingCheckpoint(target, dtype=_DTYPES[cfg.dtype], device=device)
     walk = StreamOptions(q.segment_size, cfg.batch_size, q.activation_budget_gb)
     report = quantize_checkpoint(

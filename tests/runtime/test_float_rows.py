@@ -13,28 +13,32 @@ from pipeline.runtime.backends import kernel_summary
 from pipeline.runtime.float_rows import FloatRowsLinear
 from pipeline.runtime.inmemory import to_runtime
 from pipeline.runtime.kernels import relative_error
+from tests.runtime.test_kernels import ISAS
 
-pytestmark = pytest.mark.skipif(
-    cpu_ext.extension() is None, reason="lowbit's CPU kernels need AVX-512 VNNI and a compiler"
+needs_kernels = pytest.mark.skipif(
+    cpu_ext.extension() is None, reason="the runtime does not run lowbit's CPU kernels here"
 )
 TOL = 1e-6  # float32 with another summation order
 
 
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("n, k", [(1030, 1031), (1024, 1024), (1027, 1040)])  # n, k tails
-@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 12])  # 6-12: more than one pass of 5 rows
-def test_kernel_matches_f_linear(n, k, rows):
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 12])  # 6-12: more than one pass of rows
+def test_kernel_matches_f_linear(n, k, rows, isa):
     w = torch.randn(n, k)
     x = torch.randn(rows, k)
-    got = cpu_ext.extension().f32_rows_mm(x, w)
+    got = cpu_ext.loaded().f32_rows_mm(x, w, isa)
     assert got.shape == (rows, n)
     assert relative_error(got, F.linear(x, w)) < TOL
     # each output row on its own: one row gives what it gives inside the batch
-    torch.testing.assert_close(cpu_ext.extension().f32_rows_mm(x[-2:], w)[-1], got[-1])
+    torch.testing.assert_close(cpu_ext.loaded().f32_rows_mm(x[-2:], w, isa)[-1], got[-1])
 
 
-def test_layer_dispatch_bias_shapes_and_grad():
+@pytest.mark.parametrize("isa", ISAS)
+def test_layer_dispatch_bias_shapes_and_grad(isa):
     lin = nn.Linear(1040, 1024)
-    layer = FloatRowsLinear.of(lin)
+    layer = FloatRowsLinear.of(lin, isa)
+    assert layer.isa == isa and f"isa={isa}" in repr(layer)
     assert layer.weight is lin.weight and layer.bias is lin.bias  # shared, not copied
     with torch.no_grad():
         x = torch.randn(1, 5, 1040)
@@ -66,12 +70,13 @@ def _llama(vocab: int, tied: bool):
     return AutoModelForCausalLM.from_config(config).eval()
 
 
+@needs_kernels
 @pytest.mark.parametrize("tied", [False, True])
 def test_to_runtime_runs_a_large_float_head_on_it(tied):
     model = _llama(8192, tied)  # lm_head 8192 x 128 float32: 4 MiB, the smallest it takes
     rt = to_runtime(model)
     assert kernel_summary(rt) == f"{float_rows.NAME} x1"  # the decoder's small linears stay
-    assert isinstance(rt.lm_head, FloatRowsLinear)
+    assert isinstance(rt.lm_head, FloatRowsLinear) and rt.lm_head.isa == cpu_ext.isa()
     assert (rt.lm_head.weight is rt.model.embed_tokens.weight) == tied
     ids = torch.randint(0, 8192, (1, 5))
     with torch.no_grad():

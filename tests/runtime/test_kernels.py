@@ -47,11 +47,11 @@ W4A8_TOL = 1e-2
 )
 def test_kernel_matches_reference(fmt, want):
     qt, codes = _codes(fmt)
-    vnni = int_kernel_name() == "w4a8pack"
+    ours = int_kernel_name() == "w4a8pack"  # lowbit's kernels run here (any ISA)
     want = {
         "int": int_kernel_name(),
         "int8": int_kernel_name(bits=8),
-        "int8g": "w8a8pack" if vnni else "reference",
+        "int8g": "w8a8pack" if ours else "reference",
     }.get(want, want)
     layer = build(codes)
     assert layer.name == want
@@ -152,28 +152,44 @@ def test_to_runtime_converts_a_fake_quant_model(qmodels):
 
 @pytest.mark.parametrize("fmt", ["int4g128", "int3g64", "int2g32"])
 def test_int4pack_matches_reference(fmt):
-    # the CUDA path and the CPU path without VNNI: tested directly, as this CPU may not pick it
+    # the CUDA path and the CPU path without lowbit's kernels: tested directly, as this CPU may
+    # not pick it
     qt, codes = _codes(fmt)
     layer = kernels.Int4Pack(codes, codes.group_len, torch.device("cpu"))
     x = torch.randn(3, 256)
     assert relative_error(layer(x), x @ qt.dequantize().T) < 1e-2
 
 
-needs_vnni = pytest.mark.skipif(
-    not cpu_ext.cpu_has_vnni(), reason="lowbit's CPU kernels need AVX-512 VNNI (avx512_vnni flag)"
-)
+def isa_params() -> list:
+    """One parameter per ISA whose kernels this CPU runs (a skipped one where it runs none or
+    the extension did not build), so each ISA's kernels are tested where the CPU has it."""
+    runs = cpu_ext.supported()
+    if not runs:
+        why = "lowbit's CPU kernels need AVX2 or AVX-512 VNNI"
+        return [pytest.param(None, marks=pytest.mark.skip(reason=why))]
+    if cpu_ext.loaded() is None:
+        why = "lowbit's CPU extension did not build (no compiler?)"
+        return [pytest.param(i, marks=pytest.mark.skip(reason=why)) for i in runs]
+    return list(runs)
 
 
-@needs_vnni
-@pytest.mark.parametrize(
-    "fmt", ["int4g32", "int4g128", "int3g64", "int2g64", "int4", "int2g128", "int8", "int8g64-sym"]
+ISAS = isa_params()
+needs_kernels = pytest.mark.skipif(
+    cpu_ext.extension() is None, reason="the runtime does not run lowbit's CPU kernels here"
 )
-@pytest.mark.parametrize("rows", [1, 2, 5, 9, 17])  # 9 and 17: more than one pass of 6 rows
-def test_w4a8_matches_reference(fmt, rows):
+W4A8_FORMATS = ["int4g32", "int4g128", "int3g64", "int2g64", "int4", "int2g128", "int8",
+                "int8g64-sym"]  # fmt: skip
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("fmt", W4A8_FORMATS)
+@pytest.mark.parametrize("rows", [1, 2, 5, 9, 17])  # 9 and 17: more than one pass of rows
+def test_w4a8_matches_reference(fmt, rows, isa):
     _, codes = _codes(fmt, (48, 384))
     assert codes.offset.any() or fmt in ("int4", "int8g64-sym")  # the zero term is exercised
-    layer = kernels.W4A8(codes)
+    layer = kernels.W4A8(codes, isa)
     assert layer.name == ("w8a8pack" if fmt.startswith("int8") else "w4a8pack")
+    assert layer.isa == isa
     x = torch.randn(rows, 384)
     got = layer(x)
     assert got.shape == (rows, 48) and got.dtype == x.dtype
@@ -184,9 +200,83 @@ def test_w4a8_matches_reference(fmt, rows):
     assert relative_error(layer(x.bfloat16()), got) < W4A8_TOL  # bf16 in, bf16 out
 
 
-@needs_vnni
+both_isas = pytest.mark.skipif(
+    set(cpu_ext.ISAS) - set(cpu_ext.supported()) or cpu_ext.loaded() is None,
+    reason="needs a CPU that runs both ISAs (AVX-512 VNNI and AVX2) and the extension",
+)
+
+
+@both_isas
+@pytest.mark.parametrize("fmt", W4A8_FORMATS)
+def test_avx2_and_avx512_w4a8_agree(fmt):
+    # the same packed bytes, quantized activations and integer dot products: the two ISAs
+    # differ at most by float summation order (per-channel groups: AVX2 scales per 4 blocks)
+    _, codes = _codes(fmt, (64, 1024))
+    packed, scale, zero = cpu_w4a8.pack(codes)
+    x = torch.randn(7, 1024)  # a full pass of rows and a second one
+    got = {
+        isa: cpu_w4a8.matmul(x, packed, scale, zero, codes.group_len, isa) for isa in cpu_ext.ISAS
+    }
+    scale = got["avx512"].abs().max().item()
+    torch.testing.assert_close(got["avx2"], got["avx512"], rtol=1e-5, atol=1e-5 * scale)
+
+
+@both_isas
+def test_avx2_and_avx512_f32_rows_agree():
+    w, x = torch.randn(1030, 1031), torch.randn(7, 1031)  # n and k tails, two passes of rows
+    got = {isa: cpu_ext.loaded().f32_rows_mm(x, w, isa) for isa in cpu_ext.ISAS}
+    torch.testing.assert_close(got["avx2"], got["avx512"], rtol=1e-5, atol=1e-4)
+
+
+def test_choose_isa_from_the_cpu_flags_and_lowbit_cpu_isa():
+    avx512 = {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"}
+    avx2 = {"avx2", "fma", "f16c", "avx_vnni"}
+    assert cpu_ext.supported(avx512) == ("avx512", "avx2")
+    assert cpu_ext.choose_isa("auto", avx512) == "avx512"
+    assert cpu_ext.choose_isa("AVX2", avx512) == "avx2"  # the portable path on a big CPU
+    assert cpu_ext.choose_isa("", avx2) == "avx2"
+    assert cpu_ext.choose_isa("none", avx512) is None
+    assert cpu_ext.choose_isa("auto", {"sse4_2", "avx"}) is None  # torch's kernels
+    with pytest.raises(ValueError, match="lacks avx512f, avx512bw.*LOWBIT_CPU_ISA.*avx2 or none"):
+        cpu_ext.choose_isa("avx512", avx2)
+    with pytest.raises(ValueError, match="choose one of auto, avx512, avx2, none"):
+        cpu_ext.choose_isa("avx10", avx512)
+
+
+def _run(script: str, **env: str) -> subprocess.CompletedProcess:
+    """``script`` in a fresh process (the ISA and the build are chosen once per process)."""
+    return subprocess.run(
+        [sys.executable, "-c", script], env={**os.environ, **env}, capture_output=True,
+        text=True, timeout=300,
+    )  # fmt: skip
+
+
+@pytest.mark.skipif(
+    "avx2" not in cpu_ext.supported() or cpu_ext.loaded() is None,
+    reason="needs a CPU with AVX2 and the extension",
+)
+@pytest.mark.parametrize(("env", "want"), [("avx2", "avx2 w4a8pack w8a8pack avx2 avx2"),
+                                           ("none", "None int4pack int8pack - -")])  # fmt: skip
+def test_lowbit_cpu_isa_picks_the_path(env, want):
+    script = (
+        "import torch\n"
+        "from pipeline.runtime import cpu_ext, float_rows\n"
+        "from pipeline.quant.rtn import quantize_rtn\n"
+        "from pipeline.runtime.inmemory import linear_codes\n"
+        "from pipeline.runtime.kernels import build, int_kernel_name\n"
+        "lm = float_rows.convert(torch.nn.Sequential(torch.nn.Linear(1024, 1024)))\n"
+        "layer = build(linear_codes('l', quantize_rtn(torch.randn(64, 256), 'int4g128')))\n"
+        "print(cpu_ext.isa(), int_kernel_name(), int_kernel_name(bits=8),\n"
+        "      getattr(layer, 'isa', '-'), getattr(lm[0], 'isa', '-'))\n"
+    )
+    proc = _run(script, LOWBIT_CPU_ISA=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == want.split()
+
+
+@needs_kernels
 def test_w4a8_refuses_a_partial_group_and_int4pack_takes_it():
-    # k = 224 with groups of 64: the last group is partial, which the VNNI kernel's per-group
+    # k = 224 with groups of 64: the last group is partial, which lowbit's kernel's per-group
     # zero term does not cover; int4pack's 32-column blocks do
     qt, codes = _codes("int4g64", (64, 224))
     assert not cpu_w4a8.fits(codes)
@@ -196,7 +286,7 @@ def test_w4a8_refuses_a_partial_group_and_int4pack_takes_it():
     assert relative_error(layer(x), x @ qt.dequantize().T) < 1e-2
 
 
-@needs_vnni
+@pytest.mark.skipif(not cpu_ext.supported(), reason="needs a CPU that runs lowbit's kernels")
 def test_without_a_compiler_int_layers_keep_int4pack_and_float_ones_f_linear(tmp_path):
     # a fresh process (the build is cached per process) whose compiler does not exist
     script = (
@@ -208,14 +298,8 @@ def test_without_a_compiler_int_layers_keep_int4pack_and_float_ones_f_linear(tmp
         "float_rows.convert(lm)\n"
         "print(cpu_ext.extension() is None, int_kernel_name(), type(lm[0]).__name__)\n"
     )
-    env = {
-        **os.environ,
-        "CXX": str(tmp_path / "no-compiler"),
-        "TORCH_EXTENSIONS_DIR": str(tmp_path),
-    }
-    proc = subprocess.run(
-        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
-    )
+    env = {"CXX": str(tmp_path / "no-compiler"), "TORCH_EXTENSIONS_DIR": str(tmp_path)}
+    proc = _run(script, LOWBIT_CPU_ISA="auto", **env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.split() == ["True", "int4pack", "Linear"]  # float layers stay F.linear
     assert proc.stderr.count("CPU kernels did not build") == 1  # one warning, not per call

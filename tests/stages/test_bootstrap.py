@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from pipeline import hardware
 from pipeline.errors import ConfigError
 from pipeline.stages import StageIO, bootstrap
 from tests.lit.test_fit import stage_run  # noqa: F401  (fixture)
@@ -58,3 +59,11 @@ def test_stage_precision_replaces_the_trainer_precision_only_when_set():
     assert bootstrap._trainer_cfg(config(), run, "target")["precision"] == "32-true"
     bf16 = bootstrap._trainer_cfg(config(precision="bf16-mixed"), run, "target")
     assert bf16["precision"] == "bf16-mixed" and CPU["precision"] == "32-true"  # a copy
+
+
+def test_the_default_precision_follows_what_the_cpu_computes_natively():
+    assert bootstrap.BootstrapConfig().precision == "auto"
+    run = SimpleNamespace(trainer=CPU)
+    got = bootstrap._trainer_cfg(config(precision="auto"), run, "target")["precision"]
+    native = hardware.native(torch.bfloat16, "cpu")[0]
+    assert got == ("bf16-mixed" if native else "32-true")

@@ -34,15 +34,30 @@ TINY = (
 )
 
 
-def ascending_from(step: int):
-    """A sabotaged DraftReinforce.training_step: gradient ascent on the loss from `step` on."""
-    original = reinforce.DraftReinforce.training_step
+def force(monkeypatch, steps: dict[int, float], at_start: float = 1.0) -> None:
+    """Make DraftReinforce's effect forced, the same on every CPU: the draft's final norm gain,
+    so its logits, is multiplied by `at_start` before the first validation and by steps[k] at
+    step k (1 when absent), and each step returns its loss times 0, so every gradient is
+    exactly 0 and AdamW (no weight decay) leaves every weight as it is. Negated logits put the
+    draft's mass on the tokens the target finds least likely, and 16x sharper ones on the
+    draft's top token alone: each far below a trained draft's acceptance."""
+    cls = reinforce.DraftReinforce
+    start, step = cls.on_fit_start, cls.training_step
+
+    def scale(self, factor: float) -> None:
+        with torch.no_grad():
+            self.draft.model.norm.weight.mul_(factor)
+
+    def on_fit_start(self):
+        start(self)
+        scale(self, at_start)
 
     def training_step(self, batch, batch_idx):
-        loss = original(self, batch, batch_idx)
-        return -loss if self.global_step >= step else loss
+        scale(self, steps.get(self.global_step, 1.0))
+        return step(self, batch, batch_idx) * 0.0
 
-    return training_step
+    monkeypatch.setattr(cls, "on_fit_start", on_fit_start)
+    monkeypatch.setattr(cls, "training_step", training_step)
 
 
 def val_alpha(cfg, target, draft) -> float:
@@ -168,14 +183,11 @@ def test_quantized_target_and_draft(boot, tmp_path):
 
 
 def test_no_checkpoint_better_than_the_start_keeps_the_draft(boot, tmp_path, monkeypatch, caplog):
-    """Training that only makes things worse (gradient ascent at a large lr) hands on the
-    starting draft unchanged, says so, and early stopping ends it after 2 checks."""
-    monkeypatch.setattr(reinforce.DraftReinforce, "training_step", ascending_from(0))
-    overrides = (
-        "stage.reinforce.lr=1e-2",
-        "stage.reinforce.val_every=1",
-        "stage.reinforce.early_stop_patience=1",
-    )
+    """Training that only makes things worse (its first step negates the logits, the next
+    change nothing) hands on the starting draft unchanged, says so, and early stopping ends it
+    after 2 checks."""
+    force(monkeypatch, {0: -1.0})
+    overrides = ("stage.reinforce.val_every=1", "stage.reinforce.early_stop_patience=1")
     cfg = boot_cfg(boot, tmp_path, STAGES, *TINY, *overrides)
     with caplog.at_level("WARNING", logger="pipeline"):
         metrics = workflow.run(cfg)["reinforce"]["metrics"]
@@ -192,8 +204,10 @@ def test_no_checkpoint_better_than_the_start_keeps_the_draft(boot, tmp_path, mon
 
 
 def test_the_result_is_the_best_checkpoint_not_the_last(boot, tmp_path, monkeypatch):
-    """Two good steps, then two of gradient ascent: the written draft is step 2's."""
-    monkeypatch.setattr(reinforce.DraftReinforce, "training_step", ascending_from(2))
+    """A damaged start (negated logits), step 1 undoes it, step 3 sharpens the logits 16x: the
+    written draft is step 2's, the starting one. Forced steps, not trained ones, so the
+    trajectory is the same on every CPU (a real one's first steps depend on the float kernels)."""
+    force(monkeypatch, {0: -1.0, 2: 16.0}, at_start=-1.0)
     cfg = boot_cfg(boot, tmp_path, STAGES, *TINY, "stage.reinforce.val_every=2")
     metrics = workflow.run(cfg)["reinforce"]["metrics"]
     report = json.loads((tmp_path / "run" / "reinforce" / "reinforce.json").read_text())
@@ -204,6 +218,7 @@ def test_the_result_is_the_best_checkpoint_not_the_last(boot, tmp_path, monkeypa
     assert metrics["best_step"] == 2 and metrics["kept_input"] == 0
     written = val_alpha(cfg, boot["target"], tmp_path / "run" / "reinforce" / "draft")
     assert written == pytest.approx(by_step[2], rel=1e-5)
+    assert written == pytest.approx(val_alpha(cfg, boot["target"], boot["draft"]), rel=1e-5)
 
 
 def test_no_draft_means_self_speculation_and_a_skip(boot, tmp_path):

@@ -1,11 +1,33 @@
 // The Python module of lowbit's CPU kernels (pipeline/runtime/cpu_ext.py builds it).
 #include <torch/extension.h>
 
+#include <string>
+
 torch::Tensor w4a8_mm(torch::Tensor x, torch::Tensor packed, torch::Tensor scale,
-                      torch::Tensor zero, int64_t group_len);
-torch::Tensor f32_rows_mm(torch::Tensor x, torch::Tensor weight);
+                      torch::Tensor zero, int64_t group_len, const std::string& isa);
+torch::Tensor f32_rows_mm(torch::Tensor x, torch::Tensor weight, const std::string& isa);
+
+// The kernels' index of an ISA: 0 "avx2", 1 "avx512". A CPU that lacks the ISA gets an error
+// here rather than an illegal instruction inside the kernel (cpu_ext.isa() picks one it runs).
+int isa_index(const std::string& isa) {
+  if (isa == "avx2") {
+    TORCH_CHECK(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"),
+                "this CPU lacks AVX2/FMA: lowbit's avx2 kernels cannot run here");
+    return 0;
+  }
+  if (isa == "avx512") {
+    TORCH_CHECK(__builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+                    __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vnni"),
+                "this CPU lacks AVX-512 VNNI: lowbit's avx512 kernels cannot run here");
+    return 1;
+  }
+  TORCH_CHECK(false, "unknown ISA '", isa, "': lowbit's CPU kernels are built for avx512, avx2");
+}
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("w4a8_mm", &w4a8_mm, "W4A8 matmul, few rows (w4a8.cpp)");
-  m.def("f32_rows_mm", &f32_rows_mm, "float32 matmul, few rows, weight read once (f32_rows.cpp)");
+  m.def("w4a8_mm", &w4a8_mm, "W4A8 matmul, few rows (w4a8.cpp)", py::arg("x"),
+        py::arg("packed"), py::arg("scale"), py::arg("zero"), py::arg("group_len"),
+        py::arg("isa"));
+  m.def("f32_rows_mm", &f32_rows_mm, "float32 matmul, few rows, weight read once (f32_rows.cpp)",
+        py::arg("x"), py::arg("weight"), py::arg("isa"));
 }

@@ -1,0 +1,211 @@
+"""What the machine runs natively, and the float precision chosen from it.
+
+bf16 (and fp16) arithmetic is fast only where the hardware multiplies it: on a CPU, AVX512-BF16
+or AMX on x86 (``avx512_bf16``, ``amx_bf16`` in /proc/cpuinfo), BF16 on Arm (``bf16`` among
+the Features); elsewhere torch emulates it, several times slower than float32 (on an AVX2 host
+a 4096x256 @ 256x1024 matmul under bf16 autocast took 9.3x its float32 time). Accelerators
+answer for themselves (``torch.cuda.is_bf16_supported``, ``torch.npu.is_bf16_supported``).
+
+``auto`` therefore means bf16 where it is native and float32 elsewhere, logged once with the
+reason; a precision the user chose is kept, with one warning where it will be emulated.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import platform
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+ISA_ENV = "LOWBIT_CPU_ISA"  # auto | avx512 | avx2 | none: the CPU code lowbit may use
+
+# The CPU flags that decide a default (precision, kernels): reported with every speed figure.
+CPU_FLAGS = (
+    "avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
+    "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_fp16", "bf16", "fphp", "asimddp",
+)  # fmt: skip
+# CPU flags under which a half type is native: x86 (avx512_*, amx_*) and Arm (bf16, fphp).
+_NATIVE_CPU = {
+    torch.bfloat16: ("avx512_bf16", "amx_bf16", "bf16"),
+    torch.float16: ("avx512_fp16", "amx_fp16", "fphp"),
+}
+_HALF = {"bf16": torch.bfloat16, "16": torch.float16}
+
+
+@functools.cache
+def _cpuinfo() -> dict[str, str]:
+    """The first processor's fields of /proc/cpuinfo (Linux); empty elsewhere."""
+    fields: dict[str, str] = {}
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return fields
+    for line in text.splitlines():
+        if not line.strip():
+            if fields:
+                break
+            continue
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    return fields
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (x86 ``flags``, Arm ``Features``); empty where unknown.
+
+    ``LOWBIT_CPU_ISA=avx2`` hides the AVX-512 and AMX flags, so that an AVX-512 machine
+    chooses precision and kernels as an AVX2-only one would (``docs/portability.md``)."""
+    info = _cpuinfo()
+    flags = frozenset((info.get("flags") or info.get("Features") or "").split())
+    if os.environ.get(ISA_ENV, "").lower() == "avx2":
+        flags = frozenset(f for f in flags if not f.startswith(("avx512", "amx")))
+    return flags
+
+
+def cpu_name() -> str:
+    """The CPU's model name, e.g. "AMD EPYC 9654" (the architecture where /proc has none)."""
+    info = _cpuinfo()
+    return info.get("model name") or info.get("Model") or platform.processor() or platform.machine()
+
+
+def cpu_summary() -> dict:
+    """The CPU as speed figures cite it: model, cores, and which of ``CPU_FLAGS`` it has."""
+    have = cpu_flags()
+    return {
+        "cpu": cpu_name(),
+        "cores": len(os.sched_getaffinity(0)),
+        "cpu_flags": [f for f in CPU_FLAGS if f in have],
+    }
+
+
+def source_commit() -> str | None:
+    """The git commit lowbit runs from (``+dirty`` with local changes), None outside a
+    checkout: what every speed figure names beside the CPU."""
+    import subprocess
+
+    here = Path(__file__).resolve().parent
+    try:
+        head = subprocess.run(
+            ["git", "-C", str(here), "rev-parse", "--short=12", "HEAD"],
+            capture_output=True, text=True, timeout=10, check=True,
+        ).stdout.strip()  # fmt: skip
+        dirty = subprocess.run(
+            ["git", "-C", str(here), "diff", "--quiet", "HEAD", "--", "."], timeout=10
+        ).returncode
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return f"{head}+dirty" if dirty else head
+
+
+def where() -> dict:
+    """The machine and code a measurement comes from: ``cpu_summary`` plus commit and torch."""
+    return cpu_summary() | {"commit": source_commit(), "torch": torch.__version__}
+
+
+def describe(machine: dict) -> str:
+    """``where()`` as one line, e.g. "AMD EPYC (2 cores; avx2 fma avx512_vnni), commit ..."."""
+    flags = " ".join(machine.get("cpu_flags", [])) or "no listed flags"
+    return (
+        f"{machine.get('cpu', '?')} ({machine.get('cores', '?')} cores; {flags}), "
+        f"lowbit {machine.get('commit') or 'outside git'}, torch {machine.get('torch', '?')}"
+    )
+
+
+def device_type(accelerator: str | None) -> str:
+    """Lightning's accelerator name (cpu, gpu, cuda, npu, auto) as a torch device type."""
+    acc = str(accelerator or "auto").lower()
+    if acc in ("gpu", "cuda"):
+        return "cuda"
+    if acc == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return acc
+
+
+def native(dtype: torch.dtype, device: str) -> tuple[bool, str]:
+    """Whether ``device`` (a torch device type) computes in ``dtype`` natively, and why."""
+    if dtype not in _NATIVE_CPU:
+        return True, f"{dtype} is not emulated"
+    name = str(dtype).removeprefix("torch.")
+    if device == "cpu":
+        flags = [f for f in _NATIVE_CPU[dtype] if f in cpu_flags()]
+        if flags:
+            return True, f"the CPU has {'/'.join(flags)}"
+        return False, f"the CPU ({cpu_name()}) has no {'/'.join(_NATIVE_CPU[dtype])}"
+    if dtype is torch.float16 or device not in ("cuda", "npu"):
+        return True, f"{device} computes {name}"
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            return True, "no CUDA device here to ask"
+        ok = torch.cuda.is_bf16_supported(including_emulation=False)
+        return ok, f"torch.cuda.is_bf16_supported() is {ok}"
+    try:
+        import torch_npu  # noqa: F401  (adds torch.npu)
+
+        ok = bool(torch.npu.is_bf16_supported())
+    except (ImportError, AttributeError, RuntimeError):
+        return True, "torch_npu is not here to ask"
+    return ok, f"torch.npu.is_bf16_supported() is {ok}"
+
+
+_said: set[tuple] = set()
+
+
+def _say_once(key: tuple, level: int, message: str) -> None:
+    """Log ``message`` the first time ``key`` (what was decided, not who asked) comes up."""
+    if key not in _said:
+        _said.add(key)
+        log.log(level, "%s", message)
+
+
+def resolve_precision(precision: str | int, accelerator: str | None, who: str) -> str | int:
+    """A Lightning precision for ``accelerator``: ``auto`` becomes ``bf16-mixed`` where bf16
+    is native and ``32-true`` elsewhere (logged once); an explicit half precision is kept,
+    with one warning where the device emulates it. ``who`` names the setting in the lines."""
+    device = device_type(accelerator)
+    if str(precision) == "auto":
+        ok, why = native(torch.bfloat16, device)
+        chosen = "bf16-mixed" if ok else "32-true"
+        _say_once(("auto", device), logging.INFO, f"{who}=auto: {chosen} on {device} ({why})")
+        return chosen
+    half = _HALF.get(str(precision).split("-")[0])
+    if half is not None:
+        ok, why = native(half, device)
+        if not ok:
+            _say_once(
+                ("emulated", half, device),
+                logging.WARNING,
+                f"{who}={precision} will be emulated on {device}, several times slower than "
+                f"32-true ({why}); set {who}=auto or 32-true",
+            )
+    return precision
+
+
+def compute_dtype(dtype: torch.dtype, device: str, who: str) -> torch.dtype:
+    """``dtype`` where ``device`` computes it natively, else float32 (logged once): what a
+    model whose dtype was left to ``auto`` is run in."""
+    ok, why = native(dtype, device)
+    if ok:
+        return dtype
+    _say_once(
+        ("float32", dtype, device),
+        logging.INFO,
+        f"{who}: float32 rather than {dtype} on {device} ({why})",
+    )
+    return torch.float32
+
+
+def warn_if_emulated(dtype: torch.dtype, device: str, who: str) -> None:
+    """One warning when a dtype the user chose will be emulated on ``device``."""
+    ok, why = native(dtype, device)
+    if not ok:
+        _say_once(
+            ("emulated", dtype, device),
+            logging.WARNING,
+            f"{who}={str(dtype).removeprefix('torch.')} will be emulated on {device}, several "
+            f"times slower than float32 ({why}); set {who}=float32",
+        )
