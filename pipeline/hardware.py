@@ -78,7 +78,9 @@ def cpu_summary() -> dict:
     have = cpu_flags()
     return {
         "cpu": cpu_name(),
-        "cores": len(os.sched_getaffinity(0)),
+        "cores": len(os.sched_getaffinity(0))
+        if hasattr(os, "sched_getaffinity")
+        else os.cpu_count(),
         "cpu_flags": [f for f in CPU_FLAGS if f in have],
     }
 
@@ -174,14 +176,7 @@ def resolve_precision(precision: str | int, accelerator: str | None, who: str) -
         return chosen
     half = _HALF.get(str(precision).split("-")[0])
     if half is not None:
-        ok, why = native(half, device)
-        if not ok:
-            _say_once(
-                ("emulated", half, device),
-                logging.WARNING,
-                f"{who}={precision} will be emulated on {device}, several times slower than "
-                f"32-true ({why}); set {who}=auto or 32-true",
-            )
+        warn_if_emulated(half, device, who, value=str(precision), instead=("auto", "32-true"))
     return precision
 
 
@@ -199,13 +194,25 @@ def compute_dtype(dtype: torch.dtype, device: str, who: str) -> torch.dtype:
     return torch.float32
 
 
-def warn_if_emulated(dtype: torch.dtype, device: str, who: str) -> None:
-    """One warning when a dtype the user chose will be emulated on ``device``."""
+def warn_if_emulated(
+    dtype: torch.dtype,
+    device: str,
+    who: str,
+    *,
+    value: str | None = None,
+    instead: tuple[str, ...] = ("float32",),
+) -> None:
+    """One warning when a dtype the user chose will be emulated on ``device``.
+
+    Args:
+        value: The setting as the user wrote it (default: the dtype's name).
+        instead: The settings that avoid the emulation, the float32 one last.
+    """
     ok, why = native(dtype, device)
     if not ok:
         _say_once(
             ("emulated", dtype, device),
             logging.WARNING,
-            f"{who}={str(dtype).removeprefix('torch.')} will be emulated on {device}, several "
-            f"times slower than float32 ({why}); set {who}=float32",
+            f"{who}={value or str(dtype).removeprefix('torch.')} will be emulated on {device}, "
+            f"several times slower than {instead[-1]} ({why}); set {who}={' or '.join(instead)}",
         )

@@ -173,10 +173,11 @@ def load_causal_lm(
         model = model.to(device)
     # bf16/fp16 only where the device computes it natively (emulated: several times slower);
     # a model loaded without a device is placed later, where this cannot be judged yet
-    if (device, device_map) != (None, None) and dtype == "auto":
-        model = model.to(compute_dtype(model.dtype, model.device.type, "model.dtype=auto"))
-    elif (device, device_map) != (None, None):
-        warn_if_emulated(model.dtype, model.device.type, "model.dtype")
+    if device is not None or device_map is not None:
+        if dtype == "auto":
+            model = model.to(compute_dtype(model.dtype, model.device.type, "model.dtype=auto"))
+        else:
+            warn_if_emulated(model.dtype, model.device.type, "model.dtype")
     log.info("loaded %s: %s on %s", path, model.dtype, model.device)  # what the stage runs in
     return model.eval()
 
