@@ -169,9 +169,9 @@ constexpr TileFn kTileFns[kMaxRows + 1] = {
 namespace {
 namespace avx2 {
 
-constexpr int kMaxRows = 5;  // activation rows per pass: 2 ymm each, beside 2 weight ymm
-// Blocks per pass over one half of a tile: the halves alternate every chunk, so the second
-// reads the chunk's lines from L1. A divisor of the group (the scale applies per pass).
+constexpr int kMaxRows = 5;  // activation rows per pass
+// 8-bit: blocks per pass over one half of a tile: the halves alternate every chunk, so the
+// second reads the chunk's lines from L1. A divisor of the group (the scale applies per pass).
 constexpr int kChunk = 4;
 
 inline float hmax(__m256 v) {
@@ -220,52 +220,91 @@ inline __m256i bcast(const int8_t* p) {  // four int8 activations to every lane
   return _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(p));
 }
 
-// One block's integer dot products u . xq for rows 8h..8h+7 of the tile and R activation rows.
-// 4-bit: a vpmaddubsw pair is at most 2 * 15 * 127 = 3810, so a row's eight products sum in
-// int16 (30480) before one vpmaddwd. 8-bit: u would overflow the pairs; q = u ^ 0x80 is signed,
-// |q| . (x * sign q) with |q| <= 128 fits (32512), and u . x = q . x + 128 * sum(x).
-template <int BITS, int R>
-inline void block_dots(const uint8_t* wb, const int8_t* xq, int64_t k, const int32_t* bs,
-                       __m256i* dot) {  // xq and bs: row m at m * k and m * k / kBlock
-  const __m256i ones = _mm256_set1_epi16(1);
-  if constexpr (BITS == 4) {
-    const __m256i low = _mm256_set1_epi8(0x0F);
-    __m256i s16[R];
-    for (int m = 0; m < R; ++m) s16[m] = _mm256_setzero_si256();
+// 4-bit: a vpmaddubsw pair is at most 2 * 15 * 127 = 3810, so a row's eight products per block
+// sum in int16 (30480) before one vpmaddwd. Both halves of the tile go through the block at
+// once, so each activation broadcast serves 16 output rows: with several rows the broadcasts
+// and loop overhead, not the multiplies, bound the time (2 to 3 rows: 1.3-1.5x the one-half loop).
+template <int R>
+void tile_rows4(const uint8_t* w, const at::Half* scale, const at::Half* zero, const int8_t* xq,
+                const float* dx, const int32_t*, const float* sx, int64_t k,
+                int64_t blocks_per_group, float* out, int64_t n) {
+  constexpr int kBlockBytes = kTile * kBlock / 2;
+  const int64_t nb = k / kBlock, groups = nb / blocks_per_group;
+  const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  __m256 acc[2][R];  // the output, halves 0 and 1
+  for (int m = 0; m < R; ++m) acc[0][m] = acc[1][m] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256 part[2][R];  // the current group's sum of dx * (u . xq)
+    for (int m = 0; m < R; ++m) part[0][m] = part[1][m] = _mm256_setzero_ps();
+    for (int64_t b = g * blocks_per_group; b < (g + 1) * blocks_per_group; ++b) {
+      const uint8_t* wb = w + b * kBlockBytes;
+      for (int line = 0; line < kBlockBytes; line += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(wb + kPrefetch + line), _MM_HINT_T1);
+      __m256i s0[R], s1[R];
+      for (int m = 0; m < R; ++m) s0[m] = s1[m] = _mm256_setzero_si256();
 #pragma GCC unroll 1  // unrolled (with the rows' loop), GCC computes every product first
-    for (int c = 0; c < 4; ++c) {
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 64 * c));
-      const __m256i lo = _mm256_and_si256(v, low);
-      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+      for (int c = 0; c < 4; ++c) {
+        const __m256i* line = reinterpret_cast<const __m256i*>(wb + 64 * c);
+        const __m256i v0 = _mm256_loadu_si256(line), v1 = _mm256_loadu_si256(line + 1);
+        const __m256i lo0 = _mm256_and_si256(v0, low);
+        const __m256i hi0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), low);
+        const __m256i lo1 = _mm256_and_si256(v1, low);
+        const __m256i hi1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), low);
+        for (int m = 0; m < R; ++m) {
+          const int8_t* xm = xq + m * k + b * kBlock + 8 * c;
+          const __m256i x0 = bcast(xm), x4 = bcast(xm + 4);
+          s0[m] = _mm256_add_epi16(s0[m], _mm256_add_epi16(_mm256_maddubs_epi16(lo0, x0),
+                                                           _mm256_maddubs_epi16(hi0, x4)));
+          s1[m] = _mm256_add_epi16(s1[m], _mm256_add_epi16(_mm256_maddubs_epi16(lo1, x0),
+                                                           _mm256_maddubs_epi16(hi1, x4)));
+        }
+      }
       for (int m = 0; m < R; ++m) {
-        const int8_t* xm = xq + m * k + 8 * c;
-        const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast(xm)),
-                                           _mm256_maddubs_epi16(hi, bcast(xm + 4)));
-        s16[m] = _mm256_add_epi16(s16[m], p);
+        const __m256 d = _mm256_set1_ps(dx[m * nb + b]);
+        part[0][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(s0[m], ones)), d,
+                                     part[0][m]);
+        part[1][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(s1[m], ones)), d,
+                                     part[1][m]);
       }
     }
-    for (int m = 0; m < R; ++m) dot[m] = _mm256_madd_epi16(s16[m], ones);
-  } else {
-    const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
-    for (int m = 0; m < R; ++m) dot[m] = _mm256_set1_epi32(bs[m * (k / kBlock)] * 128);
-#pragma GCC unroll 1
-    for (int j = 0; j < 8; ++j) {
-      const __m256i q = _mm256_xor_si256(
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 64 * j)), flip);
-      const __m256i aq = _mm256_abs_epi8(q);
+    for (int h = 0; h < 2; ++h) {
+      const __m256 s = load_half(scale + g * kTile + 8 * h), z = load_half(zero + g * kTile + 8 * h);
       for (int m = 0; m < R; ++m) {
-        const __m256i p = _mm256_maddubs_epi16(aq, _mm256_sign_epi8(bcast(xq + m * k + 4 * j), q));
-        dot[m] = _mm256_add_epi32(dot[m], _mm256_madd_epi16(p, ones));
+        acc[h][m] = _mm256_fmadd_ps(part[h][m], s, acc[h][m]);
+        acc[h][m] = _mm256_fnmadd_ps(z, _mm256_set1_ps(sx[m * groups + g]), acc[h][m]);
       }
+    }
+  }
+  for (int h = 0; h < 2; ++h)
+    for (int m = 0; m < R; ++m) _mm256_storeu_ps(out + m * n + 8 * h, acc[h][m]);
+}
+
+// 8-bit: u would overflow vpmaddubsw's pairs; q = u ^ 0x80 is signed, |q| . (x * sign q) with
+// |q| <= 128 fits (32512), and u . x = q . x + 128 * sum(x). One block's integer dot products
+// for rows 8h..8h+7 of the tile and R activation rows.
+template <int R>
+inline void block_dots8(const uint8_t* wb, const int8_t* xq, int64_t k, const int32_t* bs,
+                        __m256i* dot) {  // xq and bs: row m at m * k and m * k / kBlock
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  for (int m = 0; m < R; ++m) dot[m] = _mm256_set1_epi32(bs[m * (k / kBlock)] * 128);
+#pragma GCC unroll 1
+  for (int j = 0; j < 8; ++j) {
+    const __m256i q = _mm256_xor_si256(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 64 * j)), flip);
+    const __m256i aq = _mm256_abs_epi8(q);
+    for (int m = 0; m < R; ++m) {
+      const __m256i p = _mm256_maddubs_epi16(aq, _mm256_sign_epi8(bcast(xq + m * k + 4 * j), q));
+      dot[m] = _mm256_add_epi32(dot[m], _mm256_madd_epi16(p, ones));
     }
   }
 }
 
-template <int BITS, int R>
-void tile_rows(const uint8_t* w, const at::Half* scale, const at::Half* zero, const int8_t* xq,
-               const float* dx, const int32_t* bs, const float* sx, int64_t k,
-               int64_t blocks_per_group, float* out, int64_t n) {
-  constexpr int kBlockBytes = kTile * kBlock * BITS / 8;
+template <int R>
+void tile_rows8(const uint8_t* w, const at::Half* scale, const at::Half* zero, const int8_t* xq,
+                const float* dx, const int32_t* bs, const float* sx, int64_t k,
+                int64_t blocks_per_group, float* out, int64_t n) {
+  constexpr int kBlockBytes = kTile * kBlock;
   const int64_t nb = k / kBlock, groups = nb / blocks_per_group;
   int64_t chunk = kChunk;  // no std::min in here (see the top)
   while (blocks_per_group % chunk) --chunk;
@@ -282,7 +321,7 @@ void tile_rows(const uint8_t* w, const at::Half* scale, const at::Half* zero, co
           for (int line = 0; line < kBlockBytes; line += 64)
             _mm_prefetch(reinterpret_cast<const char*>(wb + kPrefetch + line), _MM_HINT_T1);
         __m256i dot[R];
-        block_dots<BITS, R>(wb + 32 * h, xq + b * kBlock, k, bs + b, dot);
+        block_dots8<R>(wb + 32 * h, xq + b * kBlock, k, bs + b, dot);
         for (int m = 0; m < R; ++m)
           part[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[m]), _mm256_set1_ps(dx[m * nb + b]),
                                     part[m]);
@@ -299,10 +338,10 @@ void tile_rows(const uint8_t* w, const at::Half* scale, const at::Half* zero, co
   }
 }
 
-template <int BITS>
-constexpr TileFn kTileFns[kMaxRows + 1] = {nullptr,            tile_rows<BITS, 1>,
-                                           tile_rows<BITS, 2>, tile_rows<BITS, 3>,
-                                           tile_rows<BITS, 4>, tile_rows<BITS, 5>};
+constexpr TileFn kTileFns4[kMaxRows + 1] = {nullptr,        tile_rows4<1>, tile_rows4<2>,
+                                            tile_rows4<3>, tile_rows4<4>, tile_rows4<5>};
+constexpr TileFn kTileFns8[kMaxRows + 1] = {nullptr,        tile_rows8<1>, tile_rows8<2>,
+                                            tile_rows8<3>, tile_rows8<4>, tile_rows8<5>};
 
 }  // namespace avx2
 }  // namespace
@@ -310,7 +349,7 @@ constexpr TileFn kTileFns[kMaxRows + 1] = {nullptr,            tile_rows<BITS, 1
 
 namespace {
 const Kernels kKernels[2] = {
-    {avx2::quantize_row, avx2::kMaxRows, {avx2::kTileFns<4>, avx2::kTileFns<8>}},
+    {avx2::quantize_row, avx2::kMaxRows, {avx2::kTileFns4, avx2::kTileFns8}},
     {avx512::quantize_row, avx512::kMaxRows, {avx512::kTileFns<4>, avx512::kTileFns<8>}},
 };
 }  // namespace
