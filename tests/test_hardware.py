@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -103,3 +104,18 @@ def test_lowbit_cpu_isa_avx2_makes_this_machine_choose_as_an_avx2_host(monkeypat
     if real & {"avx512_bf16", "amx_bf16"}:  # an AVX-512 BF16 machine now trains in fp32
         monkeypatch.setattr(hardware, "_said", set())
         assert hardware.resolve_precision("auto", "cpu", "trainer.precision") == "32-true"
+
+
+def test_a_bf16_distill_teacher_is_warned_where_emulated(cpu, caplog):
+    from pipeline.stages import distill
+
+    caplog.set_level(logging.WARNING, logger="pipeline.hardware")
+    run = SimpleNamespace(trainer={"accelerator": "cpu"})
+    cpu(AVX2)
+    distill.check(distill.DistillConfig(teacher_dtype="bfloat16"), run)
+    assert "stage.distill.teacher_dtype=bfloat16 will be emulated on cpu" in caplog.text
+    caplog.clear()
+    distill.check(distill.DistillConfig(), run)  # float32: nothing to say
+    cpu(AVX512_BF16)
+    distill.check(distill.DistillConfig(teacher_dtype="bfloat16"), run)
+    assert caplog.records == []

@@ -42,6 +42,7 @@ from pipeline.config import RunConfig, positive
 from pipeline.data.heldout import Heldout, heldout
 from pipeline.data.text import Corpus
 from pipeline.errors import ConfigError, LowbitError
+from pipeline.hardware import device_type, warn_if_emulated
 from pipeline.lit.distill import DistillData, DistillHParams, DistillModule, load_pair, load_student
 from pipeline.lit.fit import (
     Fit,
@@ -175,6 +176,9 @@ CONFIG = DistillConfig
 
 def check(cfg: DistillConfig, run: RunConfig) -> None:
     check_fit_trainer("distill", run.trainer)  # Lightning's arguments, none the stage sets
+    if cfg.teacher_dtype == "bfloat16":  # the teacher's every forward, emulated on most CPUs
+        accelerator = device_type((run.trainer or {}).get("accelerator"))
+        warn_if_emulated(torch.bfloat16, accelerator, "stage.distill.teacher_dtype")
 
 
 def run(cfg: DistillConfig, run: RunConfig, io: StageIO) -> dict:
