@@ -11,6 +11,7 @@ Peak memory is measured two ways, and each table says which:
 
 from __future__ import annotations
 
+import argparse
 import csv
 import json
 import os
@@ -227,22 +228,57 @@ def cpu_kernels() -> str:
     return f"{cpu_ext.isa() or 'none'} ({f'{cpu_ext.ENV}={asked}' if asked else 'auto'})"
 
 
-def goal(name: str, value: float, want: str, met: bool) -> dict[str, Any]:
+def goal(name: str, value: float | None, want: str, met: bool) -> dict[str, Any]:
     """One goal row: what was measured, what it had to be, and whether it was."""
     return {"goal": name, "value": value, "want": want, "verdict": "met" if met else "MISSED"}
 
 
-def report_goals(goals: list[dict[str, Any]], out: Path | None = None) -> int:
-    """Print (and write to ``out/goals.md``) the goals table; the exit status: 1 if one missed."""
+def unmeasured(name: str, want: str, why: str) -> dict[str, Any]:
+    """A goal whose rows or inputs are missing: missed, so that a run which could not check it
+    does not pass; only ``--skip-goal`` takes it out of the verdict."""
+    return goal(f"{name} (not measured: {why})", None, want, False)
+
+
+def add_goal_args(parser: argparse.ArgumentParser) -> None:
+    """``--skip-goal TEXT`` (repeatable): the one way to narrow a bench's goals."""
+    parser.add_argument(
+        "--skip-goal", action="append", default=[], metavar="TEXT",
+        help="leave out of the exit status each goal whose name contains TEXT (repeatable); "
+        "any other goal that could not be checked counts as missed",
+    )  # fmt: skip
+
+
+def report_goals(
+    goals: list[dict[str, Any]], out: Path | None = None, skip: Sequence[str] = ()
+) -> int:
+    """Print (and write to ``out/goals.md``) the goals table; the exit status: 1 if one missed.
+
+    Args:
+        goals: Rows of :func:`goal` and :func:`unmeasured`.
+        out: Folder for ``goals.md`` (None: print only).
+        skip: ``--skip-goal`` texts; a goal whose name contains one is shown as skipped and
+            does not count.
+    """
     if not goals:
         print("no goal could be checked: the rows it compares are missing")
         return 1
+    goals = [
+        {**g, "verdict": f"skipped ({g['verdict']})"} if any(s in g["goal"] for s in skip) else g
+        for g in goals
+    ]
+    for text in skip:
+        if not any(text in g["goal"] for g in goals):
+            print(f"--skip-goal {text!r} matches no goal")
     table = markdown_table(goals, ("goal", "value", "want", "verdict"))
     print("\n" + table)
     if out is not None:
         (out / "goals.md").write_text(table + "\n")
-    missed = [g["goal"] for g in goals if g["verdict"] != "met"]
-    print(f"goals missed: {'; '.join(missed)}" if missed else "every goal met")
+    missed = [g["goal"] for g in goals if g["verdict"] == "MISSED"]
+    skipped = sum(g["verdict"].startswith("skipped") for g in goals)
+    if missed:
+        print(f"goals missed: {'; '.join(missed)}")
+    else:
+        print(f"every goal checked met ({skipped} skipped)" if skipped else "every goal met")
     return 1 if missed else 0
 
 

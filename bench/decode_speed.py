@@ -52,7 +52,8 @@ measured speed-up >= 0.8 x theoretical, at the fastest of the ``--gammas``; and 
 torch's kernels) W4g128 >= 1.8 x FP32 tokens/s, W8 >= 1.5 x FP32; on AVX2 (issue 29) W4g128 and
 W8 each >= 0.65 of their bandwidth limit, W4g128 >= 1.7 x and W8 >= 1.3 x their ``@torch`` rows,
 FP32 >= 1 x ``FP32@torch``, and v <= 1.3 at every gamma up to 4 (verifying up to 5 rows). On
-AVX2 the default ``--rows`` add FP32@torch, W8@torch and W4g128@torch.
+AVX2 the default ``--rows`` add FP32@torch, W8@torch and W4g128@torch. ``--skip-goal TEXT``
+leaves out each goal whose name contains TEXT (e.g. ``--skip-goal W8`` with ``--rows FP32,W4g128``).
 
 Usage:
   python -m bench.decode_speed                                  # ~1.1B, the full measurement
@@ -61,7 +62,7 @@ Usage:
   LOWBIT_CPU_ISA=avx2 python -m bench.decode_speed --threads 2 --crossover-widths '' \\
       --rows FP32,FP32@torch,W8,W8@torch,W4g128,W4g128@torch   # AVX2 against torch's kernels
   [--rows FP32,W4g128,...] [--threads N] [--repeats 3] [--gammas 2,3,4] [--temperature 0]
-  [--out bench-out/decode_speed] [--mlflow URI]
+  [--out bench-out/decode_speed] [--mlflow URI] [--skip-goal TEXT ...]
 """
 
 from __future__ import annotations
@@ -80,6 +81,7 @@ import torch
 from torch import nn
 
 from bench._common import (
+    add_goal_args,
     cpu_kernels,
     goal,
     hwm_mib,
@@ -87,6 +89,7 @@ from bench._common import (
     machine,
     markdown_table,
     report_goals,
+    unmeasured,
     write_csv,
 )
 from pipeline.runtime import cpu_ext, float_rows
@@ -372,46 +375,52 @@ def random_prompt(vocab: int, length: int) -> torch.Tensor:
 
 
 def check_goals(rows: list[dict], spec: list[dict], isa: str | None) -> list[dict]:
-    """The goals of ``isa``'s kernels: on AVX2 all of them, checked or missed; elsewhere those
-    that the measured rows allow checking."""
+    """The goals of ``isa``'s kernels: on AVX2 issue 29's, elsewhere the multiples of FP32; each
+    one checked, or missed for want of its rows."""
     by_row = {r["row"]: r for r in rows}
     if isa == "avx2":
         goals = avx2_goals(by_row, spec)
     else:
         goals = [
-            goal(f"{row} tok/s / FP32 tok/s", by_row[row]["x FP32"], f">= {want}",
-                 by_row[row]["x FP32"] >= want)
+            _at_least(f"{row} tok/s / FP32 tok/s", by_row, row, "x FP32", (row, "FP32"), want)
             for row, want in GOALS.items()
-            if row in by_row and by_row[row]["x FP32"] is not None
-        ]  # fmt: skip
-    if spec:  # at the draft length a user would run: the fastest measured
+        ]
+    name, want = "speculative measured / theoretical speed-up", f">= {SPEC_GOAL}"
+    if not spec:
+        goals.append(unmeasured(name, want, f"needs the {SPEC_TARGET} row and --gammas"))
+    else:  # at the draft length a user would run: the fastest measured
         best = max(spec, key=lambda r: r["measured"])
         ratio = best["measured / theoretical"]
-        goals.append(goal(f"speculative measured / theoretical speed-up (gamma {best['gamma']})",
-                          ratio, f">= {SPEC_GOAL}", ratio >= SPEC_GOAL))  # fmt: skip
+        goals.append(goal(f"{name} (gamma {best['gamma']})", ratio, want, ratio >= SPEC_GOAL))
     return goals
+
+
+def _at_least(
+    name: str, by_row: dict[str, dict], row: str, key: str, needs: tuple[str, ...], want: float
+) -> dict:
+    """``by_row[row][key] >= want``; missed, naming the rows to add, when it was not measured."""
+    value = by_row.get(row, {}).get(key)
+    if value is None:
+        missing = [r for r in needs if r not in by_row] or list(needs)
+        return unmeasured(name, f">= {want}", f"add {','.join(missing)} to --rows")
+    return goal(name, value, f">= {want}", value >= want)
 
 
 def avx2_goals(by_row: dict[str, dict], spec: list[dict]) -> list[dict]:
     """Issue 29's goals for the AVX2 kernels; one whose rows were not measured is missed."""
-
-    def at_least(name: str, value: float | None, want: float) -> dict:
-        if value is None:
-            return goal(f"{name} (not measured: add its rows)", None, f">= {want}", False)
-        return goal(name, value, f">= {want}", value >= want)
-
     goals = [
-        at_least(f"{row} of bandwidth limit", by_row.get(row, {}).get("of limit"), want)
+        _at_least(f"{row} of bandwidth limit", by_row, row, "of limit", (row,), want)
         for row, want in AVX2_OF_LIMIT.items()
     ]
     goals += [
-        at_least(f"{row} tok/s / {row}{TORCH} tok/s", by_row.get(row, {}).get("x torch"), want)
+        _at_least(f"{row} tok/s / {row}{TORCH} tok/s", by_row, row, "x torch",
+                  (row, row + TORCH), want)
         for row, want in AVX2_X_TORCH.items()
-    ]
+    ]  # fmt: skip
     vs = [r["v"] for r in spec if r["gamma"] + 1 <= AVX2_V_ROWS]
     name = f"v: verifying up to {AVX2_V_ROWS} rows, in single-row steps (worst gamma)"
     if not vs:
-        goals.append(goal(f"{name} (not measured: --gammas)", None, f"<= {AVX2_V}", False))
+        goals.append(unmeasured(name, f"<= {AVX2_V}", f"needs the {SPEC_TARGET} row and --gammas"))
     else:
         goals.append(goal(name, max(vs), f"<= {AVX2_V}", max(vs) <= AVX2_V))
     return goals
@@ -443,6 +452,7 @@ def parse_args() -> argparse.Namespace:
                    help="residual writes of the layers after the draft's")  # fmt: skip
     p.add_argument("--out", default="bench-out/decode_speed")
     p.add_argument("--mlflow", default=None, help="tracking URI to log the rows to")
+    add_goal_args(p)
     args = p.parse_args()
     if args.rows is None:
         extra = [f"{r}{TORCH}" for r in ("FP32", "W8", "W4g128")] if cpu_ext.isa() == "avx2" else []
@@ -496,7 +506,7 @@ def report(
         args.mlflow, "lowbit-bench", "decode_speed", rows, "row", vars(args),
         [out / "decode_speed.md", out / "decode_speed.json"],
     )  # fmt: skip
-    return report_goals(goals, out)
+    return report_goals(goals, out, args.skip_goal)
 
 
 def main() -> int:

@@ -10,7 +10,8 @@ resident set (``VmHWM``) is read from the kernel:
 * ``loaded``: :func:`pipeline.analysis.estimators.fisher_diagonal` on the whole model.
 
 The streamed peak should stay flat in depth while the loaded one grows with it. Goal: the
-deepest model's streamed peak within 10% of the shallowest's; exits 1 when it is not.
+deepest model's streamed peak within 10% of the shallowest's; exits 1 when it is not, or when
+fewer than two depths were streamed.
 
     python -m bench.fisher_memory --layers 4,16,64
 """
@@ -25,9 +26,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench._common import REPO, goal, report_goals
+from bench._common import REPO, add_goal_args, goal, report_goals, unmeasured
 
 MIB = 2**20
+FLAT = 1.1  # the deepest model's streamed peak / the shallowest's
 
 
 def _hwm_mib() -> float:
@@ -69,6 +71,20 @@ def child(args: argparse.Namespace) -> None:
                       "peak_mib": _hwm_mib(), "fisher_sum": float(total[0])}))  # fmt: skip
 
 
+def flat_goals(stream_peaks: dict[int, float]) -> list[dict]:
+    """The streamed peak flat in depth: the deepest model's within ``FLAT`` of the shallowest's;
+    missed unless at least two depths were streamed.
+
+    Args:
+        stream_peaks: {layers: peak MiB of the ``stream`` mode}.
+    """
+    name, want = "streamed peak, deepest / shallowest", f"<= {FLAT}"
+    if len(stream_peaks) < 2:
+        return [unmeasured(name, want, "needs stream in --modes and two --layers depths")]
+    ratio = stream_peaks[max(stream_peaks)] / stream_peaks[min(stream_peaks)]
+    return [goal(name, ratio, want, ratio <= FLAT)]
+
+
 def main() -> int | None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--layers", default="4,16,64", help="comma list of depths")
@@ -83,6 +99,7 @@ def main() -> int | None:
     p.add_argument("--mode", help=argparse.SUPPRESS)
     p.add_argument("--src", help=argparse.SUPPRESS)
     p.add_argument("--work", help=argparse.SUPPRESS)
+    add_goal_args(p)
     args = p.parse_args()
     if args.child:
         return child(args)
@@ -93,7 +110,7 @@ def main() -> int | None:
     print(f"{size}, calib {args.samples}x{args.seq_len}, segment_size {args.segment_size}\n")
     print("| layers | checkpoint MiB (fp16) | mode | peak MiB | peak - base MiB | seconds |")
     print("|---:|---:|---|---:|---:|---:|")
-    peaks: dict[str, list[float]] = {}
+    stream_peaks: dict[int, float] = {}
     with tempfile.TemporaryDirectory(prefix="lowbit-fisher-") as root:
         for layers in [int(x) for x in args.layers.split(",")]:
             src = Path(root) / f"ckpt{layers}"
@@ -113,15 +130,11 @@ def main() -> int | None:
                     sys.exit(f"{mode} failed:\n{proc.stderr[-3000:]}")
                 r = json.loads(proc.stdout.strip().splitlines()[-1])
                 grown = r["peak_mib"] - r["base_mib"]
-                peaks.setdefault(mode, []).append(r["peak_mib"])
+                if mode == "stream":
+                    stream_peaks[layers] = r["peak_mib"]
                 print(f"| {layers} | {ckpt_mib:.0f} | {mode} | {r['peak_mib']:.0f} | "
                       f"{grown:.0f} | {r['seconds']:.1f} |", flush=True)  # fmt: skip
-    if "stream" not in peaks or len(peaks["stream"]) < 2:
-        return report_goals([])
-    # Flat in depth: the deepest model's streamed peak within 10% of the shallowest's.
-    first, last = peaks["stream"][0], peaks["stream"][-1]
-    return report_goals([goal("streamed peak, deepest / shallowest", last / first, "<= 1.1",
-                              last / first <= 1.1)])  # fmt: skip
+    return report_goals(flat_goals(stream_peaks), skip=args.skip_goal)
 
 
 if __name__ == "__main__":

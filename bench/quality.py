@@ -17,6 +17,11 @@ Columns: ppl, ppl / ppl(fp), bits per quantized weight including scales and zero
 wall time, peak RSS (MiB; lowbit rows: this process sampled while the row ran, so it includes
 the FP model held for scoring; llmcompressor rows: that child's own ``VmHWM``).
 
+Goals (exit 1 when one is missed or cannot be checked): lowbit GPTQ <= llmcompressor GPTQ
+perplexity at each ``--formats`` entry, and the 2.5-bit plan (after ``--distill`` when run) <=
+uniform GPTQ int3g128. Without the llmcompressor rows (no venv, ``--no-llmc``) the peer goals
+are missed; ``--skip-goal llmcompressor`` leaves them out.
+
     python -m bench.quality --out bench-out/quality                    # smoke bootstrap target
     python -m bench.quality --model /path/to/hf --out q -- data=local data.path=...
     python -m bench.quality --model outputs/default/bootstrap/target --out q   # default sizes
@@ -35,6 +40,7 @@ from pathlib import Path
 
 from bench._common import (
     PeakRSS,
+    add_goal_args,
     compose,
     goal,
     last_json_line,
@@ -45,6 +51,7 @@ from bench._common import (
     report_goals,
     rss_mib,
     run_child,
+    unmeasured,
     write_csv,
 )
 
@@ -230,6 +237,7 @@ def main() -> int:
     p.add_argument("--no-llmc", action="store_true")
     p.add_argument("--no-lowbit", action="store_true", help="only the fp and llmcompressor rows")
     p.add_argument("--tracking-uri", help="log the table to this MLflow server/URI")
+    add_goal_args(p)
     args = p.parse_args()
 
     import torch
@@ -284,30 +292,34 @@ def main() -> int:
         args.tracking_uri, "lowbit-bench", "quality", rows, "row",
         {"target": target, "overrides": base, "calib": list(calib.shape)}, [csv_path],
     )  # fmt: skip
-    return report_goals(quality_goals(rows), out)
-
-
-def quality_goals(rows: list[dict]) -> list[dict]:
-    """lowbit GPTQ <= llmcompressor GPTQ per format; the 2.5-bit plan <= uniform GPTQ int3g128
-    (after distillation when the run has that row, which is the goal; before it, the stretch)."""
     ppl = {r["row"]: r["ppl"] for r in rows}
-    goals = []
-    for name in [n for n in ppl if n.startswith("lowbit gptq ")]:
-        peer = name.replace("lowbit", "llmcompressor", 1)
-        if peer in ppl:
-            goals.append(goal(f"{name} <= {peer}", ppl[name], f"<= {ppl[peer]:.6g}",
-                              ppl[name] <= ppl[peer]))  # fmt: skip
-    uniform = ppl.get("lowbit gptq int3g128")
-    plan = ppl.get("lowbit mixed@2.5+distill", ppl.get("lowbit mixed@2.5"))
-    if uniform is not None and plan is not None:
-        name = "lowbit mixed@2.5" + ("+distill" if "lowbit mixed@2.5+distill" in ppl else "")
-        goals.append(goal(f"{name} <= lowbit gptq int3g128", plan, f"<= {uniform:.6g}",
-                          plan <= uniform))  # fmt: skip
-    if uniform is not None and "lowbit mixed@2.5+distill" in ppl and "lowbit mixed@2.5" in ppl:
-        before = ppl["lowbit mixed@2.5"]  # reported, not a goal
+    uniform, before = ppl.get("lowbit gptq int3g128"), ppl.get("lowbit mixed@2.5")
+    if uniform is not None and before is not None and "lowbit mixed@2.5+distill" in ppl:
+        # reported, not a goal: the goal is the plan after distillation
         print(f"stretch: lowbit mixed@2.5 before distillation {before:.6g} vs int3g128 "
               f"{uniform:.6g}: {'met' if before <= uniform else 'missed'}")  # fmt: skip
+    return report_goals(quality_goals(rows, args.formats.split(",")), out, args.skip_goal)
+
+
+def quality_goals(rows: list[dict], formats: list[str]) -> list[dict]:
+    """lowbit GPTQ <= llmcompressor GPTQ per ``formats`` entry; the 2.5-bit plan <= uniform GPTQ
+    int3g128 (after distillation when the run has that row, which is the goal; before it, the
+    stretch). A goal whose rows are missing (no llmcompressor venv, ``--no-llmc``, a method,
+    format or budget left out) is missed."""
+    ppl = {r["row"]: r["ppl"] for r in rows}
+    goals = [_no_worse(ppl, f"lowbit gptq {fmt}", f"llmcompressor gptq {fmt}") for fmt in formats]
+    plan = "lowbit mixed@2.5+distill" if "lowbit mixed@2.5+distill" in ppl else "lowbit mixed@2.5"
+    goals.append(_no_worse(ppl, plan, "lowbit gptq int3g128"))
     return goals
+
+
+def _no_worse(ppl: dict[str, float], row: str, ref: str) -> dict:
+    """``row``'s perplexity <= ``ref``'s, or missed naming the row that is not there."""
+    name = f"{row} <= {ref}"
+    missing = [r for r in (row, ref) if r not in ppl]
+    if missing:
+        return unmeasured(name, f"<= ppl of {ref}", f"no {' or '.join(missing)} row")
+    return goal(name, ppl[row], f"<= {ppl[ref]:.6g}", ppl[row] <= ppl[ref])
 
 
 if __name__ == "__main__":
