@@ -4,15 +4,22 @@
 #   GPU (default):  docker build -t lowbit:0.1.0-cuda .
 #   Ascend (CANN):  docker build --build-arg BASE_IMAGE=<CANN image with torch + torch_npu> \
 #                       -t lowbit:0.1.0-cann .
-#   run:            docker run --rm -v /data:/data lowbit:0.1.0-cuda experiment=smoke run_dir=/runs/smoke
-ARG BASE_IMAGE=pytorch/pytorch:2.7.1-cuda12.6-cudnn9-runtime
+#   run:            docker run --rm -v /data:/data lowbit:0.1.0-cuda experiment=smoke \
+#                       run_dir=/data/runs/smoke tracking.uri=sqlite:////data/runs/mlflow.db \
+#                       tracking.artifact_location=/data/runs/mlartifacts
+# The run directory and the MLflow store go in the mounted volume (the container's own files are
+# gone when it exits), which the image's user (LOWBIT_UID) must be able to write.
+# The base is the torch release CI tests (.ci/setup; tests/test_packaging.py checks the two agree),
+# named as pytorch's images are: <torch>-cuda<X.Y>-cudnn<N>-runtime.
+ARG BASE_IMAGE=pytorch/pytorch:2.13.0-cuda12.8-cudnn9-runtime
 
 FROM ${BASE_IMAGE}
 
 # 1001: CANN images already use 1000 for HwHiAiUser, the owner of the NPU driver files.
 ARG LOWBIT_UID=1001
-# The extras cluster images need: DeepSpeed ZeRO trainers and the Slurm (submitit) launcher.
-ARG LOWBIT_EXTRAS=deepspeed,slurm
+# Every engine CI tests: DeepSpeed ZeRO trainers, the Slurm (submitit) launcher, the
+# compressed-tensors export and lm-eval tasks.
+ARG LOWBIT_EXTRAS=deepspeed,slurm,compressed-tensors,eval
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
@@ -26,7 +33,7 @@ SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 # package (an empty `pipeline`), so pip reads the dependency list from pyproject.toml itself.
 # constraints.txt (the versions CI tested) applies where the base has the Python it was frozen with.
 WORKDIR /tmp/lowbit-src
-COPY pyproject.toml setup.py README.md constraints.txt ./
+COPY pyproject.toml setup.py README.md LICENSE constraints.txt ./
 # DL3013: the versions are pinned, by constraints.txt, which hadolint cannot see.
 # hadolint ignore=DL3013
 RUN mkdir -p pipeline conf \

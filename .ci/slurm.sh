@@ -5,11 +5,12 @@
 #   .ci/slurm.sh check     report whether everything the tests need is on PATH
 #
 # The cluster itself is started and stopped by the tests (tests/cluster/slurm.py writes a
-# slurm.conf into a temp dir); this script only provides the packages. A failed install is
-# reported, not fatal: the cluster tests then skip with the reason.
+# slurm.conf into a temp dir); this script only provides the packages. Each command exits 1 with
+# the reason when Slurm is not there afterwards: CI requires the cluster tests (LOWBIT_REQUIRE in
+# .ci/run), so a failed install must stop it rather than let them skip.
 set -u
 
-need=(munged slurmctld slurmd sbatch srun sinfo scontrol)
+need=(munged slurmctld slurmd sbatch srun sinfo scontrol scancel)
 
 check() {
   local missing=()
@@ -31,23 +32,23 @@ install() {
   fi
   if ! command -v apt-get >/dev/null 2>&1; then
     echo "slurm: apt-get not found; install slurmctld slurmd slurm-client munge with your" \
-      "package manager. The cluster tests will skip."
-    return 0
+      "package manager." >&2
+    return 1
   fi
   if [ "$(id -u)" -ne 0 ]; then
-    echo "slurm: installing packages needs root; the cluster tests will skip."
-    return 0
+    echo "slurm: installing packages needs root; run .ci/slurm.sh install as root." >&2
+    return 1
   fi
   export DEBIAN_FRONTEND=noninteractive
   if ! apt-get update; then
-    echo "slurm: apt-get update failed (no network?); the cluster tests will skip."
-    return 0
+    echo "slurm: apt-get update failed (no network?)." >&2
+    return 1
   fi
   if ! apt-get install -y --no-install-recommends slurmctld slurmd slurm-client munge; then
-    echo "slurm: apt-get install failed; the cluster tests will skip."
-    return 0
+    echo "slurm: apt-get install failed." >&2
+    return 1
   fi
-  check || true
+  check
 }
 
 case "${1:-}" in

@@ -15,7 +15,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, ClassVar, Literal, TypeVar
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
@@ -301,7 +301,18 @@ class QuantConfig:
 @dataclass(frozen=True)
 class TrackingConfig:
     """MLflow. The default is a local store in the working directory; `mlflow ui
-    --backend-store-uri sqlite:///mlflow.db` shows it."""
+    --backend-store-uri sqlite:///mlflow.db` shows it.
+
+    Precedence: `tracking.uri=...` on the command line > MLFLOW_TRACKING_URI > the default (the
+    experiment likewise with MLFLOW_EXPERIMENT_NAME).
+    """
+
+    # MLflow's own variables replace these defaults, as they do for any MLflow script, so a
+    # shell or job set up for MLflow needs no lowbit override (applied in defaults_node).
+    ENV: ClassVar[dict[str, str]] = {
+        "uri": "MLFLOW_TRACKING_URI",
+        "experiment": "MLFLOW_EXPERIMENT_NAME",
+    }
 
     uri: str = "sqlite:///mlflow.db"
     artifact_location: str | None = "mlartifacts"
@@ -421,13 +432,23 @@ def run_config(cfg: DictConfig) -> RunConfig:
     )
 
 
+def _defaults(schema: type) -> dict[str, Any]:
+    """A schema's defaults; a field it names an environment variable for (its ``ENV``) becomes
+    ``${oc.env:VAR,'default'}``, resolved when the config is read: the variable when it is set,
+    else the default, and a command-line value replaces both."""
+    node = dataclasses.asdict(schema())
+    for key, var in getattr(schema, "ENV", {}).items():
+        node[key] = f"${{oc.env:{var},'{node[key]}'}}"
+    return node
+
+
 def defaults_node(stage_schemas: dict[str, type]) -> dict[str, Any]:
     """The defaults of every section with a schema, as the plain dict Hydra composes on.
 
     Plain, not structured: OmegaConf would type-check with its own messages; `parse` keeps the
     one-line ConfigError naming the key.
     """
-    node: dict[str, Any] = {k: dataclasses.asdict(schema()) for k, schema in SHARED.items()}
+    node: dict[str, Any] = {k: _defaults(schema) for k, schema in SHARED.items()}
     node["stage"] = {name: dataclasses.asdict(schema()) for name, schema in stage_schemas.items()}
     node["stages"] = list(stage_schemas)
     return node

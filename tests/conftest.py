@@ -15,10 +15,27 @@ from hydra import compose, initialize_config_dir
 
 from pipeline import conf_dir
 from pipeline.stages import register_configs
+from tests import _require
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 REPO = Path(__file__).resolve().parents[1]
+
+
+def pytest_configure(config):
+    _require.required()  # a misspelt LOWBIT_REQUIRE stops the run at its start
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """Tests marked with tests._require.needs skip, or fail under LOWBIT_REQUIRE, before any of
+    their fixtures start."""
+    for mark in item.iter_markers("requires"):
+        try:
+            _require.check(*mark.args)
+        except pytest.skip.Exception as e:
+            e._use_item_location = True  # report the test's line, as pytest does for skipif
+            raise
 
 
 def make_cfg(*overrides: str):
@@ -36,6 +53,12 @@ def smoke_cfg(tmp: Path, *overrides: str):
         f"tracking.artifact_location={tmp / 'artifacts'}",
         *overrides,
     )
+
+
+# Limits for the lowbit commands the tests start, in seconds on a busy 2-core machine: one that
+# stops at its start or runs a stage or two, and the whole smoke workflow (about 2 min alone).
+CLI_TIMEOUT = 300
+WORKFLOW_TIMEOUT = 600
 
 
 def lowbit_cmd(*args: str) -> list[str]:
@@ -92,7 +115,8 @@ def mlflow_server(tmp_path_factory):
             break
         except OSError:
             if proc.poll() is not None or time.time() > deadline:
-                proc.kill()
+                os.killpg(proc.pid, 9)  # the server and its workers
+                proc.wait(timeout=30)
                 pytest.fail("mlflow server did not become healthy")
             time.sleep(0.5)
     yield uri
@@ -111,7 +135,9 @@ def smoke_run(tmp_path_factory):
         f"tracking.artifact_location={tmp / 'artifacts'}",
     ]
     t0 = time.time()
-    proc = subprocess.run(lowbit_cmd(*args), cwd=tmp, capture_output=True, text=True)
+    proc = subprocess.run(
+        lowbit_cmd(*args), cwd=tmp, capture_output=True, text=True, timeout=WORKFLOW_TIMEOUT
+    )
     seconds = time.time() - t0
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return {

@@ -11,13 +11,14 @@ import yaml
 
 from pipeline import conf_dir
 from pipeline.rundir import RunLock
-from tests.conftest import lowbit_cmd
+from tests.conftest import CLI_TIMEOUT, lowbit_cmd
 
 
 def lowbit(tmp_path, *args):
     proc = subprocess.run(
-        lowbit_cmd(*args, "tracking=none"), cwd=tmp_path, capture_output=True, text=True
-    )
+        lowbit_cmd(*args, "tracking=none"), cwd=tmp_path, capture_output=True, text=True,
+        timeout=CLI_TIMEOUT,
+    )  # fmt: skip
     errors = [line for line in (proc.stdout + proc.stderr).splitlines() if "[ERROR]" in line]
     return proc, errors
 
@@ -60,8 +61,9 @@ def test_a_crashing_stage_is_one_line_exit_1_with_the_traceback_in_its_log(tmp_p
         "main()\n"
     )
     proc = subprocess.run(
-        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True
-    )
+        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
+        timeout=CLI_TIMEOUT,
+    )  # fmt: skip
     errors = [line for line in (proc.stdout + proc.stderr).splitlines() if "[ERROR]" in line]
     assert proc.returncode == 1, proc.stderr[-2000:]
     assert len(errors) == 1
@@ -79,9 +81,13 @@ def test_an_npu_trainer_without_an_npu_is_one_line_before_any_rank(tmp_path):
 
 
 def test_version_and_help(tmp_path):
-    version = subprocess.run(lowbit_cmd("--version"), capture_output=True, text=True)
+    version = subprocess.run(
+        lowbit_cmd("--version"), capture_output=True, text=True, timeout=CLI_TIMEOUT
+    )
     assert version.returncode == 0 and version.stdout.strip().startswith("lowbit ")
-    helped = subprocess.run(lowbit_cmd("--help"), capture_output=True, text=True, cwd=tmp_path)
+    helped = subprocess.run(
+        lowbit_cmd("--help"), capture_output=True, text=True, cwd=tmp_path, timeout=CLI_TIMEOUT
+    )
     assert helped.returncode == 0 and helped.stdout.startswith("lowbit: compress an LLM")
     # Every config group with every option, the common overrides, the config printer.
     for group in ("model", "data", "quant", "trainer", "cluster", "tracking", "experiment"):
@@ -130,7 +136,7 @@ def test_a_dry_run_of_a_finished_run_lists_every_stage_up_to_date(smoke_run):
     def dry(*extra):
         proc = subprocess.run(
             lowbit_cmd(*smoke_run["args"], "--dry-run", *extra),
-            cwd=smoke_run["dir"], capture_output=True, text=True,
+            cwd=smoke_run["dir"], capture_output=True, text=True, timeout=CLI_TIMEOUT,
         )  # fmt: skip
         assert proc.returncode == 0, proc.stderr[-3000:]
         lines = [ln.strip() for ln in proc.stdout.splitlines() if ln.startswith("  ")]
@@ -180,6 +186,6 @@ def test_a_single_run_keeps_its_run_dir(tmp_path):
     # The documented way to see the config a run gets, interpolations resolved.
     shown = subprocess.run(
         lowbit_cmd("--cfg", "job", "--resolve", "experiment=smoke"),
-        cwd=tmp_path, capture_output=True, text=True,
+        cwd=tmp_path, capture_output=True, text=True, timeout=CLI_TIMEOUT,
     )  # fmt: skip
     assert shown.returncode == 0 and "\nrun_dir: outputs/smoke\n" in shown.stdout

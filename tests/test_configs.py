@@ -11,11 +11,11 @@ import pytest
 from omegaconf import OmegaConf
 
 from pipeline import conf_dir, stages, workflow
-from pipeline.config import SHARED, parse, run_config
+from pipeline.config import SHARED, TrackingConfig, parse, run_config
 from pipeline.errors import ConfigError
 from pipeline.lit.trainer import trainer_kwargs
 from pipeline.workflow import plan
-from tests.conftest import lowbit_cmd, make_cfg
+from tests.conftest import CLI_TIMEOUT, lowbit_cmd, make_cfg
 
 GROUPS = ["model", "data", "quant", "trainer", "cluster", "tracking", "experiment"]
 # What the default options (model=bootstrap, data=builtin, quant=mixed, tracking=sqlite) change
@@ -83,7 +83,9 @@ def test_every_option_composes_and_every_key_is_known(override, tmp_path):
         workflow.check_stage(cfg, name)
 
 
-def test_the_default_config_is_the_dataclass_defaults():
+def test_the_default_config_is_the_dataclass_defaults(monkeypatch):
+    for var in TrackingConfig.ENV.values():  # a shell set up for MLflow changes these defaults
+        monkeypatch.delenv(var, raising=False)
     cfg = make_cfg()
     composed, defaults = {}, {}
     for name, schema in SHARED.items():
@@ -173,6 +175,7 @@ def test_cli_rejects_bad_value_in_seconds_with_one_line(tmp_path):
         capture_output=True,
         text=True,
         cwd=tmp_path,
+        timeout=CLI_TIMEOUT,
     )
     assert proc.returncode == 2
     assert time.time() - t0 < 60
@@ -189,6 +192,7 @@ def test_cli_prints_the_composed_config_without_running(tmp_path):
         capture_output=True,
         text=True,
         cwd=tmp_path,
+        timeout=CLI_TIMEOUT,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "max_steps: 5" in proc.stdout and "- int2g64" in proc.stdout

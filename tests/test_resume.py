@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, lowbit_cmd
+from tests.conftest import REPO, WORKFLOW_TIMEOUT, lowbit_cmd
 
 # The smoke workflow, smaller where it costs time and longer where a kill must land mid-way
 # (a checkpoint every tenth of the steps). cost_ratio is fixed: measured, it is a timing, and
@@ -60,7 +60,9 @@ def done(run_dir: Path, stage: str) -> dict:
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     run = tmp_path_factory.mktemp("resume") / "run"
-    proc = subprocess.run(lowbit(run, STAGES), env=ENV, capture_output=True, text=True)
+    proc = subprocess.run(
+        lowbit(run, STAGES), env=ENV, capture_output=True, text=True, timeout=WORKFLOW_TIMEOUT
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return run
 
@@ -74,16 +76,18 @@ def test_a_killed_stage_resumes_to_the_same_bytes(uninterrupted, tmp_path, stage
     cmd = lowbit(run, [stage])
 
     proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 120
-    while not list((run / ".work").glob(KILL_AT[stage])):
-        assert proc.poll() is None, f"{stage} ended before its first checkpoint"
-        assert time.time() < deadline, f"no {KILL_AT[stage]} after 120 s"
-        time.sleep(0.02)
-    proc.kill()  # SIGKILL: no handler runs, as when a node is lost
-    proc.wait()
+    try:
+        deadline = time.time() + 120
+        while not list((run / ".work").glob(KILL_AT[stage])):
+            assert proc.poll() is None, f"{stage} ended before its first checkpoint"
+            assert time.time() < deadline, f"no {KILL_AT[stage]} after 120 s"
+            time.sleep(0.02)
+    finally:  # also when the wait above fails: no run left behind
+        proc.kill()  # SIGKILL: no handler runs, as when a node is lost
+        proc.wait(timeout=60)
     assert not (run / stage).exists()
 
-    rerun = subprocess.run(cmd, env=ENV, capture_output=True, text=True)
+    rerun = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=WORKFLOW_TIMEOUT)
     assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-5000:]
     resumed, whole = done(run, stage), done(uninterrupted, stage)
     assert resumed["fingerprint"] == whole["fingerprint"]

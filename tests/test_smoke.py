@@ -7,7 +7,7 @@ import subprocess
 
 from mlflow.tracking import MlflowClient
 
-from tests.conftest import lowbit_cmd, make_cfg
+from tests.conftest import CLI_TIMEOUT, WORKFLOW_TIMEOUT, lowbit_cmd, make_cfg
 
 
 def test_smoke_workflow_writes_every_stage(smoke_run):
@@ -49,8 +49,9 @@ def test_rerun_skips_everything_and_rewrites_nothing(smoke_run):
     stages = list(make_cfg("experiment=smoke").stages)
     before = {s: (smoke_run["run_dir"] / s / "_done.json").stat().st_mtime_ns for s in stages}
     proc = subprocess.run(
-        lowbit_cmd(*smoke_run["args"]), cwd=smoke_run["dir"], capture_output=True, text=True
-    )
+        lowbit_cmd(*smoke_run["args"]), cwd=smoke_run["dir"], capture_output=True, text=True,
+        timeout=CLI_TIMEOUT,
+    )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     log = proc.stdout + proc.stderr
     for stage in stages:
@@ -72,11 +73,16 @@ def test_a_flipped_byte_in_quantized_weights_is_found_and_repaired(smoke_run, tm
     shard.write_bytes(bytes(data))
     args = ["experiment=smoke", f"run_dir={run_dir}", "tracking=none"]
 
-    proc = subprocess.run(lowbit_cmd(*args, "--no-repair"), capture_output=True, text=True)
+    proc = subprocess.run(
+        lowbit_cmd(*args, "--no-repair"), capture_output=True, text=True, timeout=CLI_TIMEOUT
+    )
     errors = [line for line in (proc.stdout + proc.stderr).splitlines() if "[ERROR]" in line]
     assert proc.returncode == 2 and len(errors) == 1 and shard.name in errors[0]
 
-    proc = subprocess.run(lowbit_cmd(*args), capture_output=True, text=True)
+    # quantize reruns, and the check re-reads every later stage's outputs
+    proc = subprocess.run(
+        lowbit_cmd(*args), capture_output=True, text=True, timeout=WORKFLOW_TIMEOUT
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     log = proc.stdout + proc.stderr
     assert f"quantize     outputs damaged: {shard}" in log and "quantize     running" in log

@@ -25,9 +25,9 @@ def _cfg(tmp_path, uri, *over):
     )
 
 
-def _check_store(uri: str, n_children: int):
+def _check_store(uri: str, n_children: int, experiment: str = "lowbit"):
     client = MlflowClient(uri)
-    exp = client.get_experiment_by_name("lowbit")
+    exp = client.get_experiment_by_name(experiment)
     runs = client.search_runs([exp.experiment_id])
     parents = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
     children = [r for r in runs if "mlflow.parentRunId" in r.data.tags]
@@ -69,6 +69,36 @@ def test_sqlite_store_holds_parent_and_children(toy_stages, tmp_path):  # noqa: 
 def test_server_store_holds_parent_and_children(toy_stages, tmp_path, mlflow_server):  # noqa: F811
     workflow.run(_cfg(tmp_path, mlflow_server, "tracking.artifact_location=null"))
     _check_store(mlflow_server, 3)
+
+
+def test_mlflow_environment_variables_choose_the_store_when_the_command_line_does_not(
+    toy_stages,  # noqa: F811
+    tmp_path,
+    mlflow_server,
+    monkeypatch,
+):
+    """As for any MLflow script: MLFLOW_TRACKING_URI and MLFLOW_EXPERIMENT_NAME replace the
+    default local store and experiment (a separate experiment keeps the shared server's others)."""
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server)
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "lowbit-from-env")
+    monkeypatch.chdir(tmp_path)  # where the default store would be written
+    stages = "stages=[bootstrap,sensitivity,evaluate]"
+    workflow.run(make_cfg(stages, f"run_dir={tmp_path / 'run'}", "name=trk"))
+    _check_store(mlflow_server, 3, experiment="lowbit-from-env")
+    assert not (tmp_path / "mlflow.db").exists() and not (tmp_path / "mlartifacts").exists()
+
+
+def test_tracking_uri_on_the_command_line_wins_over_mlflow_tracking_uri(
+    toy_stages,  # noqa: F811
+    tmp_path,
+    monkeypatch,
+):
+    from_env = tmp_path / "env.db"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{from_env}")
+    uri = f"sqlite:///{tmp_path / 'm.db'}"
+    workflow.run(_cfg(tmp_path, uri))
+    _check_store(uri, 3)
+    assert not from_env.exists()
 
 
 def test_unreachable_server_fails_at_start(toy_stages, tmp_path):  # noqa: F811

@@ -3,7 +3,7 @@
 The packing and the ``quantization_config`` come from the compressed-tensors library itself
 (``pack_to_int32``, ``QuantizationConfig``, ``ModelCompressor.update_config``), the code vLLM's
 loader and llm-compressor share, so the files follow the library's format as it evolves. It
-is the ``[vllm]`` extra, imported only when this format is written.
+is the ``[compressed-tensors]`` extra, imported only when this format is written.
 
 Layout per quantized linear ``P`` (what compressed-tensors' PackedQuantizationCompressor and
 vLLM's CompressedTensorsWNA16 read), with signed codes ``q`` and ``W = (q - zp) * scale``:
@@ -51,7 +51,7 @@ def library() -> SimpleNamespace:
     except ImportError as e:
         raise ExportError(
             "stage.export.format=compressed-tensors needs the compressed-tensors library "
-            f"({e}): pip install 'lowbit[vllm]'"
+            f"({e}): pip install 'lowbit[compressed-tensors]'"
         ) from e
     return SimpleNamespace(
         ModelCompressor=ModelCompressor,

@@ -17,15 +17,16 @@ import datasets.config
 import pytest
 import torch
 
-pytest.importorskip("lm_eval")
+from pipeline.analysis.harness import LmEvalConfig, lm_eval_metrics, run_lm_eval
+from pipeline.config import parse
+from pipeline.errors import ConfigError, LowbitError
+from pipeline.models.hf import save_hf, train_tokenizer
+from pipeline.models.quantized import load_quantized, save_quantized_model
+from pipeline.quant.fakequant import FakeQuantLinear
+from pipeline.stages.evaluate import EvaluateConfig
+from tests._require import needs
 
-from pipeline.analysis.harness import LmEvalConfig, lm_eval_metrics, run_lm_eval  # noqa: E402
-from pipeline.config import parse  # noqa: E402
-from pipeline.errors import ConfigError, LowbitError  # noqa: E402
-from pipeline.models.hf import save_hf, train_tokenizer  # noqa: E402
-from pipeline.models.quantized import load_quantized, save_quantized_model  # noqa: E402
-from pipeline.quant.fakequant import FakeQuantLinear  # noqa: E402
-from pipeline.stages.evaluate import EvaluateConfig  # noqa: E402
+pytestmark = needs("lm-eval")
 
 COLOURS = ["red", "blue", "green", "gold", "pink", "gray"]
 TASK_YAML = """\

@@ -1,7 +1,8 @@
 """Fixtures for the cluster tests: a local Slurm cluster, the `lowbit` command, one smoke run.
 
 The cluster is started once per session (about 2 s) and only when a test asks for it; without
-the Debian packages (`.ci/slurm.sh install`) or root, those tests skip and say why.
+the Debian packages (`.ci/slurm.sh install`) or root, those tests skip and say why, and fail
+where LOWBIT_REQUIRE includes slurm (tests/_require.py).
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from tests._require import require
+
 from .runs import (
     BIN,
     REPO,
@@ -17,7 +20,6 @@ from .runs import (
     SmokeRun,
     job_env,
     overrides,
-    require_stages,
     run_cmd,
     tail,
 )
@@ -31,7 +33,7 @@ def slurm_cluster(tmp_path_factory):
     """A running one-node Slurm cluster (2 CPUs, partition `local`); stopped after the session."""
     reason = missing_requirements()
     if reason:
-        pytest.skip(reason)
+        require("slurm", reason)
     cluster = LocalSlurm(tmp_path_factory.mktemp("slurm"))
     cluster.env = job_env(cluster.env)
     with cluster:
@@ -43,7 +45,8 @@ def lowbit_cli() -> Path:
     """Path of the installed `lowbit` command (skips until the package is installed)."""
     exe = BIN / "lowbit"
     if not exe.exists():
-        pytest.skip(f"{exe} not found; install the project into this environment: pip install -e .")
+        # the cluster suite's jobs run the command a user types; CI installs it with the extras
+        require("slurm", f"{exe} not found; install the project here: pip install -e .")
     return exe
 
 
@@ -54,7 +57,6 @@ def smoke_2rank_run(request, lowbit_cli, tmp_path_factory) -> SmokeRun:
     Under Slurm (jobs/smoke.sbatch, 2 srun tasks) when a local cluster can start;
     otherwise `lowbit ... trainer=ddp`, which starts its 2 ranks with torchrun itself.
     """
-    require_stages(*SMOKE_STAGES)
     root = tmp_path_factory.mktemp("smoke")
     run_dir, uri = root / "run", f"sqlite:///{root / 'mlflow.db'}"
     args = overrides(run_dir, SMOKE_STAGES, uri, "tracking.experiment=cluster-smoke")

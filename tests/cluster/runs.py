@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -17,13 +16,6 @@ REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 # The stages the 2-rank smoke job runs: everything up to the first training stage.
 SMOKE_STAGES = ["bootstrap", "sensitivity", "allocate", "quantize", "distill"]
-
-
-def require_stages(*names: str) -> None:
-    """Skip, naming the missing module, until every stage a test runs exists in the package."""
-    missing = [n for n in names if importlib.util.find_spec(f"pipeline.stages.{n}") is None]
-    if missing:
-        pytest.skip(f"stages not implemented yet: {', '.join(missing)}")
 
 
 def job_env(base: dict[str, str] | None = None, **extra: str) -> dict[str, str]:

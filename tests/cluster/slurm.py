@@ -36,11 +36,37 @@ def _which(cmd: str) -> str | None:
     return shutil.which(cmd) or shutil.which(cmd, path="/usr/sbin:/sbin")
 
 
+def _not_running(cmds: tuple[str, ...]) -> list[str]:
+    """Those of ``cmds`` that do not even print their version (a broken or half-removed install),
+    each with how it failed."""
+    failed = []
+    with tempfile.TemporaryDirectory() as tmp:
+        # Slurm's clients read a config before anything else, even for --version.
+        conf = Path(tmp) / "slurm.conf"
+        conf.write_text("ClusterName=check\nSlurmctldHost=localhost\n")
+        env = {**os.environ, "SLURM_CONF": str(conf)}
+        for cmd in cmds:
+            argv = [_which(cmd), "-V" if cmd in ("slurmctld", "slurmd") else "--version"]
+            try:
+                proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=30)
+            except (OSError, subprocess.TimeoutExpired) as e:
+                failed.append(f"{argv[0]}: {type(e).__name__}")
+                continue
+            if proc.returncode != 0:
+                out = (proc.stderr or proc.stdout).strip().splitlines()[-1:]
+                failed.append(": ".join([" ".join(argv), f"exit {proc.returncode}", *out]))
+    return failed
+
+
 def missing_requirements() -> str | None:
     """Why a local cluster cannot start here, or None when it can."""
     missing = [c for c in DAEMONS + CLIENTS if _which(c) is None]
     if missing:
         return f"Slurm/munge not installed (missing {', '.join(missing)}); run .ci/slurm.sh install"
+    broken = _not_running(DAEMONS + CLIENTS)
+    if broken:
+        reinstall = "apt-get install --reinstall slurmctld slurmd slurm-client munge"
+        return f"Slurm/munge tools do not run ({'; '.join(broken)}); reinstall: {reinstall}"
     if os.geteuid() != 0:
         return "the local Slurm cluster runs its daemons as root; run the cluster tests as root"
     if not MUNGE_KEY.is_file():

@@ -1,7 +1,8 @@
 """lowbit under Slurm: the 2-rank sbatch job, a submitit sweep, and resume after requeue.
 
 Each job runs experiment=smoke on the local cluster (tests/cluster/slurm.py), so a test takes
-one to a few minutes on 2 cores; all are marked slow.
+one to a few minutes on 2 cores; all are marked slow. Their own waits (the session's smoke run,
+a job's start and end) add up to more than the suite's 15 min per test, hence their limit.
 """
 
 from __future__ import annotations
@@ -11,15 +12,18 @@ import time
 import mlflow
 import pytest
 
-from .runs import REPO, SMOKE_STAGES, overrides, read_done, require_stages, run_cmd, tail
+from tests._require import require
 
-pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+from .runs import REPO, SMOKE_STAGES, overrides, read_done, run_cmd, tail
+from .slurm import missing_requirements
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(1800)]
 
 
 def test_sbatch_two_rank_job_runs_every_stage(slurm_cluster, smoke_2rank_run):
     """jobs/smoke.sbatch: 2 srun tasks form one workflow; each stage done once, tracked once."""
     if smoke_2rank_run.launcher != "slurm":
-        pytest.skip("the smoke run did not go through Slurm")
+        require("slurm", f"the smoke run did not go through Slurm: {missing_requirements()}")
     assert smoke_2rank_run.job["NumTasks"] == "2"
     for stage in SMOKE_STAGES:
         done = read_done(smoke_2rank_run.run_dir / stage)
@@ -44,7 +48,6 @@ def test_submitit_sweep_runs_one_job_per_budget(slurm_cluster, lowbit_cli, tmp_p
     bootstrap, sensitivity, allocate is the cheapest stage list in which the budget matters.
     """
     stages = ["bootstrap", "sensitivity", "allocate"]
-    require_stages(*stages)
     run_dir = tmp_path / "bits${quant.budget_bits}"
     argv = [lowbit_cli, "-m", "experiment=smoke", "cluster=slurm", "quant.budget_bits=3,4"]
     argv += overrides(run_dir, stages, None, f"hydra.sweep.dir={tmp_path}/sweep")
@@ -69,7 +72,6 @@ def test_submitit_sweep_runs_one_job_per_budget(slurm_cluster, lowbit_cli, tmp_p
 def test_requeued_job_resumes_without_recomputing_done_stages(slurm_cluster, lowbit_cli, tmp_path):
     """Requeue after bootstrap finished: the restarted job keeps bootstrap and completes."""
     stages = ["bootstrap", "sensitivity"]
-    require_stages(*stages)
     run_dir = tmp_path / "run"
     args = overrides(run_dir, stages, None, "trainer=cpu")
     log = tmp_path / "job.log"

@@ -11,9 +11,10 @@ from safetensors.torch import load_file
 
 from pipeline.export import ExportError, export_artifact
 from pipeline.export.source import Linear, Source
+from tests._require import needs
 from tests.export.models import export_options
 
-ct = pytest.importorskip("compressed_tensors")
+pytestmark = needs("compressed-tensors")
 
 
 @pytest.fixture(scope="module")
@@ -37,6 +38,7 @@ def reference_weights(src) -> dict[str, torch.Tensor]:
 
 
 def test_decompressing_gives_the_same_weights(mixed):
+    import compressed_tensors
     from compressed_tensors.entrypoints.convert.converters.ct_dequantizer import (
         CompressedTensorsDequantizer,
     )
@@ -46,7 +48,8 @@ def test_decompressing_gives_the_same_weights(mixed):
     draft_config = json.loads((art / "draft" / "config.json").read_text())
     assert "quantization_config" not in draft_config  # the FP draft stays a plain checkpoint
     qcfg = json.loads((art / "config.json").read_text())["quantization_config"]
-    assert qcfg["quant_method"] == "compressed-tensors" and qcfg["version"] == ct.__version__
+    assert qcfg["quant_method"] == "compressed-tensors"
+    assert qcfg["version"] == compressed_tensors.__version__
     assert qcfg["format"] == "pack-quantized" and "lm_head" in qcfg["ignore"]
     stored = load_file(art / "model.safetensors")
     assert stored["model.layers.0.self_attn.q_proj.weight_packed"].dtype == torch.int32
@@ -113,7 +116,7 @@ def test_refuses_formats_vllm_cannot_run(qmodels, tmp_path):
 
 def test_missing_library_names_the_extra(qmodels, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "compressed_tensors.compressors", None)  # not installed
-    with pytest.raises(ExportError, match=r"pip install 'lowbit\[vllm\]'"):
+    with pytest.raises(ExportError, match=r"pip install 'lowbit\[compressed-tensors\]'"):
         export_artifact(
             qmodels.get("int4g128-sym"),
             tmp_path / "ct",

@@ -13,6 +13,9 @@ from lightning.pytorch.strategies import DeepSpeedStrategy
 from pipeline.errors import ConfigError
 from pipeline.lit.deepspeed_cpu import AnyDeviceDeepSpeedStrategy, make_deepspeed_strategy
 from pipeline.lit.trainer import build_trainer
+from tests._require import needs
+
+pytestmark = needs("deepspeed")
 
 
 def test_loads_the_shipped_configs():

@@ -14,6 +14,7 @@ from pipeline.lit.distill import DistillData
 from pipeline.lit.fit import Selection, check_fit_trainer, fit_validated
 from pipeline.lit.lm import cosine_with_warmup
 from pipeline.tracking import StageRun
+from tests._require import needs
 from tests.lit.test_distill_module import SEQ, VOCAB, make_module
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -106,6 +107,7 @@ class StopBeforeSetup(DistillData):
         raise Built(self.trainer.strategy)
 
 
+@needs("deepspeed")
 @pytest.mark.parametrize("strict", [False, True])
 def test_deepspeed_leaves_frozen_parameters_out_when_the_module_reloads_them(tmp_path, strict):
     """A module that loads non-strictly (distill: the teacher and codes come from disk) gets a

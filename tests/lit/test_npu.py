@@ -23,6 +23,7 @@ def test_accelerator_cases_against_a_stand_in_npu():
         cwd=REPO,
         capture_output=True,
         text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-4000:]
     assert " passed" in proc.stdout and "skipped" not in proc.stdout

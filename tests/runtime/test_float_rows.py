@@ -13,11 +13,8 @@ from pipeline.runtime.backends import kernel_summary
 from pipeline.runtime.float_rows import FloatRowsLinear
 from pipeline.runtime.inmemory import to_runtime
 from pipeline.runtime.kernels import relative_error
-from tests.runtime.test_kernels import ISAS
+from tests.runtime.test_kernels import ISAS, needs_kernels
 
-needs_kernels = pytest.mark.skipif(
-    cpu_ext.extension() is None, reason="the runtime does not run lowbit's CPU kernels here"
-)
 TOL = 1e-6  # float32 with another summation order
 
 

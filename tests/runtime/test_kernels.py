@@ -16,6 +16,7 @@ from pipeline.runtime import cpu_ext, cpu_w4a8, kernels
 from pipeline.runtime.backends import TorchQuantLinear, kernel_summary
 from pipeline.runtime.inmemory import runtime_linear, to_runtime
 from pipeline.runtime.kernels import TOLERANCE, build, int_kernel_name, relative_error
+from tests._require import needs
 
 
 def _codes(fmt, shape=(64, 256)):
@@ -160,23 +161,37 @@ def test_int4pack_matches_reference(fmt):
     assert relative_error(layer(x), x @ qt.dequantize().T) < 1e-2
 
 
+NO_ISA = "this CPU has neither AVX2 nor AVX-512 VNNI, which lowbit's CPU kernels need"
+UNBUILT = "lowbit's CPU extension did not build (no compiler?)"
+
+
 def isa_params() -> list:
-    """One parameter per ISA whose kernels this CPU runs (a skipped one where it runs none or
-    the extension did not build), so each ISA's kernels are tested where the CPU has it."""
+    """One parameter per ISA whose kernels this CPU runs, so each ISA's kernels are tested where
+    the CPU has it; where it runs none or the extension did not build, parameters that skip (fail
+    under LOWBIT_REQUIRE=kernels)."""
     runs = cpu_ext.supported()
     if not runs:
-        why = "lowbit's CPU kernels need AVX2 or AVX-512 VNNI"
-        return [pytest.param(None, marks=pytest.mark.skip(reason=why))]
+        return [pytest.param(None, marks=needs("kernels", NO_ISA))]
     if cpu_ext.loaded() is None:
-        why = "lowbit's CPU extension did not build (no compiler?)"
-        return [pytest.param(i, marks=pytest.mark.skip(reason=why)) for i in runs]
+        return [pytest.param(i, marks=needs("kernels", UNBUILT)) for i in runs]
     return list(runs)
 
 
+def _runtime_kernels_missing() -> str | None:
+    """Why the runtime of this process does not run lowbit's kernels, or None when it does."""
+    if cpu_ext.extension() is not None:
+        return None
+    if not cpu_ext.supported():
+        return NO_ISA
+    if cpu_ext.isa() is None:
+        chosen = f"{cpu_ext.ENV}={os.environ.get(cpu_ext.ENV)}"
+        return f"{chosen} gives the runtime torch's kernels (unset it to run lowbit's)"
+    return UNBUILT
+
+
 ISAS = isa_params()
-needs_kernels = pytest.mark.skipif(
-    cpu_ext.extension() is None, reason="the runtime does not run lowbit's CPU kernels here"
-)
+needs_kernels = needs("kernels", _runtime_kernels_missing())
+built = needs("kernels", UNBUILT if cpu_ext.loaded() is None else None)
 W4A8_FORMATS = ["int4g32", "int4g128", "int3g64", "int2g64", "int4", "int2g128", "int8",
                 "int8g64-sym"]  # fmt: skip
 
@@ -200,12 +215,13 @@ def test_w4a8_matches_reference(fmt, rows, isa):
     assert relative_error(layer(x.bfloat16()), got) < W4A8_TOL  # bf16 in, bf16 out
 
 
-both_isas = pytest.mark.skipif(
-    set(cpu_ext.ISAS) - set(cpu_ext.supported()) or cpu_ext.loaded() is None,
-    reason="needs a CPU that runs both ISAs (AVX-512 VNNI and AVX2) and the extension",
+both_isas = pytest.mark.skipif(  # the hardware: an AVX2-only CPU is one lowbit supports
+    set(cpu_ext.ISAS) - set(cpu_ext.supported()),
+    reason="needs a CPU that runs both ISAs (AVX-512 VNNI and AVX2)",
 )
 
 
+@built
 @both_isas
 @pytest.mark.parametrize("fmt", W4A8_FORMATS)
 def test_avx2_and_avx512_w4a8_agree(fmt):
@@ -221,6 +237,7 @@ def test_avx2_and_avx512_w4a8_agree(fmt):
     torch.testing.assert_close(got["avx2"], got["avx512"], rtol=1e-5, atol=1e-5 * scale)
 
 
+@built
 @both_isas
 def test_avx2_and_avx512_f32_rows_agree():
     w, x = torch.randn(1030, 1031), torch.randn(7, 1031)  # n and k tails, two passes of rows
@@ -251,10 +268,8 @@ def _run(script: str, **env: str) -> subprocess.CompletedProcess:
     )  # fmt: skip
 
 
-@pytest.mark.skipif(
-    "avx2" not in cpu_ext.supported() or cpu_ext.loaded() is None,
-    reason="needs a CPU with AVX2 and the extension",
-)
+@needs("kernels", None if "avx2" in cpu_ext.supported() else NO_ISA)
+@built
 @pytest.mark.parametrize(("env", "want"), [("avx2", "avx2 w4a8pack w8a8pack avx2 avx2"),
                                            ("none", "None int4pack int8pack - -")])  # fmt: skip
 def test_lowbit_cpu_isa_picks_the_path(env, want):
@@ -286,7 +301,7 @@ def test_w4a8_refuses_a_partial_group_and_int4pack_takes_it():
     assert relative_error(layer(x), x @ qt.dequantize().T) < 1e-2
 
 
-@pytest.mark.skipif(not cpu_ext.supported(), reason="needs a CPU that runs lowbit's kernels")
+@needs("kernels", None if cpu_ext.supported() else NO_ISA)
 def test_without_a_compiler_int_layers_keep_int4pack_and_float_ones_f_linear(tmp_path):
     # a fresh process (the build is cached per process) whose compiler does not exist
     script = (

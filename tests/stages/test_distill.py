@@ -29,10 +29,13 @@ from pipeline.models.quantized import (
     save_quantized_model,
 )
 from pipeline.rundir import outputs_digest, record_outputs
+from tests._require import needs
 from tests.conftest import REPO, smoke_cfg
 from tests.stages.conftest import boot_cfg
 
 QUANT = "quant=w2g64"
+ZERO2 = pytest.param("deepspeed_zero2", marks=needs("deepspeed"))
+ZERO3 = pytest.param("deepspeed_zero3", marks=needs("deepspeed"))
 DETUNE = 0.5  # every step size of `detuned`: a power of 2, so x 1/DETUNE restores it exactly
 SMALL = (
     "stage.distill.max_steps=4",
@@ -343,7 +346,7 @@ def two_ranks(detuned, tmp_path, trainer: str, *overrides: str) -> tuple[dict, d
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("trainer", ["ddp", "deepspeed_zero2", "deepspeed_zero3"])
+@pytest.mark.parametrize("trainer", ["ddp", ZERO2, ZERO3])
 def test_two_ranks_on_cpu(detuned, tmp_path, trainer):
     _, report = two_ranks(detuned, tmp_path, trainer)
     expected = "DDPStrategy" if trainer == "ddp" else "AnyDeviceDeepSpeedStrategy"
@@ -351,7 +354,7 @@ def test_two_ranks_on_cpu(detuned, tmp_path, trainer):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("trainer", ["ddp", "deepspeed_zero3"])
+@pytest.mark.parametrize("trainer", ["ddp", ZERO3])
 def test_two_ranks_reweight_from_errors_summed_over_ranks(detuned, tmp_path, trainer):
     """Each rank trains on its half of the batch; the weights come from both halves' errors
     (an all-reduce every rank joins at the same step), then go on training on every rank."""
