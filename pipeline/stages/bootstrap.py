@@ -145,8 +145,12 @@ def run(cfg: BootstrapConfig, run: RunConfig, io: StageIO) -> dict:
     torch.manual_seed(run.seed)
     from pipeline.data.text import load_splits
 
+    # each step takes seconds to tens of seconds before the first training line: say which
+    log.info("bootstrap: reading the corpus (%s)", data.path or "built-in")
     docs = load_splits(data)
+    log.info("bootstrap: training a %d-token BPE tokenizer", m.tokenizer.vocab_size)
     tokenizer = train_tokenizer(docs["train"], m.tokenizer.vocab_size)
+    log.info("bootstrap: tokenizing the corpus")
     corpus = Corpus(data, tokenizer, splits=docs)
     log.info(
         "bootstrap: corpus %d train documents, %d tokens; vocab %d",

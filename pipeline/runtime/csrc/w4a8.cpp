@@ -223,7 +223,7 @@ inline __m256i bcast(const int8_t* p) {  // four int8 activations to every lane
 // 4-bit: a vpmaddubsw pair is at most 2 * 15 * 127 = 3810, so a row's eight products per block
 // sum in int16 (30480) before one vpmaddwd. Both halves of the tile go through the block at
 // once, so each activation broadcast serves 16 output rows: with several rows the broadcasts
-// and loop overhead, not the multiplies, bound the time (2 to 3 rows: 1.3-1.5x the one-half loop).
+// and loop overhead, not the multiplies, bound the time (docs/portability.md).
 template <int R>
 void tile_rows4(const uint8_t* w, const at::Half* scale, const at::Half* zero, const int8_t* xq,
                 const float* dx, const int32_t*, const float* sx, int64_t k,
