@@ -3,14 +3,17 @@
 `model.target.path`, `model.draft.path` and `data.path` are first read stages into a run, so an
 empty directory, a truncated shard or a Latin-1 corpus would otherwise surface minutes later as a
 traceback from deep inside transformers or `datasets`. Every check here reads metadata only:
-config.json, safetensors headers, the tokenizer files, the first MiB of each text file, parquet
-schemas and `save_to_disk` descriptors. The cost does not grow with the model or the corpus;
-loading the tokenizer (about a second) is the largest part.
+config.json, the index and safetensors headers, the tokenizer files, the first MiB of each text
+file (all of a train file that is a single line), parquet schemas and `save_to_disk`
+descriptors. The cost does not grow with the model or the corpus; loading the tokenizers (about a
+second each) is the largest part. NaN/Inf weights are found where the weights are read anyway
+(pipeline/models/shards.py: check_finite), not here: a scan would read the whole checkpoint.
 
-The rules shared with loading live next to the loaders (`check_checkpoint` and `load_tokenizer`
-in pipeline/models/hf.py, `source_files` and `missing_field` in pipeline/data/text.py), so a start
-check and a stage say the same thing. This module adds what only a start check needs: looking
-inside the data files without loading them.
+The rules shared with loading live next to the loaders (`check_checkpoint`, `load_tokenizer` and
+`vocabulary_difference` in pipeline/models/hf.py, `file_splits`, `missing_field` and
+`too_few_documents` in pipeline/data/text.py), so a start check and a stage say the same thing.
+This module adds what only a start check needs: looking inside the data files without loading
+them.
 """
 
 from __future__ import annotations
@@ -21,12 +24,12 @@ import json
 from pathlib import Path
 
 from pipeline.config import DataConfig, ModelConfig
-from pipeline.data.text import is_saved_dataset, missing_field, source_files
+from pipeline.data.text import file_splits, is_saved_dataset, missing_field, too_few_documents
 from pipeline.errors import LowbitError
-from pipeline.models.hf import check_checkpoint, load_tokenizer
+from pipeline.models.hf import check_checkpoint, load_tokenizer, vocabulary_difference
 
 _BINARY_PROBE = 64 << 10  # a NUL byte here means binary or UTF-16: UTF-8 text never holds one
-_TEXT_PROBE = 1 << 20  # decoded as UTF-8; a bad byte further on is left to the loader
+_TEXT_PROBE = 1 << 20  # decoded as UTF-8; further on the loader reads a bad byte as U+FFFD
 
 
 def check_inputs(models: ModelConfig, data: DataConfig) -> None:
@@ -43,18 +46,41 @@ def check_inputs(models: ModelConfig, data: DataConfig) -> None:
         if path is not None:
             check_checkpoint(Path(path), models.allow_bin, key=f"model.{role}.path")
     if models.target.path is not None:  # the target's tokenizer is the one lowbit uses
-        load_tokenizer(models.target.path, key="model.target.path")
+        tokenizer = load_tokenizer(models.target.path, key="model.target.path")
+        if models.draft.path is not None:
+            check_draft_vocabulary(tokenizer, models)
     if data.path is not None:
         check_data(data)
 
 
+def check_draft_vocabulary(target_tokenizer, models: ModelConfig) -> None:
+    """Refuse a draft whose tokenizer is not the target's: every stage tokenizes with the
+    target's, so the draft would read and propose ids that mean other tokens to it."""
+    target, draft = Path(models.target.path), Path(models.draft.path)
+    if draft.resolve() == target.resolve():
+        return
+    difference = vocabulary_difference(
+        target_tokenizer, load_tokenizer(draft, key="model.draft.path")
+    )
+    if difference:
+        raise LowbitError(
+            f"model.draft.path={draft}: its tokenizer is not the one of "
+            f"model.target.path={target} ({difference}); speculative decoding needs one "
+            "vocabulary: choose a draft of the target's model family, or model.draft.path=null "
+            "(the target then drafts for itself)"
+        )
+
+
 def check_data(data: DataConfig) -> None:
-    """One line for data a run could not read, or too short for a single window."""
+    """One line for data a run could not read, too short for a single window, or too few
+    documents to carve the splits it lacks from."""
     path = Path(data.path)
+    kind, groups = "saved", {}
     if is_saved_dataset(path):
         room = _check_saved(data, path)
     else:
-        kind, files = source_files(data)
+        kind, groups = file_splits(data)
+        files = [f for fs in groups.values() for f in fs]
         room = sum(_check_file(data, kind, f, data.seq_len + 1) for f in files)
     # The heuristic: a token of a byte-level BPE (GPT-2, Llama 3, Qwen2) covers at least one
     # byte, and each document's EOS stands in for at least its separator (a newline, JSON
@@ -70,6 +96,8 @@ def check_data(data: DataConfig) -> None:
             f"of data.seq_len={data.seq_len} tokens plus its next-token target; add text or lower "
             "data.seq_len"
         )
+    if kind == "text":
+        _check_documents(data, groups)
 
 
 def _check_file(data: DataConfig, kind: str, file: Path, need: int) -> int:
@@ -82,6 +110,8 @@ def _check_file(data: DataConfig, kind: str, file: Path, need: int) -> int:
             raise missing_field(data, file.name, names)
         return _parquet_room(file, data.text_field, need)
     head = _read_text_head(data, file)
+    if not head.strip() and file.stat().st_size <= _TEXT_PROBE:
+        raise LowbitError(f"{_subject(data, file)} holds only whitespace; add text or remove it")
     if kind == "text":
         fields = ["text"]  # the text builder names its one column so
     elif kind == "csv":
@@ -92,6 +122,46 @@ def _check_file(data: DataConfig, kind: str, file: Path, need: int) -> int:
         where = f"the first record of {file.name}" if kind == "json" else file.name
         raise missing_field(data, where, fields)
     return file.stat().st_size + 1  # + the EOS of a last document without a newline
+
+
+def _check_documents(data: DataConfig, groups: dict[str, list[Path]]) -> None:
+    """One line for train text files too few documents to carve the missing splits from.
+
+    A single line (one document under sample_by=line) cannot be split by document, and the
+    stage would otherwise fail on an empty train split, blaming the window length. Reading stops
+    at the documents needed, a few bytes into any usable corpus; only a file that really is one
+    long line is read to its end.
+    """
+    carve = tuple(s for s in ("test", "validation") if s not in groups)
+    if not carve or "train" not in groups:
+        return
+    need, found = len(carve) + 1, 0
+    for file in groups["train"]:
+        found += _count_documents(file, data.sample_by, need - found)
+        if found >= need:
+            return
+    files = groups["train"]
+    where = "the file" if files == [Path(data.path)] else ", ".join(f.name for f in files)
+    raise too_few_documents(data, where, found, carve)
+
+
+def _count_documents(file: Path, sample_by: str, enough: int) -> int:
+    """Documents in a text file as the text builder cuts them (non-blank), up to `enough`."""
+    if sample_by == "document":
+        return 1
+    sep = b"\n\n" if sample_by == "paragraph" else b"\n"
+    count, rest = 0, b""
+    with open(file, "rb") as f:
+        while count < enough:
+            block = f.read(_TEXT_PROBE)
+            if block.endswith(b"\r"):  # keep a CRLF whole: the builder reads universal newlines
+                block += f.read(1)
+            pieces = (rest + block).replace(b"\r\n", b"\n").replace(b"\r", b"\n").split(sep)
+            rest = pieces.pop() if block else b""
+            count += sum(1 for p in pieces if p.decode("utf-8", "replace").strip())
+            if not block:
+                break
+    return count
 
 
 def _read_text_head(data: DataConfig, file: Path) -> str:

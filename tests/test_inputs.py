@@ -192,6 +192,100 @@ def test_tokenizer_that_does_not_load(ckpt, damage, expect):
     assert expect in message and "sentencepiece" not in message
 
 
+def _edit_index(ckpt: Path, edit) -> Path:
+    """Apply `edit` to the checkpoint's weight_map (name -> shard); returns the index file."""
+    index_file = ckpt / "model.safetensors.index.json"
+    index = json.loads(index_file.read_text())
+    edit(index["weight_map"])
+    index_file.write_text(json.dumps(index))
+    return index_file
+
+
+def test_index_names_a_tensor_its_shard_does_not_hold(ckpt):
+    moved = {}
+
+    def point_elsewhere(weight_map):
+        shards = list(weight_map.values())
+        home = next(s for s in shards if shards.count(s) > 1)  # the index still names it after
+        name = next(n for n, s in weight_map.items() if s == home)
+        moved.update(name=name, home=home, wrong=next(s for s in shards if s != home))
+        weight_map[name] = moved["wrong"]
+
+    index_file = _edit_index(ckpt, point_elsewhere)
+    name, home, wrong = moved["name"], moved["home"], moved["wrong"]
+    assert (
+        f"{index_file} says {name} is in {wrong}, but {ckpt / wrong} does not hold it "
+        f"({home} does): the index and the shards come from different checkpoints"
+    ) in model_fails(ckpt)
+
+
+def test_index_names_a_tensor_no_shard_holds(ckpt):
+    index_file = _edit_index(ckpt, lambda wm: wm.update({"model.extra.weight": wm[min(wm)]}))
+    message = model_fails(ckpt)
+    assert f"{index_file} says model.extra.weight is in " in message
+    assert "does not hold it: the index and the shards" in message
+
+
+def test_a_shard_holds_a_tensor_the_index_does_not_list(ckpt):
+    dropped = {}
+    index_file = _edit_index(ckpt, lambda wm: dropped.update({max(wm): wm.pop(max(wm))}))
+    ((name, shard),) = dropped.items()
+    message = model_fails(ckpt)
+    assert f"{ckpt / shard} holds {name}, which {index_file} does not list" in message
+
+
+# ------------------------------------------------------------------------------ draft vocabulary
+@pytest.fixture
+def draft(valid, tmp_path) -> Path:
+    """A copy of the valid checkpoint whose tokenizer a test replaces."""
+    path = Path(shutil.copytree(valid["ckpt"], tmp_path / "draft"))
+    for f in path.glob("*token*"):
+        f.unlink()
+    return path
+
+
+def draft_fails(valid, draft: Path) -> str:
+    message = fails("model=hf", f"model.target.path={valid['ckpt']}", f"model.draft.path={draft}")
+    assert message.startswith(f"model.draft.path={draft}"), message
+    return message
+
+
+def test_a_draft_with_another_vocabulary_is_refused(valid, draft):
+    from pipeline.models.hf import load_tokenizer, train_tokenizer
+
+    other = train_tokenizer([f"other words {i} for another vocabulary" for i in range(40)], 280)
+    other.save_pretrained(draft)
+    target, theirs = load_tokenizer(valid["ckpt"]), load_tokenizer(draft)
+    first = next(
+        i
+        for i in range(len(target))
+        if target.convert_ids_to_tokens(i) != theirs.convert_ids_to_tokens(i)
+    )
+    message = draft_fails(valid, draft)
+    assert f"its tokenizer is not the one of model.target.path={valid['ckpt']}" in message
+    assert f"({len(target)} tokens in the target, {len(theirs)} in the draft;" in message
+    assert (
+        f"the first differing id is {first}: {target.convert_ids_to_tokens(first)!r} in the "
+        f"target, {theirs.convert_ids_to_tokens(first)!r} in the draft)"
+    ) in message
+    assert "speculative decoding needs one vocabulary" in message
+
+
+def test_a_draft_with_the_same_vocabulary_in_another_tokenizer_object_passes(valid, draft):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(valid["ckpt"])
+    tok.model_max_length = 77  # another config, another object: the vocabulary is what counts
+    tok.chat_template = "{{ messages[0]['content'] }}"
+    tok.save_pretrained(draft)
+    assert json.loads((draft / "tokenizer_config.json").read_text())["model_max_length"] == 77
+    check(make_cfg("model=hf", f"model.target.path={valid['ckpt']}", f"model.draft.path={draft}"))
+
+
+def test_a_draft_without_tokenizer_files_cannot_be_checked(valid, draft):
+    assert "holds no tokenizer files" in draft_fails(valid, draft)
+
+
 # ------------------------------------------------------------------------------ data
 def test_no_file_of_a_supported_kind(valid, tmp_path):
     (tmp_path / "notes.md").write_text("\n".join(LINES))
@@ -214,6 +308,37 @@ def test_non_utf8_file_gives_the_offset(valid, tmp_path):
     path = tmp_path / "train.txt"
     path.write_bytes(("some text\n" * 30 + "café\n").encode("latin-1"))
     assert f"{path} is not UTF-8 (byte 303 is b'\\xe9')" in data_fails(valid, path)
+
+
+def test_whitespace_only_file(valid, tmp_path):
+    (tmp_path / "train.txt").write_text("\n".join(LINES))
+    (tmp_path / "test.txt").write_text("\n  \n\t\n")
+    assert f"{tmp_path / 'test.txt'} holds only whitespace" in data_fails(valid, tmp_path)
+
+
+@pytest.mark.parametrize("line_end", ["\n", "\r\n", ""])
+def test_a_single_line_cannot_be_split(valid, tmp_path, line_end):
+    path = tmp_path / "corpus.txt"
+    path.write_text(" ".join(LINES) + line_end, newline="")  # one long line
+    assert (
+        "the file holds 1 document (one per line, data.sample_by=line), too few to carve test "
+        "and validation from; split the text into more documents"
+    ) in data_fails(valid, path)
+    path.write_text("\n".join(LINES[:3]) + line_end, newline="")  # one line each for the splits
+    check(make_cfg("data=local", f"data.path={path}", "data.seq_len=16"))
+
+
+def test_a_train_file_of_one_line_next_to_test_is_refused(valid, tmp_path):
+    (tmp_path / "train.txt").write_text(" ".join(LINES) + "\n\n\n")
+    (tmp_path / "test.txt").write_text("\n".join(LINES[:5]))
+    message = data_fails(valid, tmp_path)
+    assert (
+        "train.txt holds 1 document (one per line" in message and "carve validation from" in message
+    )
+    message = data_fails(valid, tmp_path, "data.sample_by=paragraph")
+    assert "train.txt holds 1 document (one per blank-line-separated paragraph" in message
+    (tmp_path / "train.txt").write_text("\n".join(LINES[:2]))  # two lines: train and validation
+    check(make_cfg("data=local", f"data.path={tmp_path}"))
 
 
 def test_jsonl_first_record_without_the_field(valid, tmp_path):
@@ -264,7 +389,7 @@ def test_too_short_for_one_window(valid, tmp_path, layout):
 
     path = tmp_path / f"train.{layout}"
     if layout == "txt":
-        path.write_text("a short corpus\n")  # 15 bytes
+        path.write_text("a short\ncor\nps\n")  # 15 bytes in three lines, one per split
     else:
         datasets.Dataset.from_dict({"text": ["a short corpus."]}).to_parquet(str(path))
     message = data_fails(valid, path, "data.seq_len=16")

@@ -12,13 +12,20 @@ user's validation or test document is never moved. Text files are cut into docum
 
 Windows are contiguous slices of the concatenated, EOS-separated token stream (the usual LM
 pre-training packing).
+
+A file that is not UTF-8 in its first MiB is refused at start (pipeline/inputs.py): it is in
+another encoding, and replacing would mangle every accented letter. A stray byte further on, in a
+text or CSV file, is read as U+FFFD and the count logged, naming the file; the JSON builder
+cannot replace, so a JSON file fails with one line naming it.
 """
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import logging
 import re
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -80,6 +87,8 @@ def _read_splits(data: DataConfig) -> dict[str, list[str]]:
     import datasets
 
     path = Path(data.path)
+    groups: dict[str, list[Path]] = {}  # split -> the user's files (none for a saved dataset)
+    replaced = False  # whether bad bytes are read as U+FFFD (else they raise)
     if is_saved_dataset(path):
         ds = datasets.load_from_disk(str(path))
         if isinstance(ds, datasets.Dataset):
@@ -87,29 +96,106 @@ def _read_splits(data: DataConfig) -> dict[str, list[str]]:
         else:
             parts = _group([(k, (f"split {k!r}", ds[k])) for k in ds], data)
     else:
-        kind, files = source_files(data)
-        # One file is one undivided source whatever its name.
-        groups = _group([(f.stem, f) for f in files], data) if path.is_dir() else {"train": files}
+        kind, groups = file_splits(data)
         # sample_by is the text builder's option; the other builders reject unknown options.
         options = {"sample_by": data.sample_by} if kind == "text" else {}
-        dd = datasets.load_dataset(
-            kind,
-            data_files={s: [str(f) for f in fs] for s, fs in groups.items()},
-            # the user's files and datasets' packaged builders: nothing to fetch from the hub
-            download_config=datasets.DownloadConfig(local_files_only=True),
-            **options,
-        )
+        replaced = kind in ("text", "csv")
+        if replaced:
+            # The start check decoded each file's first MiB; a stray byte further on is read as
+            # U+FFFD and counted below rather than failing a stage minutes in.
+            options["encoding_errors"] = "replace"
+        with _utf8_or_one_line(data, groups):
+            dd = datasets.load_dataset(
+                kind,
+                data_files={s: [str(f) for f in fs] for s, fs in groups.items()},
+                # the user's files and datasets' packaged builders: nothing to fetch from the hub
+                download_config=datasets.DownloadConfig(local_files_only=True),
+                **options,
+            )
         parts = {s: [(", ".join(f.name for f in fs), dd[s])] for s, fs in groups.items()}
     out = {}
     for split, sources in parts.items():
-        out[split] = [doc for where, ds in sources for doc in _texts(ds, data, where)]
+        with _utf8_or_one_line(data, groups):  # JSON's bad bytes surface as its strings are read
+            out[split] = [doc for where, ds in sources for doc in _texts(ds, data, where)]
         if not out[split]:
             raise LowbitError(
                 f"data.path={data.path}: the {split} split "
                 f"({'; '.join(where for where, _ in sources)}) holds no non-empty text in "
                 f"{data.text_field!r}"
             )
+        if replaced and any("\ufffd" in doc for doc in out[split]):
+            _log_replaced(data, groups[split])
     return out
+
+
+def file_splits(data: DataConfig) -> tuple[str, dict[str, list[Path]]]:
+    """The `datasets` builder and data.path's files per split ("train" alone if undivided)."""
+    kind, files = source_files(data)
+    if not Path(data.path).is_dir():  # one file is one undivided source whatever its name
+        return kind, {"train": files}
+    return kind, _group([(f.stem, f) for f in files], data)
+
+
+_FFFD = "\ufffd".encode()
+
+
+def utf8_errors(file: Path, block_size: int = 1 << 24) -> int:
+    """How many byte sequences of `file` are not UTF-8 (each one U+FFFD when replaced)."""
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")
+    count, tail = 0, b""
+    with open(file, "rb") as f:
+        while block := f.read(block_size):
+            # U+FFFD written in the file itself is text, not damage; `tail` finds the one that
+            # straddles two blocks, which the decoder emits with the second.
+            count += decoder.decode(block).count("\ufffd") - (tail + block).count(_FFFD)
+            tail = (tail + block)[-2:]
+    return count + decoder.decode(b"", final=True).count("\ufffd")
+
+
+def _log_replaced(data: DataConfig, files: list[Path]) -> None:
+    for file in files:
+        if n := utf8_errors(file):
+            log.warning(
+                "data.path=%s: %s holds %d byte sequence(s) that are not UTF-8, read as U+FFFD; "
+                "if the file is in another encoding, re-encode it (e.g. `iconv -f latin1 -t "
+                "utf-8 %s`)",
+                data.path,
+                file,
+                n,
+                file.name,
+            )
+
+
+def _not_utf8(data: DataConfig, groups: dict[str, list[Path]]) -> LowbitError | None:
+    """The error naming the first file that is not UTF-8, None when all are."""
+    for file in (f for files in groups.values() for f in files):
+        if n := utf8_errors(file):
+            return LowbitError(
+                f"data.path={data.path}: {file} holds {n} byte sequence(s) that are not UTF-8 "
+                f"past its first MiB; re-encode it, e.g. `iconv -f latin1 -t utf-8 {file.name}`"
+            )
+    return None
+
+
+@contextmanager
+def _utf8_or_one_line(data: DataConfig, groups: dict[str, list[Path]]):
+    """A UnicodeDecodeError from `datasets` or Arrow becomes one line naming the file; the JSON
+    builder cannot replace bad bytes as the text and CSV builders do."""
+    try:
+        yield
+    except Exception as err:
+        bad = groups and _caused_by(err, UnicodeDecodeError) and _not_utf8(data, groups)
+        if not bad:
+            raise
+        raise bad from None
+
+
+def _caused_by(err: BaseException | None, kind: type) -> bool:
+    for _ in range(16):  # a chain, not a cycle
+        if err is None or isinstance(err, kind):
+            return err is not None
+        err = err.__cause__ or err.__context__
+    return False
 
 
 def _group(named: list[tuple[str, object]], data: DataConfig) -> dict[str, list]:
@@ -195,10 +281,26 @@ def split_documents(
             out["train"].append(doc)
     if not all(out[s] for s in carve):
         # A tiny corpus: fall back to a positional split so every split has text.
+        if len(docs) < len(carve) + 1:
+            raise too_few_documents(data, "the train split", len(docs), carve)
         n = max(1, int(len(docs) * data.test_fraction))
         out = {s: docs[i * n : (i + 1) * n] for i, s in enumerate(carve)}
         out["train"] = docs[len(carve) * n :]
     return out
+
+
+_UNIT = {"line": "one per line", "paragraph": "one per blank-line-separated paragraph",
+         "document": "one per file"}  # fmt: skip
+
+
+def too_few_documents(data: DataConfig, where: str, n: int, carve: tuple[str, ...]) -> LowbitError:
+    """The error for a train split of `n` documents, too few to carve `carve` from."""
+    return LowbitError(
+        f"data.path={data.path}: {where} holds {n} document{'s' if n != 1 else ''} "
+        f"({_UNIT[data.sample_by]}, data.sample_by={data.sample_by}), too few to carve "
+        f"{' and '.join(carve)} from; split the text into more documents, or give each split "
+        "its own file (a folder of train.txt, validation.txt, test.txt)"
+    )
 
 
 def token_stream(docs: list[str], tokenizer) -> torch.Tensor:

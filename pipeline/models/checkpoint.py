@@ -30,12 +30,13 @@ from pipeline.models.shards import (
     CheckpointError,
     CheckpointNotFoundError,
     Entry,
+    check_finite,
     load_bin,
     read_json,
     read_safetensors_header,
     read_tensors,
+    tensor_locations,
     weight_files,
-    weight_map,
 )
 
 
@@ -55,8 +56,9 @@ class StreamingCheckpoint:
         CheckpointNotFoundError: (a FileNotFoundError) The directory, config.json or a shard
             named by the index is missing.
         UnsupportedArchitectureError: (a ValueError) No adapter for the model family.
-        CheckpointError: (a ValueError) ``.bin`` weights without ``allow_bin``, or a
-            corrupt/truncated shard (the message names the file).
+        CheckpointError: (a ValueError) ``.bin`` weights without ``allow_bin``, a
+            corrupt/truncated shard, or shards that disagree with the index (the message names
+            the file). Loading a piece raises it for a NaN/Inf value, naming the tensor.
     """
 
     def __init__(
@@ -97,26 +99,13 @@ class StreamingCheckpoint:
     # ----------------------------------------------------------------------------- reading
     def _index_tensors(self) -> tuple[dict[str, Path], dict[str, Entry]]:
         """Map every tensor name to its file and (dtype, shape, offsets), reading headers only."""
-        where: dict[str, Path] = {}
-        info: dict[str, Entry] = {}
-        for file in self._files:
-            if self.is_bin:
-                header = {n: (t.dtype, list(t.shape), -1, -1) for n, t in load_bin(file).items()}
-            else:
-                header = read_safetensors_header(file)
-            for name, meta in header.items():
-                if name in where:
-                    raise CheckpointError(
-                        f"tensor {name} is stored twice: in {where[name]} and {file}"
-                    )
-                where[name], info[name] = file, meta
-        for name, shard in (weight_map(self._index) if self._index else {}).items():
-            if where.get(name, Path()).name != shard:
-                raise CheckpointError(
-                    f"{self._index} says {name} is in {shard}, but {self.path / shard} does not "
-                    "hold it: the index and the shards come from different checkpoints"
-                )
-        return where, info
+
+        def pickled(file: Path) -> dict[str, Entry]:
+            return {n: (t.dtype, list(t.shape), -1, -1) for n, t in load_bin(file).items()}
+
+        read = pickled if self.is_bin else read_safetensors_header
+        found = tensor_locations(self._files, self._index, read)
+        return {n: f for n, (f, _) in found.items()}, {n: e for n, (_, e) in found.items()}
 
     def _check_layers(self) -> None:
         for i in range(self.num_layers):
@@ -165,6 +154,7 @@ class StreamingCheckpoint:
             else:
                 raw = read_tensors(file, {n: self._info[n] for n in group})
             for n, t in raw.items():
+                check_finite(t, n, file)  # before any compute uses it, in the stored dtype
                 if t.is_floating_point() and t.dtype != self.dtype:
                     t = t.to(self.dtype)
                 out[n] = t.to(self.device)

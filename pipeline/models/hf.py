@@ -27,9 +27,11 @@ from pipeline.models.adapters import UnsupportedArchitectureError, get_adapter, 
 from pipeline.models.shards import (
     CheckpointError,
     CheckpointNotFoundError,
+    check_finite,
     read_json,
-    read_safetensors_header,
+    tensor_locations,
     weight_files,
+    weight_map,
 )
 from pipeline.progress import progress
 
@@ -39,8 +41,8 @@ log = logging.getLogger(__name__)
 def check_checkpoint(path: Path, allow_bin: bool = False, key: str | None = None) -> None:
     """One clear line for a directory that is not a checkpoint lowbit can load and quantize.
 
-    Reads config.json and the safetensors headers only (a few KB per shard whatever the model
-    size), so it is cheap enough to run on every user checkpoint before any compute.
+    Reads config.json, the index and the safetensors headers only (a few KB per shard whatever
+    the model size), so it is cheap enough to run on every user checkpoint before any compute.
 
     Args:
         path: The checkpoint directory.
@@ -60,7 +62,7 @@ def check_checkpoint(path: Path, allow_bin: bool = False, key: str | None = None
         )
     try:
         _check_architecture(read_json(path / "config.json"))
-        files, _, is_bin = weight_files(path, allow_bin=True)
+        files, index, is_bin = weight_files(path, allow_bin=True)
         if is_bin and not allow_bin:
             raise CheckpointError(
                 "holds only pickled .bin weights, which can run code when loaded; convert them "
@@ -68,8 +70,8 @@ def check_checkpoint(path: Path, allow_bin: bool = False, key: str | None = None
                 "model.allow_bin=true if you trust them"
             )
         if not is_bin:  # pickles cannot be checked without unpickling them
-            for file in files:
-                read_safetensors_header(file)  # a truncated or corrupt shard fails here
+            # a truncated or corrupt shard, or one the index does not describe, fails here
+            tensor_locations(files, index)
     except CheckpointNotFoundError as err:
         raise CheckpointNotFoundError(
             f"{where}: {err}; copy the complete checkpoint there (all its *.safetensors)"
@@ -169,6 +171,7 @@ def load_causal_lm(
         local_files_only=True,
         **where,
     )
+    _check_finite(model, Path(path))
     if device is not None and not where:
         model = model.to(device)
     # bf16/fp16 only where the device computes it natively (emulated: several times slower);
@@ -180,6 +183,20 @@ def load_causal_lm(
             warn_if_emulated(model.dtype, model.device.type, "model.dtype")
     log.info("loaded %s: %s on %s", path, model.dtype, model.device)  # what the stage runs in
     return model.eval()
+
+
+def _check_finite(model, path: Path) -> None:
+    """One line naming the first parameter that holds NaN/Inf, and the file it was read from.
+
+    The weights are in memory already, so this costs one read of them (``check_finite``), a
+    fraction of the load; a NaN found here would otherwise surface as a NaN loss or perplexity
+    after the stage's compute.
+    """
+    files, index, _ = weight_files(path, allow_bin=True)
+    homes = weight_map(index) if index else {}
+    other = files[0] if len(files) == 1 else path  # for a renamed or tied parameter
+    for name, param in model.named_parameters():
+        check_finite(param, name, path / homes[name] if name in homes else other)
 
 
 # Any of these next to config.json means the tokenizer was saved; its load error then matters.
@@ -216,6 +233,30 @@ def load_tokenizer(path: Path | str, key: str | None = None):
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return tok
+
+
+def vocabulary_difference(target, draft) -> str | None:
+    """Where two tokenizers' vocabularies differ, in words; None when they are the same.
+
+    Speculative decoding hands the draft's token ids to the target, so the two must map every
+    id to the same token. Equal vocabularies pass whatever the objects: Qwen2.5's 0.5B and 7B
+    share one tokenizer although their configs' vocab_size (the padded embedding) differ.
+    """
+    a, b = target.get_vocab(), draft.get_vocab()
+    if a == b:
+        return None
+    by_id_a, by_id_b = {i: t for t, i in a.items()}, {i: t for t, i in b.items()}
+    first = next(
+        (i for i in sorted(by_id_a.keys() | by_id_b.keys()) if by_id_a.get(i) != by_id_b.get(i)),
+        None,
+    )
+    where = (
+        f"the first differing id is {first}: {by_id_a.get(first)!r} in the target, "
+        f"{by_id_b.get(first)!r} in the draft"
+        if first is not None
+        else "the same ids carry different tokens"  # a vocabulary with duplicate ids
+    )
+    return f"{len(target)} tokens in the target, {len(draft)} in the draft; {where}"
 
 
 def train_tokenizer(docs: list[str], vocab_size: int):

@@ -76,9 +76,87 @@ def read_safetensors_header(file: Path) -> dict[str, Entry]:
             raise corrupt(f"tensor {name} spans {stop - begin} bytes, not {shape} x {dtype}")
         end = max(end, stop)
         out[name] = (dtype, shape, 8 + n + begin, 8 + n + stop)
-    if end != data:  # the format forbids holes, so the last tensor must end at EOF
-        raise corrupt(f"header expects {end} data bytes but the file holds {data} (truncated?)")
+    if end > data:  # the first tensor cut off names what an interrupted download lost
+        cut = min((e for e in out.items() if e[1][3] > size), key=lambda e: e[1][2])[0]
+        raise corrupt(
+            f"truncated: tensor {cut} ends at byte {out[cut][3]} but the file holds {size}"
+        )
+    if end < data:  # the format forbids holes, so the last tensor must end at EOF
+        raise corrupt(f"header expects {end} data bytes but the file holds {data}")
     return out
+
+
+def tensor_locations(
+    files: list[Path], index: Path | None, read_header=read_safetensors_header
+) -> dict[str, tuple[Path, Any]]:
+    """``{name: (file, header entry)}`` of every tensor in ``files``, checked against ``index``.
+
+    Headers only. A checkpoint whose shards came from one download and whose index from another
+    would otherwise load the wrong tensors, or none, deep inside transformers.
+
+    Args:
+        files: The weight files (see :func:`weight_files`).
+        index: ``model.safetensors.index.json`` (or the .bin one), None for an unsharded file.
+        read_header: ``file -> {name: entry}``; the safetensors header by default.
+
+    Raises:
+        CheckpointError: A tensor stored twice, a tensor the index names missing from its shard,
+            or a tensor in a shard that the index does not list; the message names both files.
+    """
+    found: dict[str, tuple[Path, Any]] = {}
+    for file in files:
+        for name, entry in read_header(file).items():
+            if name in found:
+                raise CheckpointError(
+                    f"tensor {name} is stored twice: in {found[name][0]} and {file}; "
+                    "re-download or re-save the checkpoint"
+                )
+            found[name] = (file, entry)
+    if index is None:
+        return found
+    listed = weight_map(index)
+    mixed = "the index and the shards come from different checkpoints; re-download or re-save it"
+    for name, shard in listed.items():
+        if name not in found or found[name][0] != index.parent / shard:
+            elsewhere = f" ({found[name][0].name} does)" if name in found else ""
+            raise CheckpointError(
+                f"{index} says {name} is in {shard}, but {index.parent / shard} does not hold "
+                f"it{elsewhere}: {mixed}"
+            )
+    for name, (file, _) in found.items():
+        if name not in listed:
+            raise CheckpointError(f"{file} holds {name}, which {index} does not list: {mixed}")
+    return found
+
+
+def check_finite(t: torch.Tensor, name: str, file: Path | str, chunk: int = 1 << 24) -> None:
+    """One line naming ``name`` and ``file`` when the floating tensor ``t`` holds NaN or Inf.
+
+    ``aminmax`` reads the tensor once without allocating, faster than the disk it came from
+    (``isfinite`` writes a mask and is several times slower); its result is NaN when any value
+    is, and infinite when any value is. Only a tensor that fails is scanned again, to count and
+    locate its bad values.
+    """
+    if not t.is_floating_point() or t.numel() == 0 or t.is_meta:  # meta: offloaded, not loaded
+        return
+    flat = t.detach().reshape(-1)
+    for s in range(0, flat.numel(), chunk):  # chunks bound the float32 copy of a float8 tensor
+        part = flat[s : s + chunk]
+        if part.element_size() == 1:  # float8 has no min/max kernels everywhere
+            part = part.float()
+        low, high = torch.aminmax(part)
+        if not bool(torch.isfinite(low) & torch.isfinite(high)):
+            break
+    else:
+        return
+    bad = ~torch.isfinite(flat if flat.element_size() > 1 else flat.float())
+    first, count = int(bad.nonzero()[0, 0]), int(bad.sum())
+    at = [int(i) for i in torch.unravel_index(torch.tensor(first), t.shape)]
+    raise CheckpointError(
+        f"tensor {name} in {file} holds {count} NaN/Inf value{'s' * (count > 1)} (the first, "
+        f"{float(flat[first])}, at {at}); the checkpoint is damaged: re-download it, or re-save "
+        "it from a model without them"
+    )
 
 
 def read_tensors(file: Path, entries: dict[str, Entry]) -> dict[str, torch.Tensor]:

@@ -5,7 +5,7 @@ import logging
 import pytest
 
 from pipeline.config import DataConfig
-from pipeline.data.text import Corpus, load_splits, split_documents
+from pipeline.data.text import Corpus, load_splits, split_documents, utf8_errors
 from pipeline.errors import LowbitError
 
 WORDS = ["river", "hill", "stone", "cloud", "field", "lamp", "bread", "music"]
@@ -154,3 +154,72 @@ def test_errors_name_the_file(tmp_path):
     (tmp_path / "t" / "test.txt").unlink()
     with pytest.raises(LowbitError, match="no column 'text'.*body"):
         load_splits(DataConfig(path=str(tmp_path / "t")))
+
+
+# ------------------------------------------------------------------------------ input faults
+MIB = 1 << 20
+
+
+def _past_the_first_mib(mark: str) -> bytes:
+    """Over a MiB of UTF-8 lines (the start check's probe), so what follows is the loader's."""
+    return "".join(f"{line}\n" for line in _lines(mark, 45_000)).encode()
+
+
+@pytest.mark.parametrize("block_size", [1, 2, 3, 5, 1 << 24])
+def test_utf8_errors_counts_bad_sequences_not_written_replacement_characters(tmp_path, block_size):
+    path = tmp_path / "f.txt"
+    # two bad sequences (a Latin-1 é, a lone continuation byte) and a U+FFFD written as text
+    path.write_bytes(b"caf" + b"\xe9 ok \xbf, " + "written \ufffd, ünï\n".encode())
+    assert utf8_errors(path, block_size) == 2
+    path.write_bytes("all fine \ufffd\ufffd ü\n".encode())
+    assert utf8_errors(path, block_size) == 0
+
+
+@pytest.mark.parametrize("kind", ["txt", "csv"])
+def test_bad_bytes_past_the_first_mib_are_replaced_and_counted(tmp_path, caplog, kind):
+    head = _past_the_first_mib("good")
+    assert len(head) > MIB
+    path = tmp_path / f"train.{kind}"
+    tail = b"caf\xe9 \xff end\n" + "and a written \ufffd\n".encode()
+    path.write_bytes((b"text\n" if kind == "csv" else b"") + head + tail)
+    with caplog.at_level(logging.WARNING, logger="pipeline.data.text"):
+        splits = load_splits(DataConfig(path=str(path)))
+    docs = [d for split in splits.values() for d in split]
+    assert "caf\ufffd \ufffd end" in docs and "and a written \ufffd" in docs
+    assert [r.getMessage() for r in caplog.records] == [
+        f"data.path={path}: {path} holds 2 byte sequence(s) that are not UTF-8, read as U+FFFD; "
+        f"if the file is in another encoding, re-encode it (e.g. `iconv -f latin1 -t utf-8 "
+        f"{path.name}`)"
+    ]
+
+
+def test_json_not_utf8_past_the_first_mib_names_the_file(tmp_path):
+    import json
+
+    path = tmp_path / "train.jsonl"
+    lines = "".join(json.dumps({"text": t}) + "\n" for t in _lines("good", 30_000)).encode()
+    assert len(lines) > MIB
+    path.write_bytes(lines + b'{"text": "caf\xe9"}\n')
+    with pytest.raises(LowbitError) as info:
+        load_splits(DataConfig(path=str(path)))
+    assert str(info.value) == (
+        f"data.path={path}: {path} holds 1 byte sequence(s) that are not UTF-8 past its first "
+        "MiB; re-encode it, e.g. `iconv -f latin1 -t utf-8 train.jsonl`"
+    )
+
+
+@pytest.mark.parametrize("sample_by", ["line", "document"])
+def test_one_document_cannot_be_carved_into_splits(tmp_path, sample_by):
+    path = tmp_path / "corpus.txt"
+    path.write_text(" ".join(_lines("one", 50)) + ("\n" if sample_by == "line" else "\n\nmore\n"))
+    with pytest.raises(LowbitError) as info:
+        load_splits(DataConfig(path=str(path), sample_by=sample_by))
+    assert str(info.value).startswith(
+        f"data.path={path}: the train split holds 1 document (one per "
+        f"{'line' if sample_by == 'line' else 'file'}, data.sample_by={sample_by}), too few to "
+        "carve test and validation from"
+    )
+    # Three documents are enough for one each; two leave train empty and are refused.
+    assert all(split_documents(["a", "b", "c"], DataConfig()).values())
+    with pytest.raises(LowbitError, match="holds 2 documents"):
+        split_documents(["a", "b"], DataConfig())

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import struct
 from pathlib import Path
 
 import pytest
@@ -30,6 +32,20 @@ def save_hf_checkpoint(path: Path, arch: str, seed: int = 0, **overrides) -> Pat
                 p.add_(1.0)
     model.save_pretrained(path, max_shard_size="16KB")
     return path
+
+
+def poison_tensor(ckpt: Path, name: str, at: int, value: float) -> Path:
+    """Overwrite flat element `at` of the float32 tensor `name` in its shard; returns the shard."""
+    from pipeline.models.shards import read_safetensors_header
+
+    index = json.loads((ckpt / "model.safetensors.index.json").read_text())["weight_map"]
+    shard = ckpt / index[name]
+    dtype, _, start, _ = read_safetensors_header(shard)[name]
+    assert dtype == torch.float32
+    raw = bytearray(shard.read_bytes())
+    raw[start + 4 * at : start + 4 * at + 4] = struct.pack("<f", value)
+    shard.write_bytes(bytes(raw))
+    return shard
 
 
 @pytest.fixture(scope="session")

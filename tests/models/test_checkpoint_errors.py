@@ -15,7 +15,11 @@ from pipeline.models import (
     StreamingCheckpoint,
     UnsupportedArchitectureError,
     convert_bin_to_safetensors,
+    read_safetensors_header,
 )
+from pipeline.models.hf import load_causal_lm
+from pipeline.models.shards import check_finite
+from tests.models.conftest import poison_tensor
 
 
 @pytest.fixture
@@ -28,13 +32,18 @@ def a_shard(path: Path) -> Path:
     return sorted(path.glob("model-*.safetensors"))[1]
 
 
-def test_truncated_shard_names_the_file(copy):
+def test_truncated_shard_names_the_file_and_the_tensor_cut_off(copy):
     shard = a_shard(copy)
     data = shard.read_bytes()
+    last, (*_, end) = max(read_safetensors_header(shard).items(), key=lambda e: e[1][3])
     shard.write_bytes(data[:-100])  # an interrupted download
     # A LowbitError: the CLI prints the message alone, without a traceback.
-    with pytest.raises(LowbitError, match=f"{shard.name}.*truncated"):
+    with pytest.raises(LowbitError) as info:
         StreamingCheckpoint(copy)
+    assert str(info.value).startswith(
+        f"corrupt safetensors file {shard}: truncated: tensor {last} ends at byte {end} but the "
+        f"file holds {len(data) - 100}; re-download or re-save it"
+    )
 
 
 def test_truncation_after_open_is_caught_by_verify(copy):
@@ -80,6 +89,50 @@ def test_index_pointing_at_wrong_shard(copy):
     index_file.write_text(json.dumps(index))
     with pytest.raises(ValueError, match=f"{name} is in {shards[1]}"):
         StreamingCheckpoint(copy)
+
+
+def test_a_tensor_the_index_does_not_list(copy):
+    index_file = copy / "model.safetensors.index.json"
+    index = json.loads(index_file.read_text())
+    name = "model.layers.1.mlp.up_proj.weight"
+    shard = index["weight_map"].pop(name)
+    index_file.write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match=f"{copy / shard} holds {name}, which .* not list"):
+        StreamingCheckpoint(copy)
+
+
+def test_nan_and_inf_weights_name_the_tensor_before_its_block_computes(copy):
+    name = "model.layers.1.mlp.down_proj.weight"  # (32, 48)
+    poison_tensor(copy, name, 53, float("inf"))
+    shard = poison_tensor(copy, name, 5, float("nan"))
+    expect = (
+        f"tensor {name} in {shard} holds 2 NaN/Inf values (the first, nan, at [0, 5]); the "
+        "checkpoint is damaged: re-download it, or re-save it from a model without them"
+    )
+    ck = StreamingCheckpoint(copy)  # headers only: opening a checkpoint stays cheap
+    ck.load_block(0)
+    with pytest.raises(CheckpointError) as info:
+        ck.load_block(1)
+    assert str(info.value) == expect
+    with pytest.raises(CheckpointError) as info:  # whole-model loads check before any forward
+        load_causal_lm(copy)
+    assert str(info.value) == expect
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_check_finite_counts_and_locates(dtype):
+    t = torch.randn(4, 30).to(dtype)
+    for chunk in (7, 1 << 24):  # a value found in any chunk, not only the first
+        check_finite(t, "w", "f.safetensors", chunk)
+        check_finite(torch.empty(0, 3, dtype=dtype), "empty", "f", chunk)
+    check_finite(torch.full((3,), 7, dtype=torch.int64), "ints", "f")  # not floating: skipped
+    check_finite(torch.empty(3, dtype=dtype, device="meta"), "offloaded", "f")  # no values here
+    t[3, 5] = float("-inf")
+    t[3, 9] = float("nan")
+    for chunk in (7, 1 << 24):
+        with pytest.raises(CheckpointError, match=r"tensor w in f.safetensors holds 2 NaN/Inf "
+                           r"values \(the first, -inf, at \[3, 5\]\)"):  # fmt: skip
+            check_finite(t, "w", "f.safetensors", chunk)
 
 
 def test_unsupported_architecture_lists_supported(tmp_path):
