@@ -8,9 +8,8 @@ __version__ = "0.1.0"
 
 
 def conf_dir() -> Path:
-    """The Hydra config tree: LOWBIT_CONF when set, else the one an installed wheel carries inside
-    the package (`pipeline/conf`, mapped there by setup.py), else the checkout's top-level
-    `conf/`."""
+    """The Hydra config tree: LOWBIT_CONF, else an installed wheel's `pipeline/conf`, else the
+    checkout's `conf/`."""
     env = os.environ.get("LOWBIT_CONF")
     if env:
         return Path(env)

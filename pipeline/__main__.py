@@ -1,17 +1,8 @@
 """The `lowbit` command: compose the Hydra config and hand it to the workflow.
 
-lowbit                                   # the whole default workflow on the embedded default
 lowbit experiment=smoke run_dir=/tmp/r   # tiny, ~2 minutes
-lowbit --force stages=[quantize]         # rerun chosen stages
-lowbit --verify                          # hash every recorded output, not only changed ones
-lowbit --no-repair                       # stop at a damaged stage folder instead of rerunning it
-lowbit --dry-run                         # which stages would run and why; runs and writes nothing
+lowbit --force stages=[quantize]         # also --verify, --no-repair, --dry-run, --version
 lowbit -m quant.budget_bits=2.5,3,4      # a sweep: each point in its own run dir
-lowbit --cfg job --resolve               # the composed config, without running (Hydra's flag)
-lowbit --version                         # lowbit's version
-
-Each invocation that runs keeps its resolved config and overrides in
-`<run_dir>/.hydra/<time>/` (config.yaml, overrides.yaml), beside its log.
 """
 
 from __future__ import annotations
@@ -46,9 +37,7 @@ FLAGS = {
     "--no-repair": "repair=false",
     "--dry-run": "dry_run=true",
 }
-# A dry run writes nothing, Hydra's log file included: it logs to the console only (the file
-# handler goes: logging opens a handler's file when it is configured, used or not), and its
-# output dir is the working directory, which exists (Hydra creates it before the run).
+# A dry run writes nothing, Hydra's log file and output dir included.
 DRY_RUN_HYDRA = [
     "hydra.run.dir=.",
     "~hydra.job_logging.handlers.file",
@@ -101,9 +90,8 @@ def _key(override: str) -> str:
 
 
 def point_run_dir(run_dir: str, point: str) -> str:
-    """A sweep point's run dir: the configured one plus the point's swept values
-    (`outputs/default/quant.budget_bits=3`), so the points of `lowbit -m` never share stage
-    folders. `/` in a value would nest folders: it becomes `_`."""
+    """A sweep point's run dir: the configured one plus its swept values (`/` becomes `_`), so
+    the points of `lowbit -m` never share stage folders."""
     return f"{run_dir}/{point.replace('/', '_')}" if point else run_dir
 
 
@@ -188,9 +176,7 @@ def main() -> None:
         return
     sys.argv = sys.argv[:1] + _with_flags(sys.argv[1:])
     if not sys.stderr.isatty():
-        # Their bars, written to a log file or a pipe, are one line growing with every refresh.
-        # Set before anything imports transformers (register_configs does): it reads the hub's
-        # flag once, at import, for its "Loading weights" bar.
+        # Their bars grow one line forever in a log; set before transformers is imported.
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
         os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
         os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # model logging

@@ -1,8 +1,6 @@
 """Rank discovery and the few collectives the workflow needs.
 
-lowbit runs the same command on every rank (torchrun, srun, or the ranks it starts itself). The
-process group is created here, once, from the launcher's environment; Lightning finds it already
-initialised and reuses it, so non-training stages can use the same group for all-reduces.
+The process group is created here once, from the launcher's environment; Lightning reuses it.
 """
 
 from __future__ import annotations

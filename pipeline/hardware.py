@@ -1,13 +1,8 @@
 """What the machine runs natively, and the float precision chosen from it.
 
-bf16 (and fp16) arithmetic is fast only where the hardware multiplies it: on a CPU, AVX512-BF16
-or AMX on x86 (``avx512_bf16``, ``amx_bf16`` in /proc/cpuinfo), BF16 on Arm (``bf16`` among
-the Features); elsewhere torch emulates it, several times slower than float32 (on an AVX2 host
-a 4096x256 @ 256x1024 matmul under bf16 autocast took 9.3x its float32 time). Accelerators
-answer for themselves (``torch.cuda.is_bf16_supported``, ``torch.npu.is_bf16_supported``).
-
-``auto`` therefore means bf16 where it is native and float32 elsewhere, logged once with the
-reason; a precision the user chose is kept, with one warning where it will be emulated.
+``auto`` means bf16 where the hardware computes it natively and float32 elsewhere (emulated bf16
+is several times slower), logged once with the reason; a precision the user chose is kept, with
+one warning where it will be emulated. The rules: docs/portability.md.
 """
 
 from __future__ import annotations
@@ -57,9 +52,7 @@ def _cpuinfo() -> dict[str, str]:
 
 def cpu_flags() -> frozenset[str]:
     """The CPU's feature flags (x86 ``flags``, Arm ``Features``); empty where unknown.
-
-    ``LOWBIT_CPU_ISA=avx2`` hides the AVX-512 and AMX flags, so that an AVX-512 machine
-    chooses precision and kernels as an AVX2-only one would (``docs/portability.md``)."""
+    ``LOWBIT_CPU_ISA=avx2`` hides the AVX-512 and AMX ones."""
     info = _cpuinfo()
     flags = frozenset((info.get("flags") or info.get("Features") or "").split())
     if os.environ.get(ISA_ENV, "").lower() == "avx2":
@@ -86,8 +79,7 @@ def cpu_summary() -> dict:
 
 
 def source_commit() -> str | None:
-    """The git commit lowbit runs from (``+dirty`` with local changes), None outside a
-    checkout: what every speed figure names beside the CPU."""
+    """The git commit lowbit runs from (``+dirty`` with local changes), None outside a checkout."""
     import subprocess
 
     here = Path(__file__).resolve().parent
@@ -165,9 +157,8 @@ def _say_once(key: tuple, level: int, message: str) -> None:
 
 
 def resolve_precision(precision: str | int, accelerator: str | None, who: str) -> str | int:
-    """A Lightning precision for ``accelerator``: ``auto`` becomes ``bf16-mixed`` where bf16
-    is native and ``32-true`` elsewhere (logged once); an explicit half precision is kept,
-    with one warning where the device emulates it. ``who`` names the setting in the lines."""
+    """A Lightning precision for ``accelerator``: ``auto`` becomes ``bf16-mixed`` where bf16 is
+    native, else ``32-true``; ``who`` names the setting in the lines."""
     device = device_type(accelerator)
     if str(precision) == "auto":
         ok, why = native(torch.bfloat16, device)
@@ -181,8 +172,7 @@ def resolve_precision(precision: str | int, accelerator: str | None, who: str) -
 
 
 def compute_dtype(dtype: torch.dtype, device: str, who: str) -> torch.dtype:
-    """``dtype`` where ``device`` computes it natively, else float32 (logged once): what a
-    model whose dtype was left to ``auto`` is run in."""
+    """``dtype`` where ``device`` computes it natively, else float32 (logged once)."""
     ok, why = native(dtype, device)
     if ok:
         return dtype
@@ -202,12 +192,8 @@ def warn_if_emulated(
     value: str | None = None,
     instead: tuple[str, ...] = ("float32",),
 ) -> None:
-    """One warning when a dtype the user chose will be emulated on ``device``.
-
-    Args:
-        value: The setting as the user wrote it (default: the dtype's name).
-        instead: The settings that avoid the emulation, the float32 one last.
-    """
+    """One warning when a dtype the user chose will be emulated on ``device``; ``instead``:
+    the settings that avoid it, the float32 one last."""
     ok, why = native(dtype, device)
     if not ok:
         _say_once(

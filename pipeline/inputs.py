@@ -1,19 +1,9 @@
 """Start checks on the user's own checkpoints and corpus: one line per problem, before compute.
 
-`model.target.path`, `model.draft.path` and `data.path` are first read stages into a run, so an
-empty directory, a truncated shard or a Latin-1 corpus would otherwise surface minutes later as a
-traceback from deep inside transformers or `datasets`. Every check here reads metadata only:
-config.json, the index and safetensors headers, the tokenizer files, the first MiB of each text
-file (all of a train file that is a single line), parquet schemas and `save_to_disk`
-descriptors. The cost does not grow with the model or the corpus; loading the tokenizers (about a
-second each) is the largest part. NaN/Inf weights are found where the weights are read anyway
-(pipeline/models/shards.py: check_finite), not here: a scan would read the whole checkpoint.
-
-The rules shared with loading live next to the loaders (`check_checkpoint`, `load_tokenizer` and
-`vocabulary_difference` in pipeline/models/hf.py, `file_splits`, `missing_field` and
-`too_few_documents` in pipeline/data/text.py), so a start check and a stage say the same thing.
-This module adds what only a start check needs: looking inside the data files without loading
-them.
+Metadata only (headers, tokenizer files, each text file's first MiB, parquet schemas), so the
+cost does not grow with the model or corpus; NaN/Inf weights are found where weights are read.
+The rules shared with loading live next to the loaders (models/hf.py, data/text.py), so a start
+check and a stage say the same thing.
 """
 
 from __future__ import annotations
@@ -33,14 +23,8 @@ _TEXT_PROBE = 1 << 20  # decoded as UTF-8; further on the loader reads a bad byt
 
 
 def check_inputs(models: ModelConfig, data: DataConfig) -> None:
-    """Check the checkpoints and the corpus the parsed `model` and `data` sections point at.
-
-    Does nothing when `model.*.path` and `data.path` are null (the bootstrap models and the
-    built-in corpus, both made by lowbit itself).
-
-    Raises:
-        LowbitError: One line naming the key (e.g. ``model.target.path=/x``) and the fix.
-    """
+    """Check the user's checkpoints and corpus (null paths: lowbit's own); LowbitError naming
+    the key and the fix."""
     for role in ("target", "draft"):
         path = getattr(models, role).path
         if path is not None:
@@ -82,14 +66,8 @@ def check_data(data: DataConfig) -> None:
         kind, groups = file_splits(data)
         files = [f for fs in groups.values() for f in fs]
         room = sum(_check_file(data, kind, f, data.seq_len + 1) for f in files)
-    # The heuristic: a token of a byte-level BPE (GPT-2, Llama 3, Qwen2) covers at least one
-    # byte, and each document's EOS stands in for at least its separator (a newline, JSON
-    # punctuation, a parquet row's length), so `room` bounds the token count from above and a
-    # corpus refused here is too short for any such tokenizer. Its limits: SentencePiece
-    # (Llama 2, Mistral) adds a "▁" to each document's start and may split it off as a token of
-    # its own, so a corpus right at the limit could still fill one window there; and passing
-    # does not promise a window in every split, or one of quant.calib.seq_len tokens. The
-    # windowing in pipeline/data/text.py keeps its own exact check on the real tokens.
+    # A byte-level BPE token covers at least one byte and each EOS at least a separator, so
+    # `room` bounds the tokens from above; the windowing keeps its own exact check.
     if room < data.seq_len + 1:
         raise LowbitError(
             f"data.path={data.path} holds at most {room} bytes of text, too few for one window "
@@ -125,13 +103,8 @@ def _check_file(data: DataConfig, kind: str, file: Path, need: int) -> int:
 
 
 def _check_documents(data: DataConfig, groups: dict[str, list[Path]]) -> None:
-    """One line for train text files too few documents to carve the missing splits from.
-
-    A single line (one document under sample_by=line) cannot be split by document, and the
-    stage would otherwise fail on an empty train split, blaming the window length. Reading stops
-    at the documents needed, a few bytes into any usable corpus; only a file that really is one
-    long line is read to its end.
-    """
+    """One line for train text files too few documents to carve the missing splits from
+    (reading stops at the documents needed)."""
     carve = tuple(s for s in ("test", "validation") if s not in groups)
     if not carve or "train" not in groups:
         return
@@ -216,8 +189,7 @@ def _parquet_room(file: Path, field: str, need: int) -> int:
     if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
         return need  # not text at all: the loader says so, naming the split
     room = 0
-    # Compression and dictionary encoding hide the text's size, so it is measured; stopping at
-    # `need` keeps this to the first batch for any usable corpus.
+    # Compression hides the text's size, so it is measured, stopping at `need`.
     for batch in pf.iter_batches(batch_size=1024, columns=[field]):
         col = batch.column(0)
         room += len(col) + (pc.sum(pc.binary_length(col)).as_py() or 0)

@@ -1,12 +1,8 @@
 """Files written once and trusted later: sha256 digests, atomic JSON, sharded safetensors.
 
-The lowest layer next to ``errors``: it imports nothing from ``pipeline``, so the run dir,
-the artifact format, the stages and the test helpers all write and hash files the same way.
-
-Weights are written in shards as HF does (``<stem>-0000i-of-0000N.safetensors`` plus
-``<stem>.safetensors.index.json`` = {"metadata": {"total_size"}, "weight_map"}, or a single
-``<stem>.safetensors``); tensors are streamed into the current shard and flushed when it is
-full, so peak memory is about one shard.
+The lowest layer next to ``errors`` (imports nothing from ``pipeline``). Shards follow HF:
+``<stem>-0000i-of-0000N.safetensors`` plus ``<stem>.safetensors.index.json`` = {"metadata":
+{"total_size"}, "weight_map"}, or one ``<stem>.safetensors``; peak memory is about one shard.
 """
 
 from __future__ import annotations
@@ -31,12 +27,8 @@ def sha256(path: Path) -> str:
 
 
 def write_json(path: Path, obj: Any, *, indent: int | None = None) -> None:
-    """Write ``json.dumps(obj, indent=indent)`` to ``path`` through a temporary name.
-
-    A reader, or a rerun after a kill mid-write, sees the old file or the new one, never half
-    of one. The temporary name holds the pid, so processes writing the same file (ranks
-    sharing a cache) do not write into each other's.
-    """
+    """Write ``obj`` as JSON to ``path`` via a per-pid temporary name: readers see the old file
+    or the new one, never half of one, and ranks writing the same file do not collide."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(obj, indent=indent))
@@ -44,14 +36,8 @@ def write_json(path: Path, obj: Any, *, indent: int | None = None) -> None:
 
 
 class ShardWriter:
-    """Streams named tensors into safetensors shards of at most ``shard_bytes`` each.
-
-    Args:
-        out_dir: The directory to write into (created).
-        stem: File stem, e.g. ``"model"`` or ``"quant_model_weights"``.
-        shard_bytes: Start a new shard when the current one would grow past this size
-            (a single tensor larger than it gets a shard of its own).
-    """
+    """Streams named tensors into safetensors shards of at most ``shard_bytes`` each (a larger
+    tensor gets a shard of its own), named after ``stem``."""
 
     def __init__(self, out_dir: str | Path, stem: str, shard_bytes: int):
         if shard_bytes <= 0:

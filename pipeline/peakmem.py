@@ -1,10 +1,7 @@
 """Where a stage runs and the most memory it held: one line at its start, two numbers at its end.
 
-The process's resident-set high-water mark (``VmHWM``) counts from exec; writing ``5`` to
-``/proc/self/clear_refs`` resets it (Linux >= 4.0), so each stage reports its own peak rather
-than the largest of every stage before it. Where that file cannot be written (another OS, a
-locked-down container) the peak is the process's since it started, and the metric's name says
-so. On CUDA the allocator's peak is reset and read the same way.
+Each stage resets the RSS high-water mark (``/proc/self/clear_refs``) and CUDA's peak, so it
+reports its own; where that cannot be written the peak is the process's, and the metric says so.
 """
 
 from __future__ import annotations

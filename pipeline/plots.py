@@ -1,9 +1,5 @@
-"""Small matplotlib helpers for stage reports: a heat map and a bar chart, saved as PNG.
-
-Figures are built with the object API on the Agg canvas (no pyplot global state, no display),
-so they are safe in worker processes and on headless cluster nodes. The workflow logs every
-PNG a stage writes to MLflow.
-"""
+"""Small matplotlib helpers for stage reports, saved as PNG: object API on the Agg canvas (no
+pyplot state, no display), so safe in workers and on headless nodes."""
 
 from __future__ import annotations
 
@@ -39,17 +35,7 @@ def heatmap(
     label: str,
     log10: bool = True,
 ) -> Path:
-    """Rows × columns heat map; ``log10`` shows log10 of the values (≤ 0 and None are blank).
-
-    Args:
-        values: values[i][j] for row i, column j.
-        rows: Row labels (layer names are shortened).
-        cols: Column labels.
-        path: Output PNG.
-        title: Figure title.
-        label: Colour bar label.
-        log10: Plot log10(value).
-    """
+    """Heat map of values[row][col]; ``log10`` shows log10 of the values (≤ 0, None: blank)."""
     import numpy as np
 
     data = np.array([[np.nan if v is None else float(v) for v in r] for r in values], dtype=float)
@@ -78,8 +64,7 @@ def bars(
     hline_label: str | None = None,
     colors: Sequence[str] | None = None,
 ) -> Path:
-    """Vertical bars, one per label; optional horizontal reference line (e.g. the budget) and
-    per-bar colours (matplotlib colour names)."""
+    """Vertical bars, one per label; optional reference line (e.g. the budget) and colours."""
     vals = [math.nan if v is None else float(v) for v in values]
     fig = _figure(0, width=max(6.0, 0.25 * len(vals) + 2.0))
     ax = fig.add_subplot()

@@ -1,10 +1,5 @@
-"""Progress of long loops: a tqdm bar on a terminal, periodic log lines with an ETA elsewhere.
-
-A bar written to a log file or a pipe is one ever-growing line, so off a terminal a loop instead
-logs ``desc: k/n (p%), 1m05s elapsed, ETA 2m10s`` at most every ``every_s`` seconds, and a last
-line when it ends, through this module's logger: the lines land in the stage log and lowbit.log
-like every other. A loop shorter than ``every_s`` logs nothing. Only rank 0 reports.
-"""
+"""Progress of long loops: a tqdm bar on a terminal, periodic log lines with an ETA elsewhere
+(a bar in a log file is one ever-growing line); only rank 0 reports."""
 
 from __future__ import annotations
 
@@ -33,18 +28,8 @@ def progress(
     is_main: bool = True,
     every_s: float = EVERY_S,
 ) -> Iterable[T]:
-    """``items``, reporting progress (see the module docstring).
-
-    Args:
-        items: The loop's items.
-        desc: What the loop does, e.g. ``"quantize segments"``.
-        total: Number of items when ``items`` has no length (counted from 0, as ``initial``).
-        initial: Items already done before this call (a resumed loop).
-        unit: tqdm's unit name.
-        enabled: False: no bar and no lines (the caller's own switch).
-        is_main: False on ranks other than 0: silent.
-        every_s: Seconds between two log lines off a terminal.
-    """
+    """``items``, reporting progress: a bar, or off a terminal a line every ``every_s`` seconds;
+    ``initial`` items were done before (a resumed loop)."""
     if not (enabled and is_main):
         return items
     if total is None and isinstance(items, Sized):

@@ -1,14 +1,9 @@
 """The run directory: stage folders described by `_done.json`, checked before use, one owner.
 
-A stage folder is trusted only while its files are the ones `_done.json` recorded. Checking
-costs a `stat` per file when size and mtime are unchanged (a rename or `cp -p` keeps both) and a
-full sha256 when either moved or when asked (`--verify`); a file edited in place, truncated or
-deleted is found either way. The outputs digest, which readers' fingerprints include, hashes
-paths, sizes and contents only, so a deterministic stage rerun (forced, or resumed after a
-crash) leaves every reader's fingerprint unchanged; timings belong in `_done.json` metrics.
-
-One process at a time owns a run dir: an exclusive `flock` on `<run_dir>/.lock`, which the
-kernel drops when the holder dies, so a job requeued after a crash is never locked out.
+A folder is trusted while its files are the ones `_done.json` recorded: a `stat` per file when
+size and mtime are unchanged, a sha256 otherwise or with `--verify`. The outputs digest hashes
+paths, sizes and contents only, so a deterministic rerun leaves readers' fingerprints unchanged.
+One process owns a run dir: a `flock` on `<run_dir>/.lock`, dropped by the kernel if it dies.
 """
 
 from __future__ import annotations
@@ -41,12 +36,8 @@ def set_aside(final: Path) -> Path:
 
 
 def commit(tmp: Path, final: Path) -> None:
-    """Replace `final` by `tmp` with renames only (each atomic on one file system).
-
-    A file replaces a file in one rename. A directory cannot replace another in one: the old
-    one is set aside (`set_aside`) until the new one is in place, so a crash between the two
-    renames leaves the previous directory there, under the set-aside name.
-    """
+    """Replace `final` by `tmp` with renames only; an old directory is set aside until the new
+    one is in place, so a crash between the renames leaves it there under `set_aside`."""
     if tmp.is_file():
         os.replace(tmp, final)
         return

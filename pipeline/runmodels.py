@@ -1,15 +1,9 @@
-"""Which models a run has: the one answer for every stage and benchmark.
+"""Which models a run has, from the `model` section and the finished stage folders (`inputs`):
+the one answer for every stage and benchmark.
 
-A run's models are found from the config's `model` section and the finished stage folders it
-can read (`inputs`: stage name -> folder, a stage's StageIO.inputs, or `finished_stages(run_dir)`
-for a finished run):
-
-- the FP target: `model.target.path`, else the one bootstrap trained (`bootstrap/target`);
-- the FP draft: `model.draft.path`, else bootstrap's draft when bootstrap made the target too;
-  none for a user target without a draft (the target then drafts for itself);
-- the low-bit targets: `quantize/model`, then `distill/model` (the final one: distill's when it
-  ran, else quantize's, else the FP target);
-- the drafts: the FP draft, then `reinforce/draft` (the final one: reinforce's when it ran).
+Target: `model.target.path` or `bootstrap/target`, then `quantize/model`, `distill/model`. Draft:
+`model.draft.path` or bootstrap's (none for a user target without one: it drafts for itself),
+then `reinforce/draft`. The last of each that a run has is its final model.
 """
 
 from __future__ import annotations
@@ -47,8 +41,7 @@ def fp_draft(model: ModelConfig, inputs: dict[str, Path]) -> Path | None:
 
 
 def quantized_targets(inputs: dict[str, Path]) -> dict[str, Path]:
-    """{"target_quantized": quantize/model, "target_distilled": distill/model}, those the run
-    has, in the order they were made."""
+    """{"target_quantized": ..., "target_distilled": ...}, those the run has, in order."""
     found = {}
     for stage, name in (("quantize", "target_quantized"), ("distill", "target_distilled")):
         if stage in inputs and (inputs[stage] / "model").is_dir():
@@ -57,8 +50,7 @@ def quantized_targets(inputs: dict[str, Path]) -> dict[str, Path]:
 
 
 def targets(model: ModelConfig, inputs: dict[str, Path]) -> dict[str, Path]:
-    """{"target_fp": ..., "target_quantized": ..., "target_distilled": ...}, the ones the run
-    has, in the order they were made (the last is the final target)."""
+    """{"target_fp": ..., "target_quantized": ..., "target_distilled": ...}, those it has."""
     return {"target_fp": fp_target(model, inputs), **quantized_targets(inputs)}
 
 

@@ -1,16 +1,9 @@
 """Which of the selected stages a run reruns, and why.
 
-A stage is up to date when its folder's `_done.json` holds the fingerprint the stage has now and
-its recorded outputs are intact; it runs otherwise. The fingerprint hashes the stage's parsed
-config (its `stage.<name>` and the RunConfig sections it lists), the fingerprints and output
-digests of the stages it reads, and the package version. `_done.json` also keeps that config, so
-a rerun can say which keys changed.
-
-`steps` walks the stages in order and decides each one; `lowbit` runs what it decides, and
-`lowbit dry_run=true` only prints it (`describe`). A dry run cannot know the outputs of a stage
-that will rerun, so a stage reading them "will run (after <upstream> reruns)" when the
-upstream's fingerprint moves, and "may run" when the upstream only reruns to repair or by force
-(the same fingerprint: its reader reruns only if the outputs come back different).
+A stage is up to date when its `_done.json` holds the fingerprint it has now (a hash of its
+parsed config, the fingerprints and output digests of the stages it reads, and the package
+version) and its recorded outputs are intact. A dry run cannot know the outputs of a stage that
+will rerun, so its readers "will run" when its fingerprint moves, and "may run" otherwise.
 """
 
 from __future__ import annotations
@@ -76,11 +69,8 @@ def fingerprint(stage: Stage, inputs: dict[str, dict]) -> str:
 
 
 class Damage:
-    """Which finished stage folders no longer hold what their `_done.json` recorded.
-
-    Rank 0 reads the files; every rank gets its verdict. Each folder is checked once per run.
-    `report=False` (a dry run) only answers, it neither logs nor stops.
-    """
+    """Which finished stage folders no longer hold what their `_done.json` recorded (rank 0
+    reads, every rank gets the verdict); `report=False` neither logs nor stops."""
 
     def __init__(self, run_dir: Path, dist: Dist, *, verify: bool, repair: bool, report=True):
         self.verify, self.repair, self.report = verify, repair, report
@@ -147,12 +137,8 @@ class Step:
 def steps(
     todo: list[Stage], run_dir: Path, damage: Damage, force: bool, known: dict[str, dict]
 ) -> Iterator[Step]:
-    """Decide each stage of `todo` in order.
-
-    `known` maps a stage of `todo` to its `_done.json` once decided: the caller records each stage
-    it runs (a dry run records {"fingerprint", "outputs_digest": PENDING}); up-to-date ones are
-    recorded here. A later stage reads those rather than the folders, which may be stale.
-    """
+    """Decide each stage of `todo` in order; `known` collects each decided stage's `_done.json`
+    (the caller records the ones it runs), which later stages read rather than stale folders."""
     in_todo = {stage.name for stage in todo}
     for stage in todo:
         reason = stage.skip_reason()

@@ -1,9 +1,6 @@
-"""MLflow bookkeeping: one parent run per workflow, one nested child run per stage.
-
-The parent run's id is stored in `<run_dir>/_mlflow.json`, so resuming a run directory logs into
-the same parent. Only rank 0 talks to MLflow; other ranks get a tracker that does nothing.
-The client API is used (not mlflow's fluent global state) so stages can log from any thread.
-"""
+"""MLflow bookkeeping: one parent run per workflow (id in `<run_dir>/_mlflow.json`, so a resumed
+run logs into it), one nested child run per stage; only rank 0 talks to MLflow, through the client
+API so stages can log from any thread."""
 
 from __future__ import annotations
 
@@ -70,8 +67,7 @@ class StageRun:
         self._monitor = None
 
     def monitor_system(self, interval_s: float) -> None:
-        """Sample CPU, memory, disk (and GPU when pynvml imports) into this run's
-        ``system/*`` metrics every ``interval_s`` seconds until :meth:`end` (MLflow's monitor)."""
+        """Sample CPU, memory, disk, GPU into ``system/*`` every ``interval_s`` until ``end``."""
         if not self.active or interval_s <= 0:
             return
         import logging
@@ -126,12 +122,8 @@ class StageRun:
             self.client.log_dict(self.run_id, data, name)
 
     def lightning_logger(self, prefix: str = ""):
-        """A Lightning MLFlowLogger writing into this run (None when tracking is off).
-
-        Args:
-            prefix: put before every metric name with a dash, so that several trainings of one
-                stage share its run apart ("target" -> target-train_loss).
-        """
+        """A Lightning MLFlowLogger writing into this run (None when tracking is off); ``prefix``
+        keeps several trainings of one stage apart ("target" -> target-train_loss)."""
         if not self.active:
             return None
         from lightning.pytorch.loggers import MLFlowLogger
@@ -241,8 +233,7 @@ class Tracker:
 
     @staticmethod
     def _tags() -> dict[str, str]:
-        """MLflow's standard context tags (user, source; the UI shows them as columns), lowbit's
-        source commit, and what MLflow has no standard key for."""
+        """MLflow's standard context tags (user, source), lowbit's commit, and lowbit's own."""
         from mlflow.tracking.context.registry import resolve_tags
         from mlflow.utils.mlflow_tags import MLFLOW_GIT_COMMIT, MLFLOW_SOURCE_NAME
 

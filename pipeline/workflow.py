@@ -1,22 +1,11 @@
 """Runs the configured stages in order, each exactly once per fingerprint.
 
-The config is parsed once (`plan`): each stage's `run(cfg, run, io)` gets its parsed
-`stage.<name>`, a RunConfig holding only the sections it lists in SECTIONS, and a StageIO. Its
-fingerprint hashes exactly those two parsed objects, the fingerprints and output digests of the
-stages it reads, and the package version; `pipeline.stageplan` decides from it which stages run
-and why, and `preview` reports that decision without running anything (`lowbit dry_run=true`).
-A stage folder is written atomically: the stage writes into `<run_dir>/.<stage>.tmp/`, the
-workflow adds `_done.json` and renames it into place, so a crash or Ctrl-C never leaves a
-half-written stage folder. Work that must survive a crash inside a stage (Lightning checkpoints,
-finished quantization segments) goes to `<run_dir>/.work/<stage>-<fingerprint>/`, which the same
-fingerprint finds again on resume.
-
-Before a stage's folder is trusted (skipped as up to date, or read by a later stage) its files are
-checked against `_done.json` (`pipeline.rundir`); a damaged folder is named and its stage rerun
-(`repair=false` stops instead). A stage that raises anything but a LowbitError fails the run with
-one line; the traceback goes to `<run_dir>/logs/<stage>.log`, which holds the stage's whole log.
-
-Every rank runs this loop (torchrun/srun); rank 0 writes, the others wait at barriers.
+The config is parsed once (`plan`); each stage's `run(cfg, run, io)` gets its parsed
+`stage.<name>`, a RunConfig of the sections it lists in SECTIONS, and a StageIO, and
+`pipeline.stageplan` decides from their fingerprint which stages run. A stage writes into
+`<run_dir>/.<stage>.tmp/`, renamed into place with its `_done.json`, so a crash never leaves a
+half-written stage folder; crash-surviving work goes to `<run_dir>/.work/<stage>-<fingerprint>/`.
+Every rank runs this loop; rank 0 writes, the others wait at barriers.
 """
 
 from __future__ import annotations
@@ -70,8 +59,7 @@ def make_stage(cfg: DictConfig, name: str, run: RunConfig) -> Stage:
 
 
 def stage_config(cfg: DictConfig, name: str) -> tuple[Any, RunConfig]:
-    """(parsed stage.<name>, its RunConfig): what the stage's `run` and `check` receive for the
-    composed config `cfg` (tests and benchmarks call stages with these)."""
+    """(parsed stage.<name>, its RunConfig): what the stage's `run` and `check` receive."""
     stage = make_stage(cfg, name, run_config(cfg))
     return stage.cfg, stage.run
 
@@ -165,11 +153,7 @@ def summary_line(name: str, seconds: float, metrics: dict[str, Any]) -> str:
 
 
 def run(cfg: DictConfig, planned: Plan | None = None) -> dict[str, dict]:
-    """Run the workflow; returns {stage: its _done.json} for the stages of this run.
-
-    `planned` is `plan(cfg, run_dir)` when the caller already made it (the CLI validates before
-    it starts ranks; the start checks load tokenizers and import torch_npu, not worth twice).
-    """
+    """Run the workflow; returns {stage: its _done.json}. `planned`: `plan(cfg, run_dir)`."""
     dist = init_from_env((cfg.get("trainer") or {}).get("dist_backend"))
     run_dir = Path(cfg.run_dir).resolve()
     if planned is None:
@@ -262,11 +246,8 @@ def stage_log_path(run_dir: Path, name: str, rank: int = 0) -> Path:
 
 @contextmanager
 def _stage_log(path: Path):
-    """Every log record of the stage (lowbit's, Lightning's, ...) also goes to `path`.
-
-    lowbit's INFO records reach it also where nobody configured logging (a notebook, a test):
-    the `pipeline` logger passes INFO while the stage runs, unless its level was set.
-    """
+    """Every log record of the stage (lowbit's at INFO unless its level was set) also goes to
+    `path`."""
     path.parent.mkdir(parents=True, exist_ok=True)
     handler = logging.FileHandler(path)
     handler.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] %(message)s"))

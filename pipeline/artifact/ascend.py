@@ -1,23 +1,6 @@
-"""msModelSlim "ascendv1" tensors: the W8A16 / W4A16 / W8A8_DYNAMIC layouts MindIE loads.
+"""msModelSlim "ascendv1" tensors (W8A16 / W4A16 / W8A8_DYNAMIC), as MindIE loads them.
 
-Per quantized linear ``P`` (HF names, weight ``[n_out, k_in]``), see /work/shared/ASCEND.md:
-
-* ``P.weight`` int8: signed codes ``q``. W8A16 / W8A8_DYNAMIC: ``[n, k]``. W4A16: two's
-  complement nibbles, low nibble first, packed along the **output** dim to ``[n/2, k]`` when
-  the layer has groups, along k to ``[n, k/2]`` when it has one scale per output channel.
-* ``P.weight_scale``, ``P.weight_offset`` float32 ``[n, 1]`` (per channel) or ``[n, k/G]``.
-* Dequantization ``W = (q - offset) * scale``, groups along k inside each row.
-
-lowbit's QTensor maps onto this exactly (``QTensor.signed()``): ``q = codes - 2**(b-1)`` and
-``offset = zeros - 2**(b-1)``, so nothing is re-rounded. 2/3-bit codes lie inside the int4 range
-after that re-centering, so with ``widen`` they are stored as W4A16 with the same scales and
-offsets: exactly the same dequantized weights, at 4 bits of storage. Exponential codes lie on
-a geometric grid that no uniform int4 grid reproduces; they are refused for this target (use
-the lowbit format, or quantize with an int recipe) rather than silently re-quantized after
-the model was evaluated.
-
-A group that spans the whole row (``G >= k``) is a per-channel scale; it is stored as such,
-because the NPU kernel takes group sizes in ``[32, k - 1]`` only.
+Layout and rules: docs/export.md (``format=ascend``); QTensor maps onto it exactly (``signed()``).
 """
 
 from __future__ import annotations
@@ -50,16 +33,7 @@ def effective_group(fmt: Format, k: int) -> int:
 def ascend_type(
     name: str, fmt: Format, shape: tuple[int, int], widen: bool, w8a8_dynamic: bool
 ) -> str:
-    """The Ascend type of a quantized linear, or ExportError saying what to change.
-
-    Args:
-        name: Layer name (for messages).
-        fmt: Its format.
-        shape: ``(n_out, k_in)``.
-        widen: Store 2/3-bit codes as int4 (exact) instead of refusing them.
-        w8a8_dynamic: Tag symmetric per-channel int8 layers W8A8_DYNAMIC (activations are then
-            quantized per token at run time) instead of W8A16.
-    """
+    """The Ascend type of a quantized linear ``(n_out, k_in)``, or ExportError naming the fix."""
     n, k = shape
     if fmt.kind == "exp":
         raise ExportError(
@@ -101,14 +75,7 @@ def check_int4_shape(name: str, shape: tuple[int, int], group: int) -> None:
 
 
 def pack_int(q: Tensor, scale: Tensor, offset: Tensor, bits: int, group: int) -> dict[str, Tensor]:
-    """Ascend tensors of one int linear (local names ``weight``, ``weight_scale``, ...).
-
-    Args:
-        q: (n, k) int8 signed codes, in the ``bits``-bit range.
-        scale: (n, n_groups) float scales; offset: same shape, signed code offsets.
-        bits: 4 or 8 (stored bits).
-        group: Effective group size (0 = per channel).
-    """
+    """Ascend tensors of one int linear: (n, k) signed codes, (n, n_groups) scales/offsets."""
     if bits == 4:
         weight = pack_int4_ascend(q, per_group=group > 0)  # (n/2, k) or (n, k/2)
     elif bits == 8:
@@ -135,13 +102,9 @@ def model_quant_type(types: set[str]) -> str:
 
 
 def description(tensor_types: dict[str, str], layer_groups: dict[str, int]) -> dict:
-    """quant_model_description.json: every saved tensor -> type, plus the global keys.
+    """quant_model_description.json: tensor -> type, plus the global keys.
 
-    ``group_size`` is global in msModelSlim's format: the grouped layers' size (0 when every
-    quantized layer is per channel). The caller refuses a mix of sizes for the Ascend target;
-    the lowbit target writes the most common one, and every layer's own size is in
-    manifest.json, which is what lowbit-run reads.
-    """
+    ``group_size`` is the most common size; lowbit-run reads each layer's from manifest.json."""
     groups = Counter(g for g in layer_groups.values() if g)
     desc = {
         "model_quant_type": model_quant_type(set(tensor_types.values())),

@@ -1,31 +1,9 @@
 """The lowbit artifact layout: ascendv1 extended with 2-bit, 3-bit and exponential tensors.
 
-A lowbit artifact is an ascendv1 directory (same file names, same description JSON, W4A16 /
-W8A16 tensors exactly as MindIE expects them) in which layers Ascend cannot run get three more
-types, read by lowbit's runtime (`pipeline.runtime`):
-
-* W2A16 / W3A16: ``P.weight`` uint8 ``[n, ceil(k/8)*b]``, each row's signed codes ``q`` as
-  b-bit two's complement fields, first code in the lowest bits (2-bit: four per byte; 3-bit:
-  every 8 codes fill 3 bytes); ``P.weight_scale`` fp16 ``[n, k/G]``; ``P.weight_offset`` int8
-  (asymmetric formats only).
-* W4A16_EXP: ``P.weight`` uint8 ``[n, ceil(k/8)*4]``, unsigned 4-bit codes, low nibble first;
-  ``P.weight_scale`` fp16 (the base ``s``) and ``P.weight_ratio`` fp16 (the ratio ``r``).
-
-Dequantization: int types ``W = (q - offset) * scale`` as in ascendv1; W4A16_EXP ``W = lut[c]``
-with the per-group lookup table ``lut = [0, s, s*r, ..., s*r**6, -0, -s, ..., -s*r**6]``.
-The table is stored factored (``s``, ``r``: 4 bytes per group) rather than as 16 floats
-(0.25 instead of 2-4 extra bits per weight at G=128); the runtime builds it at load with the
-same arithmetic as the quantizer, so it decodes bit-exactly. Scales of these types are fp16
-and offsets int8 because that is exactly what the quantizer produced: lossless, and smaller
-than ascendv1's float32.
-
-Kept columns (``quant.outliers=keep_fp16``): a linear of any type may carry ``P.keep_idx``
-int32 ``[k]`` (input columns, ascending) and ``P.keep_vals`` fp16 ``[n, k]``, the exact weights
-of those columns, which override the decoded codes there (the quantized model's convention,
-``pipeline.quant.qtensor``). The runtime adds them as a correction, ``y = x Wq^T +
-x[..., idx] S^T`` with ``S = keep_vals - Wq[:, idx]`` built at load (:meth:`LinearCodes.side`),
-so every packed kernel runs unchanged on the dense codes. Only this layout holds them: ascend
-and compressed-tensors exports refuse such a model (:func:`refuse_kept_columns`).
+Types W2A16 / W3A16 (b-bit two's-complement fields per row) and W4A16_EXP (4-bit codes indexing
+the per-group table ``lut = [0, s, s*r, ..., -s*r**6]``, rebuilt at load with the quantizer's
+arithmetic, so bit-exact), plus optional kept columns (``P.keep_idx``, ``P.keep_vals``) that
+override the decoded codes. Tensor shapes: docs/export.md (``format=lowbit``).
 """
 
 from __future__ import annotations
@@ -48,8 +26,7 @@ KEEP_FIELDS = ("keep_idx", "keep_vals")  # a layer's side matrix, stored beside 
 
 
 def refuse_kept_columns(keys, layers, fmt: str) -> None:
-    """ExportError when a quantized layer of ``layers`` has kept columns among the stored
-    tensor names ``keys``: only the lowbit layout (and runtime) applies them."""
+    """ExportError when a layer of ``layers`` has kept columns: only ``lowbit`` holds them."""
     kept = sorted(n for n in layers if f"{n}.keep_idx" in keys)
     if kept:
         raise ascend.ExportError(
@@ -61,16 +38,7 @@ def refuse_kept_columns(keys, layers, fmt: str) -> None:
 
 @dataclass(frozen=True)
 class LayerInfo:
-    """How one linear is stored (manifest.json ``layers`` entry).
-
-    Attributes:
-        type: Description type (W4A16, W2A16, W4A16_EXP, ...).
-        format: The lowbit format it was quantized in (e.g. ``int2g64``).
-        bits: Bits per stored code (4 for 2/3-bit codes widened to int4).
-        group_size: Weights per group along k; 0 = one group per output channel.
-        shape: ``(n_out, k_in)``.
-        symmetric: No offset is stored (lowbit types) / offsets are all zero (ascend types).
-    """
+    """How one linear is stored (manifest.json ``layers``); ``group_size`` 0 = per channel."""
 
     type: str
     format: str
@@ -119,7 +87,6 @@ def plan_layer(
     return LayerInfo(typ, fmt.name, bits, group, tuple(shape), fmt.symmetric)
 
 
-# ---------------------------------------------------------------- row bit packing
 def pack_rows(codes: Tensor, bits: int) -> Tensor:
     """(n, k) unsigned codes -> (n, ceil(k/8) * bits) uint8, each row packed on its own."""
     n, k = codes.shape
@@ -146,15 +113,9 @@ def from_field(f: Tensor, bits: int) -> Tensor:
     return ((f.to(torch.int16) ^ half) - half).to(torch.int8)
 
 
-# ---------------------------------------------------------------- one linear
 @dataclass
 class LinearCodes:
-    """A stored linear, unpacked: what every runtime backend starts from.
-
-    ``q``: int types int8 signed codes (n, k); W4A16_EXP uint8 codes (n, k).
-    ``scale``: float32 (n, n_groups) (exp: the base ``s``); ``offset``: float32, int types;
-    ``ratio``: float32, exp only.
-    """
+    """A stored linear, unpacked: (n, k) codes, float32 (n, n_groups) scale, offset or ratio."""
 
     info: LayerInfo
     q: Tensor
@@ -165,9 +126,7 @@ class LinearCodes:
     keep_vals: Tensor | None = None  # (n, k) float32 their exact weights
 
     def side(self) -> tuple[Tensor, Tensor] | None:
-        """``(idx, S)``: the kept columns and the correction ``S = keep_vals - Wq[:, idx]``
-        (n, k) float32 that, added as ``x[..., idx] @ S.T`` to the codes' product, gives the
-        stored weight; None without kept columns."""
+        """``(idx, S = keep_vals - Wq[:, idx])``, added as ``x[..., idx] @ S.T``; or None."""
         if self.keep_idx is None:
             return None
         return self.keep_idx, self.keep_vals - self.dequantize()[:, self.keep_idx]
@@ -181,8 +140,7 @@ class LinearCodes:
         return exp_lut(self.scale, self.ratio)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
-        """The (n, k) weight of the codes with the quantizer's arithmetic (bit-exact in
-        float32); kept columns are not applied here (see :meth:`side`)."""
+        """The (n, k) weight, bit-exact in float32; kept columns not applied (:meth:`side`)."""
         k = self.info.shape[1]
         if self.info.type == "W4A16_EXP":
             idx = to_groups(self.q.long(), self.group_len)  # (n, n_groups, G)
@@ -193,8 +151,7 @@ class LinearCodes:
 
 
 def pack_linear(qt: QTensor, info: LayerInfo) -> dict[str, Tensor]:
-    """The stored tensors of one linear, by local name (``weight``, ``weight_scale``, ...,
-    and ``keep_idx`` / ``keep_vals`` when it has kept columns)."""
+    """The stored tensors of one linear, by local name (``weight``, ``weight_scale``, ...)."""
     side = {f: getattr(qt, f) for f in KEEP_FIELDS if getattr(qt, f) is not None}
     return {**_pack_codes(qt, info), **side}
 

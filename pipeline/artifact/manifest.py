@@ -1,11 +1,6 @@
 """manifest.json: what an artifact holds, the sha256 of every file, and its verification.
 
-Every artifact directory carries `manifest.json`: what lowbit wrote (tensors with dtype, shape,
-file, type, format, bits), the sha256 and size of every file, and the lowbit version. Loading
-recomputes the hashes first, so a truncated download, a flipped byte or a swapped file is
-refused with the file's name, before any tensor is read. Paths in the manifest are relative
-POSIX paths inside the artifact; anything else (`..`, absolute paths) is refused, so a crafted
-manifest cannot make the loader read or trust files outside the directory.
+Hashes are checked before any tensor is read; paths must stay inside the artifact directory.
 """
 
 from __future__ import annotations
@@ -37,15 +32,7 @@ def safe_relpath(root: Path, rel: str) -> Path:
 
 
 def write_manifest(root: Path, info: dict) -> dict:
-    """Hash every file under ``root`` (except the manifest) and write manifest.json.
-
-    Args:
-        root: The artifact directory, complete except for the manifest.
-        info: What the artifact holds: format, tensors, layers, source, draft, ...
-
-    Returns:
-        The manifest written.
-    """
+    """Hash every file under the complete artifact ``root`` and write manifest.json + ``info``."""
     files = {}
     for p in sorted(root.rglob("*")):
         rel = p.relative_to(root).as_posix()
@@ -78,14 +65,7 @@ def read_manifest(root: Path) -> dict:
 
 
 def verify(root: Path, manifest: dict | None = None) -> dict:
-    """Check every file listed in the manifest: inside ``root``, present, same size and sha256.
-
-    Returns:
-        The manifest.
-
-    Raises:
-        ArtifactError: naming the first file that is missing, outside, or differs.
-    """
+    """The manifest, once every listed file is inside ``root`` with its size and sha256."""
     root = Path(root)
     manifest = manifest or read_manifest(root)
     for rel, entry in manifest["files"].items():

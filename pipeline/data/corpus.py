@@ -1,14 +1,6 @@
-"""The built-in English corpus: the documentation of the Python installation itself.
+"""The built-in English corpus: the docstrings of the Python installation itself.
 
-No data set can be downloaded at run time, but every Python installation carries well-edited
-English prose in its docstrings: 1.5 MB in the standard library, tens of MB more in the packages
-lowbit itself installs (torch, transformers, numpy, scipy, ...). The standard library is read by
-importing it (pydoc's view); the listed packages are read with `ast`, without importing them, so
-no import side effect or slow package start-up can change the corpus. Modules and files are
-visited in a fixed order and each docstring is kept once, so the corpus is the same on every run
-of the same environment. A model trained on the 1.5 MB alone is too undertrained to react to
-quantization the way real LLMs do; the packages give it enough tokens to converge.
-"""
+Read in a fixed order (packages with ``ast``, no imports), so it is the same on every run."""
 
 from __future__ import annotations
 
@@ -112,16 +104,9 @@ def _package_docstrings(package: str, seen: set[str]) -> Iterator[str]:
 def builtin_documents(
     max_chars: int | None = None, packages: tuple[str, ...] | list[str] = ()
 ) -> list[str]:
-    """Docstrings of the standard library, then of `packages` (those installed), in a fixed order.
-
-    Args:
-        max_chars: stop once the documents hold this many characters (None: everything).
-        packages: import names of installed packages whose docstrings follow the standard
-            library's; a package that is not installed is skipped.
-    """
-    # Every stage of a workflow reads the corpus, and collecting it imports and parses every
-    # module (~40 s of a 12-minute default workflow, per stage); the installed modules do not
-    # change within a process, so it is collected once per process.
+    """Docstrings of the standard library, then of the installed `packages`, in a fixed order,
+    up to `max_chars` characters."""
+    # Collecting imports and parses every module, and every stage reads it: once per process.
     return list(_collected(max_chars, tuple(packages)))
 
 
@@ -146,7 +131,6 @@ def _collect(max_chars: int | None, packages: tuple[str, ...]) -> list[str]:
                 total += len(doc)
                 if max_chars and total >= max_chars:
                     return docs
-    # The language reference topics that `help()` shows: long, well-edited prose.
     from pydoc_data.topics import topics
 
     for key in sorted(topics):

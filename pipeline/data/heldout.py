@@ -1,12 +1,5 @@
-"""The held-out perplexity protocol: a whole split, in non-overlapping windows, labelled.
-
-Quantization papers and tools (GPTQ, llm-compressor, lm-evaluation-harness) report WikiText-2
-perplexity the same way: the whole test split is tokenised as one stream, cut into
-non-overlapping windows of the model's context (2048 for most), and every position of every
-window but the first is scored. lowbit does the same, for every stage that reports a held-out
-perplexity, and says which split, window and token count each number is on, so numbers from
-different stages (validation during training, test in evaluate) are never confused.
-"""
+"""The held-out perplexity protocol (as GPTQ, lm-evaluation-harness): a whole split as one
+stream, non-overlapping windows, each window's first position unscored; every number labelled."""
 
 from __future__ import annotations
 
@@ -52,8 +45,7 @@ class Heldout:
 
 
 def eval_seq_len(configured: int | None, train_seq_len: int, user_model_context: int | None) -> int:
-    """The perplexity window: as configured, else the model's context up to 2048 for a user's
-    model (`user_model_context`), else the bootstrap models' training length."""
+    """As configured, else a user's model context up to 2048, else the bootstrap training length."""
     if configured is not None:
         return configured
     if user_model_context is not None:
@@ -67,8 +59,7 @@ def heldout(stream: torch.Tensor, split: str, seq_len: int, limit: int | None = 
 
 
 def corpus_heldout(corpus: Corpus, split: str = "test", user_context: int | None = None) -> Heldout:
-    """The configured protocol on one split of `corpus`: `data.eval_seq_len` windows (resolved as
-    in `eval_seq_len`), all of them unless `data.eval_windows` caps the count."""
+    """The configured protocol (`data.eval_seq_len`, `data.eval_windows`) on one split."""
     data = corpus.data
     seq_len = eval_seq_len(data.eval_seq_len, data.seq_len, user_context)
     return heldout(corpus.stream(split), split, seq_len, data.eval_windows)

@@ -1,23 +1,9 @@
 """The acceptance scenarios: prompt sets on which draft/target agreement is measured and trained.
 
-Acceptance varies strongly with the text, so one average hides where a quantized target or a
-draft loses it. Four sets of token windows are cut from any tokenised corpus:
-
-- ``long``: contexts of ``long_len`` (default 576 > 512) tokens, where position-dependent
-  errors (rotary phases, KV quantization, attention drift) accumulate;
-- ``repetition``: windows with the highest repetition score (mean of rep-n, n = 1..4, the share
-  of repeated n-grams, Welleck et al. 2020) plus, by default for half of the set, prompts built
-  by repeating a corpus phrase, since natural text rarely repeats enough; drafts usually do
-  well here and a compressed model must keep that;
-- ``rare``: windows richest in low-frequency tokens (highest mean unigram surprisal
-  -log f(x) under the corpus' own unigram distribution), where small models disagree most;
-- ``mix``: plain random windows, the reference.
-
-Windows come from inside documents when the corpus has enough of them, otherwise from the
-concatenated corpus. ``rare``, ``repetition`` and ``mix`` are drawn disjointly from one pool of
-candidate windows, scored vectorised per window. Everything depends only on the corpus and the
-seed; ``cache_path`` stores the result as JSON next to its parameters so later stages and
-reruns reuse it.
+``long`` (``long_len`` > 512 tokens: position errors accumulate), ``repetition`` (highest rep-n,
+Welleck et al. 2020, plus repeated corpus phrases), ``rare`` (highest mean unigram surprisal:
+small models disagree most) and ``mix`` (random, the reference); the last three are disjoint
+draws from one pool, and everything depends only on the corpus and the seed.
 """
 
 from __future__ import annotations
@@ -67,11 +53,8 @@ def repetition_score(window: Sequence[int], max_n: int = 4) -> float:
 
 
 def _windows(docs: list[np.ndarray], length: int, count: int, rng: np.random.Generator):
-    """``count`` windows of ``length`` tokens, (count, length) int64.
-
-    Non-overlapping tiles inside documents when there are enough, else tiles of the
-    concatenated corpus, else (tiny corpora) random, possibly overlapping, windows.
-    """
+    """(count, length) int64: tiles inside documents, else of the concatenated corpus, else
+    (tiny corpora) random, possibly overlapping, windows."""
     for source in (docs, [np.concatenate(docs)]):
         sizes = np.array([doc.size for doc in source])  # (D,)
         # A random offset per document so tiles do not always start at token 0.
@@ -121,23 +104,8 @@ def build_scenarios(
     constructed_fraction: float = 0.5,
     pool_factor: int = 16,
 ) -> dict[str, list[list[int]]]:
-    """Cut the four scenario prompt sets from a tokenised corpus.
-
-    Args:
-        token_ids: the corpus, a sequence of documents, each a sequence of token ids.
-        n_prompts: prompts per scenario.
-        prompt_len: tokens per prompt for repetition, rare and mix.
-        long_len: tokens per prompt for long (> 512 for the long-context scenario).
-        seed: the only source of randomness.
-        cache_path: JSON file; reused when its parameters and corpus hash match, else rebuilt.
-        constructed_fraction: share of the repetition set built by repeating corpus phrases.
-        pool_factor: candidate windows scored per prompt (larger = more extreme rare and
-            repetition sets).
-
-    Returns:
-        {"long": [...], "repetition": [...], "rare": [...], "mix": [...]}, each a list of
-        ``n_prompts`` token id lists.
-    """
+    """The four scenarios' ``n_prompts`` token id lists, cut from the documents ``token_ids``;
+    ``cache_path`` is reused when its parameters and corpus hash match."""
     if n_prompts < 1 or prompt_len < 2 or long_len < 2:
         raise ValueError(
             f"need n_prompts >= 1, prompt_len >= 2, long_len >= 2; got {n_prompts}, "

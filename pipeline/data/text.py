@@ -1,22 +1,8 @@
 """Documents -> train/validation/test splits -> fixed-length token windows.
 
-The user's splits are the splits. A `datasets.save_to_disk` DatasetDict keeps its own splits, and
-in a folder of files each file belongs to the split its name says: the file stem, cut into words at
-`.`, `_` and `-`, holds one of train | validation, valid, val, dev | test (`train.txt`,
-`wiki.valid.raw`, `test-00000-of-00001.parquet`; several files per split are fine). Only a single
-undivided source (one file, a folder without split words, a Dataset, the built-in corpus) is split
-per document by a hash of its text, so the assignment is stable when the corpus grows and identical
-on every rank and every run; a split the user did not supply is carved from train the same way. A
-user's validation or test document is never moved. Text files are cut into documents by
-`data.sample_by` (line | paragraph | document, the `datasets` text builder's own option).
-
-Windows are contiguous slices of the concatenated, EOS-separated token stream (the usual LM
-pre-training packing).
-
-A file that is not UTF-8 in its first MiB is refused at start (pipeline/inputs.py): it is in
-another encoding, and replacing would mangle every accented letter. A stray byte further on, in a
-text or CSV file, is read as U+FFFD and the count logged, naming the file; the JSON builder
-cannot replace, so a JSON file fails with one line naming it.
+The user's splits are kept (rules in README.md); an undivided source is split per document by a
+hash of its text, stable as the corpus grows and identical on every rank and run. Windows are
+contiguous slices of the EOS-joined token stream.
 """
 
 from __future__ import annotations
@@ -68,9 +54,7 @@ def load_splits(data: DataConfig) -> dict[str, list[str]]:
         raise LowbitError(
             f"data.path={data.path} has {sorted(given)} but no train split; " + _SPLIT_RULE
         )
-    # A missing split is carved from train rather than refused: many saved datasets hold only
-    # train (or train + validation, as C4 does), and carved documents are still never trained
-    # on. The splits the user did give are kept whole.
+    # A missing split is carved from train rather than refused (many datasets hold only train).
     missing = tuple(s for s in ("test", "validation") if s not in given)
     if missing and len(given) > 1:
         log.info(
@@ -101,14 +85,12 @@ def _read_splits(data: DataConfig) -> dict[str, list[str]]:
         options = {"sample_by": data.sample_by} if kind == "text" else {}
         replaced = kind in ("text", "csv")
         if replaced:
-            # The start check decoded each file's first MiB; a stray byte further on is read as
-            # U+FFFD and counted below rather than failing a stage minutes in.
+            # Past the first MiB (checked at start): counted below, not failing minutes in.
             options["encoding_errors"] = "replace"
         with _utf8_or_one_line(data, groups):
             dd = datasets.load_dataset(
                 kind,
                 data_files={s: [str(f) for f in fs] for s, fs in groups.items()},
-                # the user's files and datasets' packaged builders: nothing to fetch from the hub
                 download_config=datasets.DownloadConfig(local_files_only=True),
                 **options,
             )
@@ -145,8 +127,7 @@ def utf8_errors(file: Path, block_size: int = 1 << 24) -> int:
     count, tail = 0, b""
     with open(file, "rb") as f:
         while block := f.read(block_size):
-            # U+FFFD written in the file itself is text, not damage; `tail` finds the one that
-            # straddles two blocks, which the decoder emits with the second.
+            # A U+FFFD in the file is text, not damage (`tail`: one straddling two blocks).
             count += decoder.decode(block).count("\ufffd") - (tail + block).count(_FFFD)
             tail = (tail + block)[-2:]
     return count + decoder.decode(b"", final=True).count("\ufffd")
@@ -179,8 +160,7 @@ def _not_utf8(data: DataConfig, groups: dict[str, list[Path]]) -> LowbitError | 
 
 @contextmanager
 def _utf8_or_one_line(data: DataConfig, groups: dict[str, list[Path]]):
-    """A UnicodeDecodeError from `datasets` or Arrow becomes one line naming the file; the JSON
-    builder cannot replace bad bytes as the text and CSV builders do."""
+    """A UnicodeDecodeError from `datasets` or Arrow becomes one line naming the file."""
     try:
         yield
     except Exception as err:
@@ -231,11 +211,7 @@ def is_saved_dataset(path: Path) -> bool:
 
 
 def source_files(data: DataConfig) -> tuple[str, list[Path]]:
-    """The `datasets` builder and the non-empty files data.path names (a file or a folder).
-
-    Raises:
-        LowbitError: No file of a supported kind, files of several kinds, or an empty file.
-    """
+    """The `datasets` builder and the non-empty files data.path names (a file or a folder)."""
     path = Path(data.path)
     files = sorted(f for f in path.rglob("*") if f.is_file()) if path.is_dir() else [path]
     files = [f for f in files if f.suffix in _BUILDERS]
@@ -268,8 +244,7 @@ def split_documents(
     docs: list[str], data: DataConfig, carve: tuple[str, ...] = ("test", "validation")
 ) -> dict[str, list[str]]:
     """Deterministic assignment by a hash of each document; train keeps what `carve` leaves."""
-    # Fixed hash intervals (test first, then validation), so a document's carved split does not
-    # depend on which splits are carved.
+    # Fixed hash intervals, so a document's carved split does not depend on which are carved.
     out: dict[str, list[str]] = {"train": []} | {s: [] for s in carve}
     for doc in docs:
         u = int.from_bytes(hashlib.sha1(doc.encode()).digest()[:8], "big") / 2**64

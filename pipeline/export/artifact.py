@@ -1,9 +1,7 @@
 """Write an artifact directory: the draft first, then the model, manifest.json last.
 
-``export_artifact`` picks the writer of the format (``ascendv1`` for the ascend and lowbit
-layouts, ``compressed_tensors`` for vLLM) and records what it wrote in the manifest
-(``pipeline.artifact.manifest``). The stage writes into its temp folder, which the workflow
-renames into place, so a half-written artifact is never visible.
+The stage writes into its temp folder, which the workflow renames into place, so a
+half-written artifact is never visible.
 """
 
 from __future__ import annotations
@@ -26,20 +24,10 @@ def export_artifact(
     draft: Path | str | None = None,
     labels: dict[str, str] | None = None,
 ) -> dict:
-    """Export the model directory ``src`` (quantized or FP) to the artifact directory ``out``.
+    """Export the model directory ``src`` (quantized or FP) to the new directory ``out``, the
+    optional ``draft`` into ``out/draft``; return the manifest written.
 
-    Args:
-        src: A quantized model directory (lowbit_quant.json) or an FP HF checkpoint.
-        out: The artifact directory to create (must not exist or be empty).
-        opts: Format and packing options.
-        draft: Optional draft model directory (FP or quantized), exported into ``out/draft``
-            so that ``lowbit-run`` can decode speculatively.
-        labels: How the manifest names ``src`` and ``draft`` (keys "source", "draft"), e.g.
-            paths relative to a run dir, so the artifact does not depend on where that lives;
-            the resolved paths by default.
-
-    Returns:
-        The manifest written to ``out/manifest.json``.
+    ``labels`` ("source", "draft") name them in the manifest (default: the resolved paths).
     """
     if opts.format not in FORMATS:
         raise ValueError(f"format must be one of {FORMATS}, got {opts.format!r}")

@@ -1,11 +1,7 @@
 """Write the ascendv1 family of layouts: ``ascend`` (what MindIE loads) and ``lowbit``.
 
-The whole model is planned first (every quantized linear's stored type is decided from the
-safetensors headers), so an unsupported layer fails before a byte is written and the error
-lists every offending layer. Then tensors stream from the source into shards, the config and
-tokenizer files are copied (``quantization_config`` dropped) and the description JSON is
-written. The layouts themselves are ``pipeline.artifact.ascend`` and
-``pipeline.artifact.lowbit_format``.
+Every layer's stored type is planned from the safetensors headers first, so an unsupported
+layer fails before a byte is written, with every offending layer listed.
 """
 
 from __future__ import annotations

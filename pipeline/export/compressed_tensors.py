@@ -1,25 +1,9 @@
 """compressed-tensors "pack-quantized" checkpoints (vLLM's W4A16 / W8A16 on GPUs).
 
-The packing and the ``quantization_config`` come from the compressed-tensors library itself
-(``pack_to_int32``, ``QuantizationConfig``, ``ModelCompressor.update_config``), the code vLLM's
-loader and llm-compressor share, so the files follow the library's format as it evolves. It
-is the ``[compressed-tensors]`` extra, imported only when this format is written.
-
-Layout per quantized linear ``P`` (what compressed-tensors' PackedQuantizationCompressor and
-vLLM's CompressedTensorsWNA16 read), with signed codes ``q`` and ``W = (q - zp) * scale``:
-
-* ``P.weight_packed`` int32 ``[n, ceil(k*b/32)]``: each row's codes stored **unsigned**
-  (``q + 2**(b-1)``), 32/b codes per int32 (the int4 case is Ascend's per-k nibble packing
-  with every nibble XOR 8);
-* ``P.weight_scale`` fp16 ``[n, k/G]`` (``[n, 1]`` per channel), exactly lowbit's fp16 scales;
-* ``P.weight_shape`` int64 ``[2]``;
-* asymmetric only: ``P.weight_zero_point`` = the signed offsets, packed the same way along
-  the **output** dim (int32 ``[ceil(n*b/32), k/G]``).
-
-``config.json`` gets a ``quantization_config`` with one config group per distinct
-(bits, strategy, group size, symmetry), targeting the layers by name; every unquantized 2-D
-weight's module is listed in ``ignore`` (vLLM refuses linear layers that match no group).
-Only uniform int4/int8 are exported: vLLM has no kernels for 2/3-bit or exponential codes.
+Packing and ``quantization_config`` come from the compressed-tensors library itself (the
+``[compressed-tensors]`` extra, imported only here), so the files follow its format; the
+layout is in docs/export.md. Every unquantized 2-D weight's module goes in ``ignore``, since
+vLLM refuses linear layers that match no config group.
 """
 
 from __future__ import annotations

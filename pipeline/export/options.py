@@ -1,8 +1,4 @@
-"""What every export writer shares: the options, float casting, and the copied model files.
-
-``ExportOptions`` has no defaults of its own: the export stage's config schema
-(``pipeline.stages.export``) holds them and builds the options from the parsed config.
-"""
+"""What every export writer shares: the options, float casting, and the copied model files."""
 
 from __future__ import annotations
 
@@ -24,15 +20,7 @@ _SKIP_NAMES = {"lowbit_quant.json", "quant_model_description.json", "manifest.js
 
 @dataclass(frozen=True)
 class ExportOptions:
-    """How to pack (the stage's config, minus the draft and MLflow).
-
-    Attributes:
-        format: "ascend", "lowbit" or "compressed-tensors".
-        widen: ascend only: store 2/3-bit codes as int4 instead of refusing them.
-        shard_bytes: Largest weight shard.
-        float_dtype: dtype of unquantized tensors ("float16", "bfloat16", "float32", "keep").
-        w8a8_dynamic: Tag symmetric per-channel int8 layers W8A8_DYNAMIC.
-    """
+    """How to pack: ``stage.export.*`` minus the draft and MLflow (defaults live there)."""
 
     format: str
     widen: bool

@@ -1,9 +1,7 @@
 """Lazy reading of what export packs: a quantized model directory or an FP HF checkpoint.
 
-Export never materialises the model: it walks the source's safetensors tensor by tensor
-(memory-mapped by safetensors), hands each quantized linear over as a QTensor and every other
-tensor as-is, and the writers stream them into shards. Peak memory is one linear plus one
-output shard, whatever the model size.
+Tensors stream from the memory-mapped safetensors one by one (quantized linears as QTensors)
+into the writers' shards, so peak memory is one linear plus one shard, whatever the model size.
 """
 
 from __future__ import annotations
@@ -33,14 +31,8 @@ class Linear:
 
 @dataclass
 class Source:
-    """A model directory to export.
-
-    Attributes:
-        path: The directory (config.json, tokenizer files, safetensors weights).
-        layers: Quantized linear name -> format name (empty for an FP checkpoint).
-        method: How it was quantized ("gptq", "rtn", "distill"; "fp" for an FP checkpoint).
-        weight_map: Tensor name -> file name inside ``path``.
-    """
+    """A model directory to export: ``layers`` maps quantized linears to format names (empty
+    and ``method`` "fp" for an FP checkpoint), ``weight_map`` tensors to files."""
 
     path: Path
     layers: dict[str, str] = field(default_factory=dict)
@@ -70,10 +62,8 @@ class Source:
             return tuple(h.get_slice(key).get_shape())
 
     def items(self) -> Iterator[Linear | tuple[str, torch.Tensor]]:
-        """Every quantized linear (as ``Linear``) and every other tensor (``(name, tensor)``).
-
-        Linears come when their first tensor is met, in file order, so reads stay sequential.
-        """
+        """Every quantized linear (``Linear``) and other tensor (``(name, tensor)``), in file
+        order so reads stay sequential."""
         handles: dict[str, object] = {}
 
         def get(key: str) -> torch.Tensor:

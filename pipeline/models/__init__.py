@@ -1,10 +1,7 @@
 """HF checkpoint loading: layer streaming from safetensors shards and architecture adapters.
 
-Random-weight checkpoints for tests and benchmarks are in ``pipeline.models.synthetic``, which
-this package does not import (production code never needs it). Neither does it import
-``pipeline.models.hf_quantizer`` (it pulls in transformers, seconds of import): lowbit's loaders
-register it when they load, and ``import pipeline.models.hf_quantizer`` lets plain
-``AutoModelForCausalLM.from_pretrained`` read lowbit quantized directories.
+Not imported here: ``synthetic`` (tests and benchmarks only) and ``hf_quantizer`` (pulls in
+transformers; importing it lets plain ``from_pretrained`` read lowbit quantized directories).
 """
 
 from pipeline.models.adapters import (

@@ -1,14 +1,9 @@
 """Architecture adapters: where the pieces of a causal LM live in its checkpoint.
 
-Llama 2/3, Mistral and Qwen2/2.5 share one block structure (pre-norm attention with rotary
-position embeddings, then a gated SwiGLU MLP); they differ in class names, q/k/v biases
-(Qwen2) and sliding-window attention (Mistral v0.1, some Qwen2 layers). An :class:`Adapter`
-records those differences as data, so the streaming loader and the quantization stages can
-address tensors and linears by name without ever building the whole model.
-
-Transformers classes are named by import path and resolved on first use: importing this
-module stays cheap, and an adapter for a model family missing from the installed
-transformers fails only when that family is actually used.
+Llama, Mistral and Qwen2 share one block structure and differ in names, q/k/v biases and
+sliding windows; an :class:`Adapter` holds those differences as data, so tensors and linears are
+addressed by name without building the model. Transformers classes are import paths resolved on
+first use, so a family missing from the installed transformers fails only when used.
 """
 
 from __future__ import annotations
@@ -44,22 +39,8 @@ class UnsupportedArchitectureError(LowbitError, ValueError):
 
 @dataclass(frozen=True)
 class Adapter:
-    """Names and classes of one architecture family.
-
-    Attributes:
-        name: Short family name ("llama", "mistral", "qwen2").
-        model_types: ``config.model_type`` values this adapter serves.
-        architectures: ``config.architectures`` class names this adapter serves.
-        decoder_layer: Import path of the decoder layer class, called as ``cls(config, layer_idx)``.
-        rotary: Import path of the rotary embedding class, called as ``cls(config=config)``.
-        norm: Import path of the RMSNorm class, called as ``cls(hidden_size, eps=...)``.
-        embed: Tensor-name prefix of the token embeddings.
-        layer: Tensor-name prefix of decoder block ``i`` (a format string with ``{i}``).
-        final_norm: Tensor-name prefix of the final norm.
-        lm_head: Tensor-name prefix of the output projection.
-        linears: Linear names inside a block, in execution order.
-        fused: Groups of linears inside a block that share their input.
-    """
+    """Names of one architecture family: classes as import paths, tensor-name prefixes
+    (``layer`` formats ``{i}``), a block's linears in execution order and its fused groups."""
 
     name: str
     model_types: tuple[str, ...]
@@ -132,12 +113,7 @@ def supported() -> list[str]:
 
 
 def get_adapter(config_or_model: Any) -> Adapter:
-    """Return the adapter for a config (or a model, or a config.json dict).
-
-    Raises:
-        UnsupportedArchitectureError: (a ValueError) The architecture has no adapter; the
-            message lists the supported ones.
-    """
+    """The adapter of a config, model or config.json dict; else UnsupportedArchitectureError."""
     config = _config_of(config_or_model)
     model_type = _field(config, "model_type")
     archs = tuple(_field(config, "architectures") or ())
@@ -161,17 +137,7 @@ def attention_kind(config: Any, layer_idx: int) -> str:
 
 
 def linear_names(config_or_model: Any, *, include_lm_head: bool = True) -> list[str]:
-    """Full dotted names of every linear in the model, block by block, then ``lm_head``.
-
-    Args:
-        config_or_model: A transformers config, a model, or a config.json dict.
-        include_lm_head: Whether to list the output projection (tied to the embeddings when
-            ``tie_word_embeddings`` is set, so quantizing it also changes the embeddings).
-
-    Returns:
-        E.g. ``["model.layers.0.self_attn.q_proj", ..., "model.layers.{L-1}.mlp.down_proj",
-        "lm_head"]``.
-    """
+    """Full dotted names of every linear in the model, block by block, then ``lm_head``."""
     config = _config_of(config_or_model)
     adapter = get_adapter(config)
     names = [

@@ -1,19 +1,10 @@
 """Stream a Hugging Face checkpoint one decoder block at a time.
 
-A 70B model in FP16 (140 GB) does not fit host memory next to calibration activations, so
-the streaming engine (:mod:`pipeline.streaming`) never materialises it.
-:class:`StreamingCheckpoint` reads only the safetensors headers when it opens a checkpoint (a
-few KB per shard), then builds any single piece (embeddings, decoder block ``i``, final norm,
-lm_head) on the meta device and fills it with exactly that piece's tensors. Peak memory is one
-segment of blocks, whatever the depth.
-
-Tensors are read with plain ``readinto`` calls at the header's offsets, straight into their
-final buffers. A memory map (``safe_open``) would be as fast, but the mapped pages count as
-resident next to the copies, which doubles a block's peak. Trade-off: no zero-copy views, so
-every load pays one read of the block from disk or page cache (GB/s, small next to GPTQ).
-Pickled ``.bin`` checkpoints run code on load and cannot be read lazily by name; they are
-refused unless explicitly allowed (then loaded with ``weights_only`` and ``mmap``), and
-:func:`pipeline.models.shards.convert_bin_to_safetensors` rewrites them shard by shard.
+Opening reads only the safetensors headers; each piece (embeddings, block ``i``, norm, lm_head)
+is built on the meta device and filled with exactly its tensors, so peak memory is one segment
+of blocks whatever the depth. Tensors are ``readinto`` their final buffers at the header's
+offsets: a memory map's pages would count as resident next to the copies, doubling the peak.
+Pickled ``.bin`` weights are refused unless allowed (``convert_bin_to_safetensors`` rewrites them).
 """
 
 from __future__ import annotations
@@ -41,24 +32,10 @@ from pipeline.models.shards import (
 
 
 class StreamingCheckpoint:
-    """Lazy view of a HF causal-LM checkpoint directory.
+    """Lazy view of a HF causal-LM checkpoint directory; ``dtype`` None keeps the stored one.
 
-    Args:
-        path: Directory with ``config.json`` and ``model.safetensors`` or
-            ``model.safetensors.index.json`` + shards.
-        allow_bin: Also accept pickled ``pytorch_model*.bin`` weights (loaded with
-            ``weights_only=True``).
-        dtype: Cast floating tensors to this dtype on load; None keeps the stored dtype.
-        device: Device the loaded modules live on.
-        attn_implementation: Attention kernel of the decoder layers ("sdpa" or "eager").
-
-    Raises:
-        CheckpointNotFoundError: (a FileNotFoundError) The directory, config.json or a shard
-            named by the index is missing.
-        UnsupportedArchitectureError: (a ValueError) No adapter for the model family.
-        CheckpointError: (a ValueError) ``.bin`` weights without ``allow_bin``, a
-            corrupt/truncated shard, or shards that disagree with the index (the message names
-            the file). Loading a piece raises it for a NaN/Inf value, naming the tensor.
+    Opening raises CheckpointNotFoundError, UnsupportedArchitectureError or CheckpointError
+    (corrupt, truncated or mis-indexed shards), naming the file; loading a NaN/Inf tensor too.
     """
 
     def __init__(
@@ -96,7 +73,6 @@ class StreamingCheckpoint:
         self._rotary: nn.Module | None = None
         self._check_layers()
 
-    # ----------------------------------------------------------------------------- reading
     def _index_tensors(self) -> tuple[dict[str, Path], dict[str, Entry]]:
         """Map every tensor name to its file and (dtype, shape, offsets), reading headers only."""
 
@@ -164,7 +140,6 @@ class StreamingCheckpoint:
         """Materialise one tensor (cast to ``self.dtype`` if floating, on ``self.device``)."""
         return self._read_many([name])[name]
 
-    # ------------------------------------------------------------------------------ modules
     def _fill(self, module: nn.Module, prefix: str, what: str) -> nn.Module:
         """Assign the checkpoint tensors under ``prefix`` to a meta-device ``module``."""
         state = {n[len(prefix) :]: t for n, t in self._read_many(self._by_prefix(prefix)).items()}
@@ -222,18 +197,8 @@ class StreamingCheckpoint:
     def block_forward_inputs(
         self, shape_or_seq_len: int | tuple[int, ...] | torch.Size, layer_idx: int = 0
     ) -> dict[str, Any]:
-        """Keyword arguments for ``block(hidden, **kwargs)`` on a causal, unpadded batch.
-
-        Args:
-            shape_or_seq_len: Hidden-state shape ``(B, T, C)`` or just ``T``; the tensors
-                returned broadcast over any batch size.
-            layer_idx: Block the kwargs are for: Mistral v0.1 and some Qwen2 layers use a
-                sliding-window mask instead of the full causal one.
-
-        Returns:
-            ``attention_mask`` (None when SDPA's built-in causal mask suffices),
-            ``position_ids`` (1, T) and ``position_embeddings`` (cos, sin), each (1, T, head_dim).
-        """
+        """Keyword arguments for ``block(hidden, **kwargs)`` on a causal, unpadded batch of
+        any size: mask (sliding for some layers), ``position_ids`` and rotary (cos, sin)."""
         from transformers.masking_utils import (
             create_causal_mask,
             create_sliding_window_causal_mask,
@@ -252,13 +217,8 @@ class StreamingCheckpoint:
             "position_embeddings": self.rotary()(probe, position_ids),
         }
 
-    # ------------------------------------------------------------------------ whole-file
     def verify(self) -> dict[str, int]:
-        """Re-check every shard's header offsets against its file size (reads no weights).
-
-        Returns:
-            ``{"files": n, "tensors": n, "bytes": total file bytes}``.
-        """
+        """Re-check every shard's header offsets against its file size (reads no weights)."""
         where, _ = self._index_tensors()
         return {
             "files": len(self._files),

@@ -1,16 +1,8 @@
 """Whole-model HF helpers: load/save checkpoints and tokenizers, build the bootstrap models.
 
-Streaming (segment-at-a-time) access for models larger than memory lives in `checkpoint.py`;
-this module is for models that fit: the bootstrap pair, the teacher in distillation, evaluation.
-Checkpoints are local directories, never hub ids: every transformers load here passes
-``local_files_only=True``, so nothing is downloaded whatever HF_HUB_OFFLINE says, and lowbit
-sets no HF_* variable itself.
-
-Inference loads take the model section's options (``ModelConfig.load_options``): the saved
-dtype ("auto") and weights placed on the device while loading. ``load_causal_lm`` itself
-defaults to float32 because the callers that train or take gradients (the reinforced draft,
-sensitivity's Fisher) need fp32 master weights: a bf16 update or squared gradient rounds away
-what it accumulates.
+For models that fit (streaming is ``checkpoint.py``). Every load passes
+``local_files_only=True``: nothing is downloaded, and lowbit sets no HF_* variable.
+``load_causal_lm`` defaults to float32 because its training callers need fp32 master weights.
 """
 
 from __future__ import annotations
@@ -41,17 +33,7 @@ log = logging.getLogger(__name__)
 def check_checkpoint(path: Path, allow_bin: bool = False, key: str | None = None) -> None:
     """One clear line for a directory that is not a checkpoint lowbit can load and quantize.
 
-    Reads config.json, the index and the safetensors headers only (a few KB per shard whatever
-    the model size), so it is cheap enough to run on every user checkpoint before any compute.
-
-    Args:
-        path: The checkpoint directory.
-        allow_bin: Accept pickled ``.bin`` weights when there are no safetensors.
-        key: The config key that named ``path`` (``model.target.path``); messages then start
-            with ``key=path``, so they say which setting to change.
-
-    Raises:
-        LowbitError: The message names the directory (or key), the problem and the fix.
+    Reads headers only, so it runs before any compute; messages start with ``key=path``.
     """
     path = Path(path)
     where = f"{key}={path}" if key else str(path)
@@ -115,15 +97,8 @@ def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype | str:
 
 
 def placement(device=None, device_map=None) -> dict:
-    """``from_pretrained``'s ``device_map`` for loading straight onto ``device`` (or a map).
-
-    transformers places weights itself (no full CPU copy first) only through ``device_map``,
-    which needs accelerate. An explicit ``device_map`` without it is an error that names the
-    install; a plain ``device`` then falls back to loading on CPU, moved by the caller.
-
-    Returns:
-        ``{"device_map": ...}`` or ``{}`` (load on CPU).
-    """
+    """``from_pretrained``'s ``device_map`` kwargs for loading onto ``device``, or ``{}`` (CPU:
+    without accelerate, the caller moves the model)."""
     from transformers.utils import is_accelerate_available
 
     if device_map is not None:
@@ -145,18 +120,8 @@ def load_causal_lm(
     device: torch.device | str | None = None,
     device_map: str | dict | None = None,
 ):
-    """A local HF checkpoint as a transformers model in eval mode.
-
-    Args:
-        path: The checkpoint directory (checked first, see :func:`check_checkpoint`).
-        dtype: A torch dtype, a name in :data:`DTYPES`, or "auto" for the dtype the checkpoint
-            was saved in (an 8B bf16 model then takes 16 GB, not the 32 GB of float32).
-        allow_bin: Accept pickled ``.bin`` weights.
-        device: Where the model goes; weights are placed there while loading when
-            accelerate is installed.
-        device_map: transformers' ``device_map`` ("auto", "cuda:0", a dict); overrides
-            ``device``.
-    """
+    """A local HF checkpoint as a transformers model in eval mode; ``dtype`` "auto" keeps the
+    saved one, ``device_map`` overrides ``device``."""
     from transformers import AutoModelForCausalLM
 
     from pipeline.models import hf_quantizer
@@ -174,8 +139,7 @@ def load_causal_lm(
     _check_finite(model, Path(path))
     if device is not None and not where:
         model = model.to(device)
-    # bf16/fp16 only where the device computes it natively (emulated: several times slower);
-    # a model loaded without a device is placed later, where this cannot be judged yet
+    # bf16/fp16 only where the device computes it natively; judged once the device is known
     if device is not None or device_map is not None:
         if dtype == "auto":
             model = model.to(compute_dtype(model.dtype, model.device.type, "model.dtype=auto"))
@@ -186,12 +150,7 @@ def load_causal_lm(
 
 
 def _check_finite(model, path: Path) -> None:
-    """One line naming the first parameter that holds NaN/Inf, and the file it was read from.
-
-    The weights are in memory already, so this costs one read of them (``check_finite``), a
-    fraction of the load; a NaN found here would otherwise surface as a NaN loss or perplexity
-    after the stage's compute.
-    """
+    """One line naming the first NaN/Inf parameter and its file, before any compute."""
     files, index, _ = weight_files(path, allow_bin=True)
     homes = weight_map(index) if index else {}
     other = files[0] if len(files) == 1 else path  # for a renamed or tied parameter
@@ -204,12 +163,7 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
 
 
 def load_tokenizer(path: Path | str, key: str | None = None):
-    """The checkpoint's tokenizer, with a pad token; one clear line when it does not load.
-
-    Args:
-        path: The checkpoint directory.
-        key: The config key that named ``path``, for the message (see :func:`check_checkpoint`).
-    """
+    """The checkpoint's tokenizer, with a pad token; one clear line when it does not load."""
     from transformers import AutoTokenizer
 
     where = f"{key}={path}" if key else str(path)
@@ -236,12 +190,8 @@ def load_tokenizer(path: Path | str, key: str | None = None):
 
 
 def vocabulary_difference(target, draft) -> str | None:
-    """Where two tokenizers' vocabularies differ, in words; None when they are the same.
-
-    Speculative decoding hands the draft's token ids to the target, so the two must map every
-    id to the same token. Equal vocabularies pass whatever the objects: Qwen2.5's 0.5B and 7B
-    share one tokenizer although their configs' vocab_size (the padded embedding) differ.
-    """
+    """Where two tokenizers' vocabularies differ, in words; None when they are the same
+    (config vocab_size may still differ: it is the padded embedding)."""
     a, b = target.get_vocab(), draft.get_vocab()
     if a == b:
         return None

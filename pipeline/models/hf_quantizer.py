@@ -1,19 +1,9 @@
 """``AutoModelForCausalLM.from_pretrained`` for lowbit quantized model directories.
 
-A quantized directory's config.json carries ``quantization_config = {"quant_method": "lowbit",
-"format_version": 1, "method": ..., "layers": {name: format}}`` (the content of
-``lowbit_quant.json``). Once this module is imported (lowbit's loaders import it and call
-:func:`register`), transformers resolves that ``quant_method`` to :class:`LowbitHfQuantizer`, which
-
-1. before loading, swaps each listed ``nn.Linear`` for a :class:`StoredQTensor` holding
-   parameters named as the stored fields (``codes``, ``scales``, ``zeros``, ``ratios``,
-   ``format``) with their stored dtypes, so transformers' own loader fills them (sharding,
-   ``device_map`` and dtype handling included) and never casts fp16 scales to the model dtype;
-2. after loading, turns each holder into the :class:`~pipeline.quant.fakequant.FakeQuantLinear`
-   that :func:`pipeline.models.quantized.load_quantized` builds, so both paths give one model.
-
-Registration only adds two entries to transformers' quantizer tables; it reads no files and
-sets no environment variables.
+Their config.json's ``quantization_config`` (``quant_method: lowbit``, the content of
+``lowbit_quant.json``) resolves to :class:`LowbitHfQuantizer`, which swaps each listed linear for
+a :class:`StoredQTensor` before loading (transformers fills the stored fields in their own
+dtypes) and for the same ``FakeQuantLinear`` as ``load_quantized`` after it.
 """
 
 from __future__ import annotations
@@ -36,14 +26,8 @@ from pipeline.quant.rtn import quantize_rtn
 
 
 class LowbitConfig(QuantizationConfigMixin):
-    """The ``quantization_config`` of a lowbit quantized model directory.
-
-    Args:
-        layers: Every quantized linear's format name (a linear not listed stays float).
-        method: The algorithm that produced the codes ("gptq", "rtn", "distill").
-        format_version: The directory layout version (see ``pipeline.models.quantized``).
-        kept_columns: ``{name: k}`` for linears that keep k outlier input columns in fp16.
-    """
+    """The ``quantization_config`` of a lowbit quantized model directory (unlisted linears
+    stay float; ``kept_columns``: ``{name: k}`` outlier input columns kept in fp16)."""
 
     def __init__(
         self,
@@ -85,11 +69,8 @@ class LowbitConfig(QuantizationConfigMixin):
 
 
 class StoredQTensor(nn.Module):
-    """Placeholder for one quantized linear while transformers loads the weights.
-
-    Its parameters mirror ``QTensor.to_state_dict(name)`` field for field (names, shapes and
-    dtypes), plus ``bias`` when the linear had one; they are frozen, being storage, not weights.
-    """
+    """Placeholder for one quantized linear while transformers loads the weights: frozen
+    parameters mirroring ``QTensor.to_state_dict(name)`` (plus ``bias``)."""
 
     def __init__(self, linear: nn.Linear, fmt: str, kept: int = 0) -> None:
         super().__init__()
@@ -116,9 +97,8 @@ class StoredQTensor(nn.Module):
 
 @functools.cache
 def _fields(fmt: str, in_features: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """``{field: (shape after the row dim, dtype)}`` of a stored ``fmt`` weight (``format``:
-    its whole shape). The codec knows the layout: read it off a quantized 1-row example
-    rather than restating each format's fields here."""
+    """``{field: (shape after the row dim, dtype)}`` of a stored ``fmt`` weight, read off a
+    quantized 1-row example so the layout is stated once, in the codec."""
     w = torch.zeros(1, in_features, device="cpu")
     parsed = parse_format(fmt)
     qt = QTensor.from_float(w) if parsed.kind == "float" else quantize_rtn(w, parsed)
@@ -172,6 +152,5 @@ def register() -> None:
         register_quantizer(QUANT_METHOD)(LowbitHfQuantizer)
 
 
-# Importing this module is enough for ``AutoModelForCausalLM.from_pretrained`` to load lowbit
-# directories; lowbit's own loaders call register() as well, which costs nothing the second time.
+# Importing this module is enough for ``AutoModelForCausalLM.from_pretrained``.
 register()

@@ -1,8 +1,4 @@
-"""QTensor files: many quantized weights in one safetensors file, keys ``{name}.<field>``.
-
-``pipeline.quant`` keeps the tensors and their flat state dict (``QTensor.to_state_dict``);
-reading and writing files happens here, outside the math package.
-"""
+"""QTensor files: many quantized weights in one safetensors file, keys ``{name}.<field>``."""
 
 from __future__ import annotations
 

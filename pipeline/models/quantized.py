@@ -1,26 +1,12 @@
 """The quantized model directory: what `quantize` and `distill` write and later stages load.
 
-Layout (``<stage>/model/``):
-
-* ``config.json`` and the tokenizer files, copied from the FP checkpoint; config.json gains
-  ``quantization_config`` (``{"quant_method": "lowbit", ...}`` + the content of
-  lowbit_quant.json), so ``AutoModelForCausalLM.from_pretrained`` loads the directory once
-  ``pipeline.models.hf_quantizer`` is imported;
-* ``lowbit_quant.json`` = ``{"format_version": 1, "method": ..., "layers": {name: format}}``,
-  every quantized linear and its format (a linear not listed is float), and
-  ``"kept_columns": {name: k}`` for the linears that keep k outlier input columns in fp16
-  (``quant.outliers=keep_fp16``; absent when none does);
-* safetensors weights (``model.safetensors``, or ``model-0000i-of-0000N.safetensors`` plus
-  HF's ``model.safetensors.index.json``): for a quantized linear ``P`` the tensors of
-  ``QTensor.to_state_dict(P)`` (``P.codes``, ``P.scales``, ..., ``P.keep_idx`` and
-  ``P.keep_vals`` with kept columns) and ``P.bias``; every other
-  tensor under its HF name in its float dtype.
-
-:class:`QuantizedWriter` writes one *part* (one output shard) at a time, each atomically into a
-staging folder that survives crashes, and assembles the folder at the end; so a streaming
-writer never holds more than one segment and a resumed run keeps the parts it already has.
-:func:`load_quantized` rebuilds a transformers model whose quantized linears are
-:class:`~pipeline.quant.fakequant.FakeQuantLinear` initialised from the stored codes.
+Layout (``<stage>/model/``): the FP checkpoint's config.json (plus ``quantization_config``, so
+``from_pretrained`` loads it via ``hf_quantizer``) and tokenizer files; ``lowbit_quant.json`` =
+``{"format_version": 1, "method", "layers": {name: format}, "kept_columns": {name: k}}``
+(unlisted linears are float; ``kept_columns`` only when some are kept); safetensors (HF naming
+and index) holding ``QTensor.to_state_dict(P)`` and ``P.bias`` per quantized linear ``P``, other
+tensors under their HF names. Parts (one output shard each) are committed atomically into a
+staging folder, so a streamed writer holds one segment and a resumed run keeps its parts.
 """
 
 from __future__ import annotations
@@ -52,13 +38,8 @@ def _is_weight_file(p: Path) -> bool:
 
 
 class QuantizedWriter:
-    """Writes a quantized model directory part by part (one part = one output shard).
-
-    Args:
-        out_dir: The model directory to create (e.g. ``<stage out>/model``).
-        parts_dir: Where finished parts wait until :meth:`close`; put it somewhere that
-            survives a crash (the stage's work dir) to resume. Default ``out_dir/.parts``.
-    """
+    """Writes a quantized model directory part by part; ``parts_dir`` (default
+    ``out_dir/.parts``) must survive a crash for a resume to keep them."""
 
     def __init__(self, out_dir: str | Path, parts_dir: str | Path | None = None) -> None:
         self.out_dir = Path(out_dir)
@@ -85,10 +66,7 @@ class QuantizedWriter:
         tensors: dict[str, Tensor] | None = None,
         qtensors: dict[str, QTensor] | None = None,
     ) -> Path:
-        """Commit part ``k``: float ``tensors`` under their names and ``qtensors`` as fields.
-
-        The file appears under its final name only once complete (write, fsync, rename).
-        """
+        """Commit part ``k`` (float ``tensors``, ``qtensors`` as fields): write, fsync, rename."""
         flat: dict[str, Tensor] = {}
         for name, t in (tensors or {}).items():
             flat[name] = t.detach().to("cpu").contiguous()
@@ -118,17 +96,8 @@ class QuantizedWriter:
         config_overrides: dict[str, Any] | None = None,
         kept: dict[str, int] | None = None,
     ) -> Path:
-        """Assemble parts ``0..n_parts-1`` into the model directory; returns ``out_dir``.
-
-        Args:
-            n_parts: Number of parts written.
-            src_dir: The FP checkpoint whose config and tokenizer files are copied.
-            method: "gptq", "rtn" or "distill" (recorded in lowbit_quant.json).
-            layers: Every quantized linear's format name.
-            config_overrides: Fields changed in the copied config.json (e.g. untying the
-                lm_head when it was quantized).
-            kept: ``{linear: number of kept columns}`` of the linears that keep some.
-        """
+        """Assemble parts ``0..n_parts-1`` with ``src_dir``'s config (plus ``config_overrides``)
+        and tokenizer into ``out_dir``, and return it."""
         missing = [k for k in range(n_parts) if not self.has_part(k)]
         if missing:
             raise LowbitError(f"quantized parts {missing} are missing in {self.parts_dir}")
@@ -219,22 +188,11 @@ def load_quantized(
     device: torch.device | str = "cpu",
     **fake_quant_kwargs: Any,
 ) -> nn.Module:
-    """Load a quantized model directory as a transformers model.
+    """A quantized model directory as a transformers model in eval mode, each quantized
+    linear a ``FakeQuantLinear`` (``fake_quant_kwargs``) on exactly the stored weights.
 
-    ``AutoModelForCausalLM.from_pretrained`` gives the same model through
-    ``pipeline.models.hf_quantizer``; this path also takes ``fake_quant_kwargs``, which the
-    training stages need.
-
-    Args:
-        model_dir: Directory written by :class:`QuantizedWriter` / :func:`save_quantized_model`.
-        dtype: dtype of the float tensors (embeddings, norms, float linears): a torch dtype, a
-            name (``pipeline.models.hf.DTYPES``), or "auto" for the FP checkpoint's dtype.
-        device: Where the tensors are read to (safetensors loads them there directly).
-        **fake_quant_kwargs: Passed to ``FakeQuantLinear.from_qtensor`` (``learn_scales``...).
-
-    Returns:
-        The model in eval mode; each quantized linear is a ``FakeQuantLinear`` whose forward
-        uses exactly the dequantized stored weights.
+    ``dtype`` is the float tensors' ("auto": the FP checkpoint's); ``from_pretrained`` gives
+    the same model but takes no ``fake_quant_kwargs``, which the training stages need.
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -307,11 +265,7 @@ def save_quantized_model(
     method: str,
     shard_bytes: int = 2 << 30,
 ) -> Path:
-    """Write a model with FakeQuantLinear layers as a quantized model directory.
-
-    Codes and group parameters are re-derived with ``FakeQuantLinear.to_qtensor()``; all other
-    tensors are stored in their current dtype. Returns ``out_dir``.
-    """
+    """Write a model with FakeQuantLinear layers (``to_qtensor()``) as a quantized directory."""
     qmods = quantized_modules(model)
     layers = {name: m.fmt.name for name, m in qmods.items()}
     config = model.config
@@ -361,11 +315,8 @@ def load_model(
     device: torch.device | str | None = None,
     device_map: str | dict | None = None,
 ):
-    """A causal LM from an HF dir or a lowbit quantized dir (FakeQuantLinear layers).
-
-    ``dtype``, ``device`` and ``device_map`` as in :func:`pipeline.models.hf.load_causal_lm`
-    (a quantized directory is read onto ``device``; it has no use for a multi-device map).
-    """
+    """A causal LM from an HF dir or a lowbit quantized dir (read onto ``device``, no map);
+    arguments as in :func:`pipeline.models.hf.load_causal_lm`."""
     if is_quantized_dir(path):
         if isinstance(device_map, dict) or device_map in MULTI_DEVICE_MAPS:
             raise LowbitError(

@@ -1,9 +1,4 @@
-"""Safetensors shards on disk: header parsing, exact-offset reads, shard discovery.
-
-Everything here is file format, no model: :mod:`pipeline.models.checkpoint` builds the
-streaming view of a checkpoint on top of it, and :mod:`pipeline.models.quantized` reads its
-own shards with the same header check.
-"""
+"""Safetensors shards on disk: header parsing, exact-offset reads, shard discovery (no model)."""
 
 from __future__ import annotations
 
@@ -40,15 +35,8 @@ Entry = tuple[torch.dtype, list[int], int, int]  # dtype, shape, first and end b
 
 
 def read_safetensors_header(file: Path) -> dict[str, Entry]:
-    """Parse one shard's header and check its offsets against the file size (no data read).
-
-    Returns:
-        ``{name: (dtype, shape, start, stop)}`` with absolute byte offsets into ``file``.
-
-    Raises:
-        CheckpointError: The header is unreadable or does not describe exactly the bytes on disk
-            (a truncated download, a partial copy); the message names the file.
-    """
+    """``{name: (dtype, shape, start, stop)}`` (absolute offsets) of one shard, checked to
+    describe exactly the bytes on disk; else CheckpointError naming the file."""
 
     def corrupt(why: str) -> CheckpointError:
         return CheckpointError(f"corrupt safetensors file {file}: {why}; re-download or re-save it")
@@ -89,20 +77,8 @@ def read_safetensors_header(file: Path) -> dict[str, Entry]:
 def tensor_locations(
     files: list[Path], index: Path | None, read_header=read_safetensors_header
 ) -> dict[str, tuple[Path, Any]]:
-    """``{name: (file, header entry)}`` of every tensor in ``files``, checked against ``index``.
-
-    Headers only. A checkpoint whose shards came from one download and whose index from another
-    would otherwise load the wrong tensors, or none, deep inside transformers.
-
-    Args:
-        files: The weight files (see :func:`weight_files`).
-        index: ``model.safetensors.index.json`` (or the .bin one), None for an unsharded file.
-        read_header: ``file -> {name: entry}``; the safetensors header by default.
-
-    Raises:
-        CheckpointError: A tensor stored twice, a tensor the index names missing from its shard,
-            or a tensor in a shard that the index does not list; the message names both files.
-    """
+    """``{name: (file, header entry)}`` of every tensor in ``files``, from headers only; a
+    tensor stored twice, missing from its shard or unlisted in ``index`` is a CheckpointError."""
     found: dict[str, tuple[Path, Any]] = {}
     for file in files:
         for name, entry in read_header(file).items():
@@ -132,10 +108,7 @@ def tensor_locations(
 def check_finite(t: torch.Tensor, name: str, file: Path | str, chunk: int = 1 << 24) -> None:
     """One line naming ``name`` and ``file`` when the floating tensor ``t`` holds NaN or Inf.
 
-    ``aminmax`` reads the tensor once without allocating, faster than the disk it came from
-    (``isfinite`` writes a mask and is several times slower); its result is NaN when any value
-    is, and infinite when any value is. Only a tensor that fails is scanned again, to count and
-    locate its bad values.
+    ``aminmax`` is NaN/infinite when any value is, and allocates no mask as ``isfinite`` does.
     """
     if not t.is_floating_point() or t.numel() == 0 or t.is_meta:  # meta: offloaded, not loaded
         return
@@ -160,11 +133,7 @@ def check_finite(t: torch.Tensor, name: str, file: Path | str, chunk: int = 1 <<
 
 
 def read_tensors(file: Path, entries: dict[str, Entry]) -> dict[str, torch.Tensor]:
-    """Read ``entries`` from a safetensors file straight into freshly allocated tensors.
-
-    Plain reads rather than a memory map: the process then holds exactly these tensors, not
-    also the mapped file pages they were copied from (which would double a block's peak).
-    """
+    """Read ``entries`` into fresh tensors; no memory map, whose pages would double the peak."""
     out = {}
     with open(file, "rb", buffering=0) as f:
         for name, (dtype, shape, start, stop) in sorted(entries.items(), key=lambda e: e[1][2]):
@@ -235,11 +204,8 @@ def weight_files(path: Path, allow_bin: bool) -> tuple[list[Path], Path | None, 
 def convert_bin_to_safetensors(
     src: str | Path, dst: str | Path, shard_bytes: int = 5 << 30
 ) -> Path:
-    """Rewrite a ``pytorch_model*.bin`` checkpoint as safetensors shards, one input at a time.
-
-    Only run this on checkpoints you trust: tensors are unpickled with ``weights_only=True``.
-    Small non-weight files (config, tokenizer) are copied alongside.
-    """
+    """Rewrite a trusted ``pytorch_model*.bin`` checkpoint (and its small files) as safetensors
+    shards, one input at a time."""
     import shutil
 
     src, dst = Path(src), Path(dst)

@@ -1,12 +1,7 @@
-"""Write random-weight HF checkpoints of any size, one shard at a time.
+"""Random-weight HF checkpoints of any size, one shard at a time (tests and benchmarks only).
 
-Memory benchmarks need checkpoints larger than what a test may hold (e.g. 4 GB), and tests
-need tiny multi-shard ones; neither may come from a hub. :func:`write_synthetic_checkpoint`
-creates the tensor names and shapes from the architecture's own decoder layer (built on the
-meta device, so biases and head layouts are always right), draws each tensor from a
-generator seeded by ``(seed, name)``, and hands it to :class:`pipeline.io.ShardWriter`, which
-keeps at most one shard in memory. The same seed gives the same weights whatever
-``shard_bytes`` is. A test and benchmark helper: production code does not import it.
+Tensor names and shapes come from the architecture's own decoder layer on the meta device; each
+tensor is drawn from ``(seed, name)``, so the weights do not depend on ``shard_bytes``.
 """
 
 from __future__ import annotations
@@ -85,8 +80,7 @@ def _random(
     if name.endswith(".bias"):
         return t.mul_(0.02)
     if len(shape) == 2 and "embed" not in name:
-        # 1/sqrt(fan_in) keeps activations O(1); the residual-stream writers are scaled by
-        # 1/sqrt(2L) (GPT-2 style) so deep random models do not blow up.
+        # 1/sqrt(fan_in), and 1/sqrt(2L) on residual writers (GPT-2) so deep models stay O(1).
         std = shape[1] ** -0.5
         if name.endswith(("o_proj.weight", "down_proj.weight")):
             std /= (2 * layers) ** 0.5
@@ -110,21 +104,8 @@ def write_synthetic_checkpoint(
     tie_word_embeddings: bool = False,
     **config_overrides: Any,
 ) -> Path:
-    """Write a random-weight HF checkpoint (config.json + safetensors shards + index).
-
-    Args:
-        path: Output directory.
-        hidden, layers, intermediate, heads, kv_heads, vocab: Model size.
-        arch: "llama", "mistral" or "qwen2" (q/k/v biases).
-        shard_bytes: Byte budget per shard; also the writer's peak memory.
-        dtype: Stored dtype.
-        seed: Weights depend only on the seed and the tensor names.
-        tie_word_embeddings: Omit lm_head.weight and tie it to the embeddings.
-        **config_overrides: Extra config fields (e.g. ``sliding_window=None``).
-
-    Returns:
-        ``path``.
-    """
+    """Write a random-weight HF checkpoint (config.json, shards of at most ``shard_bytes``,
+    index) to ``path``; ``config_overrides`` are extra config fields."""
     config = synthetic_config(
         hidden=hidden, layers=layers, intermediate=intermediate, heads=heads,
         kv_heads=kv_heads, vocab=vocab, arch=arch, dtype=dtype,

@@ -1,19 +1,8 @@
 """Calibration activations between segments: in memory, or spilled to a memory-mapped file.
 
-The streaming engine (:mod:`pipeline.streaming.engine`) runs the calibration windows through one
-segment of decoder blocks at a time, so the hidden states at the segment boundary, (N, T, C),
-are the only activations that live across segments. For a 70B model with 128 windows of 4096
-tokens that is 128 * 4096 * 8192 * 4 B = 17 GB: it may not fit next to a segment and its
-Hessians. When it exceeds the budget the cache
-is a ``.npy`` file mapped into memory (``np.lib.format.open_memmap``); batches are read and
-written through the map and the mapped pages are dropped from the process after each access
-(``madvise(MADV_DONTNEED)``; the file keeps the data), so the resident share stays about one
-batch. Trade-off: a spilled cache pays disk bandwidth on every pass through a block.
-
-An in-memory cache is updated in place (block ``j``'s outputs overwrite its inputs batch by
-batch); a spilled one writes a segment's outputs into a new file so the previous segment's
-committed file stays intact until the new one is committed, which is what makes a killed run
-resumable from the last finished segment.
+A spilled cache keeps about one batch resident (pages dropped after each access) and writes a
+segment's outputs to a new file, so the committed file stays intact until the next commit:
+that is what makes a killed run resumable.
 """
 
 from __future__ import annotations
@@ -37,18 +26,12 @@ def _np_dtype(dtype: torch.dtype):
 
 
 class ActivationCache:
-    """(N, T, C) activations of this rank's calibration windows.
-
-    Build with :meth:`create` (chooses memory or file by the budget) or :meth:`load` (a
-    committed file). Index like a tensor along the first dim: ``cache[i:j]`` returns a fresh
-    tensor, ``cache[i:j] = x`` stores one.
-    """
+    """(N, T, C) activations of this rank's windows, indexed like a tensor along dim 0."""
 
     def __init__(self, data: Tensor | np.ndarray, dtype: torch.dtype) -> None:
         self._data = data
         self.dtype = dtype
 
-    # ----------------------------------------------------------------------------- building
     @classmethod
     def create(
         cls, shape: tuple[int, ...], dtype: torch.dtype, budget_bytes: float, spill_path: str | Path
@@ -63,7 +46,6 @@ class ActivationCache:
     def spilled(
         cls, shape: tuple[int, ...], dtype: torch.dtype, path: str | Path
     ) -> ActivationCache:
-        """An empty file-backed cache (the file is created or overwritten)."""
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         arr = np.lib.format.open_memmap(
             str(path), mode="w+", dtype=_np_dtype(dtype), shape=tuple(shape)
@@ -79,13 +61,11 @@ class ActivationCache:
         return cls(arr, dtype)
 
     def for_outputs(self, path: str | Path) -> ActivationCache:
-        """Where a segment's outputs go: this cache itself when in memory (updated in place),
-        a new file at ``path`` when spilled (the input file stays as the committed state)."""
+        """Where a segment's outputs go: this cache in memory, a new file at ``path`` if spilled."""
         if self.in_memory:
             return self
         return ActivationCache.spilled(self.shape, self.dtype, path)
 
-    # ------------------------------------------------------------------------------ access
     @property
     def in_memory(self) -> bool:
         return isinstance(self._data, Tensor)
@@ -119,20 +99,15 @@ class ActivationCache:
         self._release()
 
     def _release(self) -> None:
-        """Drop the mapped pages from this process; the file (page cache) keeps the data."""
+        """Drop the mapped pages from this process (the file keeps the data)."""
         mm = getattr(self._data, "_mmap", None)
         if mm is not None and hasattr(mm, "madvise"):
             if self._data.flags.writeable:
                 mm.flush()  # write back before dropping, so nothing waits in dirty pages
             mm.madvise(mmap.MADV_DONTNEED)
 
-    # --------------------------------------------------------------------------- durability
     def commit(self, path: str | Path) -> Path:
-        """Make the current contents durable at ``path`` (atomic: the name appears complete).
-
-        A spilled cache is flushed and renamed (it must be writable, i.e. from
-        :meth:`for_outputs`); an in-memory one is saved to a temporary file first.
-        """
+        """Make the contents durable at ``path``, atomically (spilled: from :meth:`for_outputs`)."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         if self.in_memory:

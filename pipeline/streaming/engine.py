@@ -1,25 +1,9 @@
 """The block-walking engine: embed -> segments of decoder blocks -> head, one segment in memory.
 
-A checkpoint bigger than memory is processed the way GPTQ walks a model (Frantar et al., 2023):
-the calibration windows are embedded, then each segment of ``segment_size`` decoder blocks is
-read from the safetensors shards (:class:`~pipeline.models.checkpoint.StreamingCheckpoint`),
-handed block by block to a *step* (:class:`BlockStep`: quantize the block's linears, or score
-them), run forward once to produce the next block's inputs, and freed; the head (final norm and
-lm_head) comes last. A step may change a block in place before its output pass (quantize leaves
-the dequantized weights), so every later block sees the activations of the changed model and
-compensates the earlier rounding. Peak memory is one segment, the activation cache
-(:mod:`pipeline.streaming.actcache`, spilled to a memory-mapped file beyond the budget) and what
-the step keeps for one block (one group's Hessian), whatever the depth.
-
-The engine owns the walk: this rank's share of the windows (``dist.shard``; the steps all-reduce
-their statistics), the cache, the loop, and the segment store (:mod:`pipeline.streaming.workdir`):
-a scratch folder, or a work dir where every finished segment is committed and a killed run
-resumes after the last one.
-
-Trade-off: reading each block from disk and running the calibration set through it once per
-pass of the step costs more time than working on a loaded model, in exchange for memory that
-does not grow with depth.
-"""
+As in GPTQ's sequential walk, each segment of ``segment_size`` blocks is read from the shards,
+handed block by block to a :class:`BlockStep` (which may change it in place, so later blocks see
+the changed model's activations), run forward once for the next block's inputs, and freed: peak
+memory is one segment, the activation cache and one block's step state, whatever the depth."""
 
 from __future__ import annotations
 
@@ -49,10 +33,10 @@ class StreamOptions:
     """How the engine walks a checkpoint (the values come from the run's config)."""
 
     segment_size: int  # decoder blocks per segment: the unit of loading and of resume
-    batch_size: int  # calibration windows per forward pass
+    batch_size: int
     act_budget_gb: float  # activation cache size above which it spills to a file
     stream: bool = True  # False: load the whole model first (the tests' and benchmarks' reference)
-    progress: bool = True  # a progress bar on rank 0
+    progress: bool = True
     on_segment: Callable[[int], None] | None = None  # after each finished segment (tests crash)
 
 
@@ -63,8 +47,7 @@ class BlockStep(Protocol):
         """The (vocab, C) table this rank's windows ``ids`` (n, T) are looked up in."""
 
     def before(self, i: int, block: nn.Module, batches: Batches, kwargs: dict) -> None:
-        """Block ``i`` on its inputs (``kwargs``: masks and positions of its forward), before
-        the engine computes its outputs with whatever the step left in it."""
+        """Block ``i`` on its inputs (``kwargs``: its forward's masks), before its outputs."""
 
     def after(self, i: int, block: nn.Module) -> None:
         """Block ``i``'s outputs are computed (forward hooks set in ``before`` saw them)."""
@@ -77,8 +60,7 @@ class BlockStep(Protocol):
 
 
 class BlockSource:
-    """Pieces of the model, streamed from the shards or (``stream=False``) from a fully loaded
-    model, which is the reference the memory benchmark and the tests compare against."""
+    """Pieces of the model, streamed from the shards or (``stream=False``, the reference) loaded."""
 
     def __init__(self, ckpt: StreamingCheckpoint, stream: bool = True) -> None:
         self.ckpt, self.adapter = ckpt, ckpt.adapter
@@ -103,36 +85,21 @@ class BlockSource:
 class StreamResult:
     resumed: int  # segments found finished in the work dir
     reports: list[dict]  # every segment's report (end_segment's), resumed ones included
-    head: Any  # what the step's head returned
+    head: Any
 
 
 def _segment_bounds(n_layers: int, segment_size: int) -> list[tuple[int, int]]:
-    """``[(first block, stop)]`` of each segment."""
     return [(s, min(s + segment_size, n_layers)) for s in range(0, n_layers, segment_size)]
 
 
 def _release_free_heap() -> None:
-    """Hand freed heap pages back to the OS (glibc ``malloc_trim``; a no-op elsewhere).
-
-    Each segment allocates and frees the same large tensors; glibc keeps freed chunks in its
-    arenas, so without this the resident size creeps up segment after segment.
-    """
+    """glibc ``malloc_trim``: else freed segment tensors stay in its arenas and RSS creeps up."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 class BlockWalk:
-    """One walk over ``ckpt`` with the calibration windows ``calib`` (N, T), the same on every
-    rank. Opening it agrees on the segments to resume (a collective); :meth:`run` walks.
-
-    Args:
-        name: What walks (progress bar and log lines).
-        ckpt: The checkpoint; its ``dtype`` and ``device`` are the compute dtype and device.
-        calib: (N, T) token ids of all calibration windows (each rank takes its share).
-        opts: Segment size, batch size, activation budget.
-        dist: Ranks.
-        store: Where activations go between segments, and whether they survive a kill.
-    """
+    """A walk over ``ckpt`` with the (N, T) windows ``calib``; opening it is a collective."""
 
     def __init__(
         self,

@@ -1,13 +1,9 @@
 """Where the engine keeps activations between segments: a scratch folder, or a resumable work dir.
 
-:class:`Scratch` spills activations to files that live as long as one walk (the streamed
-sensitivity: a rerun starts from the embeddings). :class:`WorkDir` makes every finished segment
-durable so that a killed run resumes: after segment ``k`` each rank's output activations are
-committed to ``acts/NNNNN-rank<r>.npy`` and the step persists what it made (quantize: one output
-shard), then rank 0 writes the marker ``segments/NNNNN.json`` holding the segment's report. A
-rerun continues after the last marker from the same activations, hence with the same results,
-if ``run.json`` (world size, windows, segments and a hash of everything else that decides the
-results) is unchanged; otherwise it starts over.
+Resume is exact: after segment ``k`` every rank commits its output activations and the step its
+files, then rank 0 writes the marker ``segments/NNNNN.json``; a rerun continues after the last
+marker from those same activations if ``run.json`` (ranks, windows, segments, a hash of the
+inputs) is unchanged, and starts over otherwise.
 """
 
 from __future__ import annotations
@@ -37,7 +33,6 @@ class Scratch:
         self._reports: dict[int, dict] = {}
 
     def open(self, calib: Tensor, segments: list[tuple[int, int]], dist: Dist, device) -> int:
-        """Segments already finished: none."""
         return 0
 
     def embed_file(self, rank: int) -> Path:
@@ -61,15 +56,7 @@ class Scratch:
 
 
 class WorkDir:
-    """Durable segments in ``path`` (the same path on every rank).
-
-    Args:
-        path: The work dir; ``segments/``, ``acts/`` and ``run.json`` are the engine's, anything
-            else (quantize's ``parts/``) the caller's.
-        key: JSON-able description of what, besides the windows, the ranks and the segments,
-            decides the results (checkpoint, plan, options): a work dir left by other inputs is
-            wiped instead of resumed.
-    """
+    """Durable segments in ``path``; a changed ``key`` (what else decides results) wipes it."""
 
     def __init__(self, path: str | Path, key: Any) -> None:
         self.path, self.key = Path(path), key
@@ -96,7 +83,7 @@ class WorkDir:
             "inputs": hashlib.sha256(
                 json.dumps(self.key, sort_keys=True).encode() + calib.cpu().numpy().tobytes()
             ).hexdigest(),
-        }  # as JSON reads it back
+        }
         start = dist.broadcast(self._finished(state, len(segments)) if dist.is_main else None)
         # Resume only if every rank still has its activations of the last finished segment.
         ok = start <= 0 or self.acts_file(start - 1, dist.rank).is_file()
@@ -124,7 +111,6 @@ class WorkDir:
         return k
 
     def resume(self, k: int, rank: int, dtype: torch.dtype, budget_bytes: float):
-        """The committed outputs of segment ``k``."""
         return ActivationCache.load(self.acts_file(k, rank), dtype, budget_bytes)
 
     def save_acts(self, k: int, cache: ActivationCache, rank: int) -> None:
@@ -132,8 +118,7 @@ class WorkDir:
         self._committed = cache.commit(self.acts_file(k, rank))
 
     def mark(self, k: int, report: dict, dist: Dist) -> None:
-        """Mark segment ``k`` finished once every rank's activations (:meth:`save_acts`) and
-        the step's files are on disk; a collective."""
+        """Mark segment ``k`` finished once every rank's files are on disk; a collective."""
         dist.barrier()
         if dist.is_main:
             write_json(self._marker(k), {"segment": k, "report": report}, indent=1)
