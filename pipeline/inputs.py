@@ -2,8 +2,8 @@
 
 Metadata only (headers, tokenizer files, each text file's first MiB, parquet schemas), so the
 cost does not grow with the model or corpus; NaN/Inf weights are found where weights are read.
-The rules shared with loading live next to the loaders (models/hf.py, data/text.py), so a start
-check and a stage say the same thing.
+The rules shared with loading live next to the loaders (``pipeline.models.hf``,
+``pipeline.data.text``), so a start check and a stage say the same thing.
 """
 
 from __future__ import annotations
