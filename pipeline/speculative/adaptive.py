@@ -1,28 +1,15 @@
 """Adaptive draft length from a sliding-window acceptance estimate.
 
-Acceptance varies strongly with the text (repetitive spans are easy to draft, rare words are
-not), so a fixed gamma is either too short on easy spans or wastes draft calls on hard ones.
-After every verification round we re-estimate alpha over the last ``window`` rounds (the
-sliding-window acceptance monitor; 64 by default, inside the 50-100 the method prescribes: long
-enough that one unlucky round does not swing gamma, short enough to follow a change of text
-within a few hundred tokens) and pick
-the gamma in [gamma_min, gamma_max] that maximises the expected wall-time speed-up of
-Leviathan et al. (2023):
+Acceptance varies with the text, so a fixed gamma is too short on easy spans or wastes draft
+calls on hard ones. After every round, alpha is re-estimated over the last ``window`` rounds
+and the gamma in [gamma_min, gamma_max] maximising Leviathan et al.'s (2023) expected speed-up
 
-    S(gamma) = (1 - alpha^(gamma+1)) / ((1 - alpha) * (gamma * c + v(gamma))),
+    S(gamma) = (1 - alpha^(gamma+1)) / ((1 - alpha) * (gamma * c + v(gamma)))
 
-with c = draft cost / target cost and v(gamma) the cost of verifying gamma + 1 tokens in target
-steps (1 where decoding is memory-bound; measured by
-``pipeline.speculative.cost.measure_verify_cost`` where it is not, e.g. CPU kernels that process
-4 rows at a time). This is preferred over an up/down rule because it has no thresholds to tune:
-the only inputs are the measured alpha, c and v, and it reduces to "as long as allowed" when
-drafting and verifying are free and to gamma_min when alpha is low.
-
-Estimator: each round contributes its accepted count and the number of positions whose test
-actually ran (accepted + the first rejection). accepted / verified is the maximum-likelihood
-estimate of a per-token acceptance probability under the truncated-geometric model of the
-round; one pseudo-accept and one pseudo-reject (Laplace smoothing) keep it off 0 and 1 while
-the window is nearly empty.
+is chosen, with c = draft cost / target cost and v(gamma) the cost of verifying gamma + 1
+tokens in target steps (``pipeline.speculative.cost``). No thresholds to tune: only measured
+alpha, c and v. alpha = accepted / verified positions (the maximum-likelihood estimate under
+the round's truncated-geometric model), Laplace-smoothed while the window is nearly empty.
 """
 
 from __future__ import annotations
@@ -42,12 +29,10 @@ class AdaptiveGamma:
         gamma_min: smallest draft length (>= 1).
         gamma_max: largest draft length (>= gamma_min).
         window: number of recent rounds (verifications) in the acceptance estimate.
-        cost_ratio: c = draft forward cost / target forward cost, measured on the models that
-            decode (:func:`pipeline.speculative.cost.measure_cost_ratio`): no default, because
-            the best gamma depends on it and a guessed c picks the wrong one.
+        cost_ratio: c = draft forward cost / target forward cost, measured
+            (:func:`pipeline.speculative.cost.measure_cost_ratio`); a guessed c picks wrong.
         initial_gamma: draft length before any round was seen (default: the midpoint).
-        verify_cost: {gamma: v} verification costs in target steps; a gamma not listed
-            costs 1.
+        verify_cost: {gamma: v} verification costs in target steps (default 1).
     """
 
     def __init__(
@@ -76,7 +61,7 @@ class AdaptiveGamma:
         start = (gamma_min + gamma_max) // 2 if initial_gamma is None else initial_gamma
         self.gamma = min(max(start, gamma_min), gamma_max)
         self._rounds: deque[tuple[int, int]] = deque(maxlen=window)
-        self.history: list[int] = []  # gamma used by each round, for plots and tests
+        self.history: list[int] = []  # gamma used by each round
 
     @property
     def alpha(self) -> float:
@@ -90,8 +75,7 @@ class AdaptiveGamma:
 
         Args:
             accepted: draft tokens accepted in the round.
-            verified: positions whose acceptance test ran (accepted + 1, or gamma when all
-                were accepted).
+            verified: positions whose acceptance test ran.
         """
         if not 0 <= accepted <= verified:
             raise ValueError(f"need 0 <= accepted <= verified, got {accepted}, {verified}")

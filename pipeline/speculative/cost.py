@@ -1,20 +1,10 @@
 """Measured costs of speculative decoding: the cost ratio c and the verification cost v.
 
-c = draft step time / target step time enters the speed-up tau / (gamma * c + v), the
-adaptive draft length and the throughput reward. It is measured, not derived from parameter
-counts: a 2-bit self-draft has the target's FLOPs but a quarter of its weight bytes, and
-whether that matters depends on the hardware (memory-bound decoding on GPUs/NPUs, compute- or
-overhead-bound on small CPU models).
-
-v(gamma) = time of the target's verification forward (gamma + 1 tokens) / its single-token
-step. Leviathan et al. take v = 1, true where decoding is memory-bound (the weights are read
-once for all the tokens). On a CPU it is not: torch's int4 kernel processes 4 rows at a time
-(4 tokens cost ~1.8 steps, 5 tokens ~3.5), fp32 GEMM with 5 rows ~3 steps; so the best gamma
-and the speed-up to expect depend on v, and both are measured here.
-
-What is timed is one cached decode forward (``tokens`` tokens) after a prompt of
-``context_len`` tokens; the median over ``n_iters`` forwards resists scheduler noise. The cache
-is cropped back after every forward so each sees the same context.
+c = draft step time / target step time, and v(gamma) = target's (gamma + 1)-token forward time /
+its single-token step, enter the speed-up tau / (gamma * c + v). Both are measured, not derived:
+a 2-bit draft has the target's FLOPs but fewer bytes, and v = 1 (Leviathan et al.) holds only
+where decoding is memory-bound, not for CPU kernels whose cost grows with the rows. Each time
+is the median of cached forwards after the same context (the cache cropped back each time).
 """
 
 from __future__ import annotations
@@ -94,7 +84,7 @@ def measure_cost_ratio(
     """
     if n_iters < 1:
         raise ValueError(f"n_iters must be >= 1, got {n_iters}")
-    # the smaller vocabulary's ids are valid for both models
+    # The smaller vocabulary's ids are valid for both models.
     smaller = target if vocab_size(target) <= vocab_size(draft) else draft
     input_ids = _context(smaller, input_ids, context_len, seed)
     t_target = forward_seconds(target, input_ids, 1, n_warmup, n_iters)

@@ -1,14 +1,9 @@
 """Sliding-window acceptance monitor: the reinforce stage's "dynamic strategy".
 
-On-policy training of the draft can go wrong quietly: a too-large step sharpens the draft where
-the target is flat, and acceptance, the quantity being optimised, starts to fall while the loss
-still looks fine. The monitor keeps the acceptance of the last ``window`` training steps and
-compares the older half of the window with the newer half; when the newer half is lower by more
-than ``threshold`` the caller lowers the learning rate. Halves rather than first-vs-last step,
-because one step's acceptance is one scenario's batch and swings with it; with the scenarios
-taken in turn, each half holds every scenario about equally often. After a drop the window
-starts over, so one fall is acted on once, and the next decision rests on steps taken at the
-new learning rate.
+A too-large on-policy step can make acceptance fall while the loss looks fine. The monitor
+compares the older half of the last ``window`` steps' acceptance with the newer half (halves,
+because one step's batch swings with its scenario); a fall beyond ``threshold`` tells the caller
+to lower the learning rate, and the window starts over so one fall is acted on once.
 """
 
 from __future__ import annotations
@@ -23,8 +18,7 @@ class AcceptanceMonitor:
 
     Args:
         window: steps kept (>= 2).
-        threshold: fall (older-half mean minus newer-half mean) that counts as a drop; None
-            only monitors.
+        threshold: older-half minus newer-half mean that counts as a drop; None: monitor only.
     """
 
     def __init__(self, window: int, threshold: float | None = None) -> None:
@@ -51,8 +45,7 @@ class AcceptanceMonitor:
         return sum(vals[:half]) / half - sum(vals[-half:]) / half
 
     def update(self, alpha: float) -> bool:
-        """Record one step's acceptance; True when acceptance fell by more than the threshold
-        over the window (the window then starts over)."""
+        """Record one step's acceptance; True on a drop (the window then starts over)."""
         self.values.append(float(alpha))
         if self.threshold is None or self.fall <= self.threshold:
             return False

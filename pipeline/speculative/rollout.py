@@ -1,16 +1,9 @@
 """Batched on-policy rollouts: one speculative round on many contexts at once.
 
-The reinforce stage trains the draft on its own proposals (on-policy, as DistillSpec and OSD
-find most reliable). A rollout takes B equal-length contexts (scenario windows), lets the
-draft propose gamma tokens for every row with its KV cache, has the target score all rows in
-one forward, and runs the exact verification of :func:`~pipeline.speculative.sampling.verify_draft`
-row by row in one vectorised call. The result holds everything the loss terms of
-:mod:`pipeline.speculative.rewards` need: the proposed tokens (policy-gradient actions), the target
-logits at the visited positions (TVD term), and the accepted counts (reward).
-
-Nothing here carries gradients: the training step re-runs the draft on ``sequences`` with
-gradients enabled, which costs one batched forward and keeps the rollout cheap and free of
-autograd state across the gamma sampling steps.
+The draft proposes gamma tokens for B equal-length contexts, the target scores all rows in one
+forward, and ``verify_draft`` runs row by row in one vectorised call. Nothing carries
+gradients: the training step re-runs the draft on ``sequences`` with gradients, one batched
+forward instead of autograd state across the gamma sampling steps.
 """
 
 from __future__ import annotations
@@ -73,16 +66,11 @@ def draft_rollout(
         contexts: (B, T) token ids, all rows the same length (no padding).
         gamma: tokens proposed per row (>= 1).
         temperature: sampling temperature of both models (0 = greedy).
-        draft_temperature: the draft samples at this temperature instead (exploration during
-            training); verification stays exact because it uses the distribution each proposal
-            was actually drawn from. None = ``temperature``.
+        draft_temperature: the draft samples at this temperature instead (None: ``temperature``);
+            verification stays exact, testing against the distribution actually sampled.
         generator: randomness for proposals and verification.
-        context_positions: (K,) indices < T - 1 into the contexts whose target logits (each
-            predicting the next context token) the rollout also returns, from the same target
-            forward: what a teacher-forced loss on the contexts needs, at no extra forward.
-
-    Returns:
-        The :class:`Rollout`.
+        context_positions: (K,) indices < T - 1 into the contexts whose target logits the
+            rollout also returns from the same forward (for a teacher-forced loss).
     """
     contexts = torch.as_tensor(contexts, dtype=torch.long)
     if contexts.dim() != 2 or contexts.shape[1] == 0:

@@ -1,12 +1,9 @@
 """Counters of a speculative (or plain) decoding run and the rates derived from them.
 
-Two acceptance numbers are kept apart on purpose (see REFERENCES.md):
-- ``acceptance_rate`` = accepted / drafted counts every drafted token, including those after
-  the first rejection that were never tested, so it sits below alpha for gamma > 1;
-- ``alpha_hat`` = mean of beta = sum_x min(p, q) over the positions whose test actually ran,
-  an unbiased, low-variance (Rao-Blackwellised) estimate of the per-token acceptance alpha.
-``tau`` (new tokens per target forward, correction/bonus token included) is the block
-efficiency EAGLE-style evaluations report.
+Two acceptance numbers are kept apart: ``acceptance_rate`` = accepted / drafted counts drafts
+after the first rejection that were never tested (so it sits below alpha for gamma > 1), while
+``alpha_hat`` = mean beta over the positions actually tested, an unbiased (Rao-Blackwellised)
+estimate of alpha. ``tau`` is new tokens per target forward (block efficiency).
 """
 
 from __future__ import annotations
@@ -23,8 +20,7 @@ class SpecStats:
     Attributes:
         drafted: draft tokens proposed.
         accepted: draft tokens accepted.
-        target_calls: target forwards that emitted tokens (the prompt prefill of speculative
-            decoding emits none and is not counted).
+        target_calls: target forwards that emitted tokens (not the prompt prefill).
         draft_calls: single-token draft forwards.
         new_tokens: tokens emitted.
         seconds: wall time, prompt processing included.
