@@ -35,13 +35,7 @@ MAX_DAMP_TRIES = 6
 
 
 class HessianAccumulator:
-    """Running H = 2/N * sum_n x_n x_n^T over the inputs of one linear layer.
-
-    Args:
-        in_features: Input dimension of the layer.
-        dtype: Accumulation dtype.
-        device: Where H lives.
-    """
+    """Running H = 2/N * sum_n x_n x_n^T over the inputs of one linear layer."""
 
     def __init__(
         self,
@@ -67,7 +61,7 @@ class HessianAccumulator:
         self.n_samples = total
 
     def merge(self, other: HessianAccumulator) -> None:
-        """Fold in another accumulator (e.g. from another rank), weighting by sample counts."""
+        """Fold in another accumulator (e.g. another rank), weighted by sample counts."""
         total = self.n_samples + other.n_samples
         if total == 0:
             return
@@ -106,19 +100,16 @@ def gptq_quantize(
     act_order: bool = False,
     keep: Tensor | None = None,
 ) -> tuple[QTensor, float]:
-    """Quantize a weight matrix with GPTQ.
+    """Quantize a weight matrix (out, in) with GPTQ, given its Hessian (in, in).
 
     Args:
-        w: Weight (out, in).
-        H: Hessian (in, in), e.g. ``HessianAccumulator.H``.
-        fmt: Format or format name.
         block_size: Columns per lazy-update block.
         damp: Relative dampening (fraction of mean diag(H)).
         act_order: Quantize columns in order of decreasing H_ii.
-        keep: Optional input columns kept exactly in fp16 (see the module docstring).
+        keep: Optional input columns kept exactly in fp16.
 
     Returns:
-        ``(qtensor, loss)`` with loss = 1/2 sum (w - q)^2 / [H^-1]_qq (see module docstring).
+        ``(qtensor, loss)`` with loss = 1/2 sum (w - q)^2 / [H^-1]_qq.
     """
     fmt = parse_format(fmt)
     n_out, n_in = w.shape
@@ -150,9 +141,8 @@ def _permuted(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """W^T (in, out) and H with dead inputs fixed, both in quantization order.
 
-    Returns:
-        (Wt, H, perm, kept): permuted W^T and H, the order (original column of each position)
-        and the kept mask over original columns (kept columns go last).
+    Returns (Wt, H, perm, kept): ``perm`` gives each position's original column; ``kept`` is
+    the mask over original columns (kept columns go last).
     """
     n_in = w.shape[1]
     # W^T makes a weight column a contiguous row: faster rank-1 updates on CPU.
@@ -177,9 +167,8 @@ def _quantize_columns(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The GPTQ loop over permuted columns; updates ``Wt`` in place (kept columns' values).
 
-    Returns:
-        (codes, p1, p2, losses): codes (in, out) in permuted order, group parameters
-        (out, n_groups) and the per-output-row loss.
+    Returns (codes, p1, p2, losses): codes (in, out) in permuted order, group parameters
+    (out, n_groups) and the per-output-row loss.
     """
     n_in, n_out = Wt.shape
     device = Wt.device

@@ -74,8 +74,7 @@ def isa() -> str | None:
 
 @contextlib.contextmanager
 def forced_isa(name: str | None) -> Iterator[None]:
-    """Layers built inside take ``name``'s kernels (None: torch's), whatever ``LOWBIT_CPU_ISA``
-    says."""
+    """Layers built inside take ``name``'s kernels (None: torch's), whatever the env says."""
     if name is not None and name not in supported():
         raise ValueError(f"this CPU does not run lowbit's {name} kernels (it runs: {supported()})")
     _forced.append(name)

@@ -86,16 +86,9 @@ def hf_generate(
     """Continue the (1, T) prompt ``ids`` with ``model.generate``.
 
     Args:
-        model: The target (transformers causal LM).
-        tokenizer: Its tokenizer (decodes, matches stop strings, streams).
-        ids: (1, T) prompt token ids on the model's device.
-        max_new_tokens: Generation budget.
-        temperature: 0 = greedy; above 0 samples (with ``top_p`` / ``top_k`` when given).
         draft: Assistant model for transformers' assisted (speculative) generation.
-        top_p: Nucleus sampling mass (None = off).
-        top_k: Sample among the k likeliest tokens (None = off).
+        top_p, top_k: Nucleus / top-k sampling (None = off).
         stop: Stop strings; the output ends with the first one.
-        stream: Print the continuation to stdout as it is decoded.
         seed: Sampling seed (the caller's RNG state is restored afterwards).
 
     Returns:

@@ -34,15 +34,8 @@ def runtime_linear(
 
 @torch.no_grad()
 def to_runtime(model: nn.Module, kernel: str = "auto", *, copy_model: bool = True) -> nn.Module:
-    """``model`` with every quantized FakeQuantLinear replaced by the runtime's layer.
-
-    Args:
-        model: A causal LM, FP or holding FakeQuantLinear modules.
-        kernel: "auto" or "reference", as in :func:`pipeline.runtime.load`.
-        copy_model: Convert a deep copy (the caller keeps its fake-quant model).
-
-    Returns:
-        The converted model in eval mode, on the device of its first parameter.
+    """``model`` (a deep copy unless ``copy_model`` is False) in eval mode, every quantized
+    FakeQuantLinear replaced by the runtime's layer (``kernel`` as in ``pipeline.runtime.load``).
     """
     out = copy.deepcopy(model) if copy_model else model
     device = next(out.parameters()).device

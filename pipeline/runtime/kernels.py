@@ -229,15 +229,10 @@ def build(
     check: bool = True,
     name: str = "",
 ) -> Kernel:
-    """The kernel for one layer on ``device``: the measured choice, or the reference.
+    """The kernel for one layer on ``device``: the packed choice, or the reference.
 
-    Args:
-        codes: The layer's unpacked codes (``unpack_linear``).
-        device: Where the layer runs; packed layouts are device-specific.
-        kernel: "auto" (docs/kernels.md) or "reference".
-        check: Compare the chosen kernel with the reference on a random probe (two tokens);
-            a kernel that raises or disagrees beyond ``TOLERANCE`` is replaced by the reference.
-        name: The layer's name, for the fallback warning.
+    ``check`` compares the chosen kernel with the reference on a random two-token probe and
+    falls back (warning with the layer's ``name``) when it raises or exceeds ``TOLERANCE``.
     """
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")

@@ -105,33 +105,22 @@ class Runtime:
         stream: bool = False,
         chat: bool = False,
     ) -> Generation:
-        """Continue ``prompt``.
+        """Continue ``prompt`` (temperature 0 = greedy).
 
         With ``top_p``, ``top_k``, ``stop`` or ``stream`` it decodes through transformers'
         ``generate`` (the draft as its assistant model); otherwise through lowbit's engine.
 
         Args:
-            prompt: Text to continue.
-            max_new_tokens: Generation budget.
-            temperature: 0 = greedy.
             speculative: Use the draft (when one is loaded) to propose tokens.
-            gamma: Fixed draft length; None = adaptive (2..5, from acceptance, the measured cost
-                ratio and verification cost, kept in ``cost_ratio`` and ``verify_cost``).
-            seed: Sampling seed (temperature > 0).
-            pipelined: Draft the next block while the target verifies this one
-                (``pipeline.speculative.pipelined``); fixed ``gamma`` (default 4).
-            temperature_schedule: The draft samples at the reinforce stage's schedule
-                (``pipeline.speculative.schedule``); the output distribution stays at T.
-            top_p: Nucleus sampling (temperature > 0).
-            top_k: Sample (temperature > 0) among the k likeliest tokens; 1 = greedy.
+            gamma: Fixed draft length; None = adaptive (2..5; ``_adaptive``).
+            pipelined: Draft the next block while the target verifies this one; fixed ``gamma``.
+            temperature_schedule: The draft samples on ``pipeline.speculative.schedule``.
+            top_p, top_k: Nucleus / top-k sampling (temperature > 0).
             stop: A stop string or several: the text ends with the first one (included).
-            stream: Print the continuation to stdout as it is decoded.
             chat: Wrap ``prompt`` as one user turn with the tokenizer's chat template.
 
         Raises:
-            ValueError: an option out of range, sampling options at temperature 0, or engine
-                options (``gamma``, ``pipelined``, ``temperature_schedule``) mixed with
-                transformers' ones.
+            ValueError: an option out of range, or engine and transformers options mixed.
             ArtifactError: ``chat`` with a tokenizer that has no chat template.
         """
         stop = [stop] if isinstance(stop, str) else list(stop)
@@ -310,22 +299,15 @@ def load(
     verify_hashes: bool = True,
     kernel: str = "auto",
 ) -> Runtime:
-    """Load an ascend / lowbit artifact.
+    """Load an ascend / lowbit artifact (``<run_dir>/export/artifact``).
 
     Args:
-        artifact_dir: The artifact directory (``<run_dir>/export/artifact``).
         backend: "auto" (torch_npu when importable, else torch), "torch" or "npu".
-        draft: "auto" loads ``artifact_dir/draft`` when the artifact has one; a path loads that
-            artifact as the draft; None loads none.
+        draft: "auto" loads the artifact's own draft if any; a path loads that one; None: none.
         device: Override the backend's device (torch backend: cuda when available, else cpu).
         dtype: Float dtype of activations and float weights (default float32 on CPU, else fp16).
         verify_hashes: Check every file's sha256 first (paths are always checked).
-        kernel: torch backend: "auto" (each layer's fastest packed kernel, see
-            ``pipeline.runtime.kernels``) or "reference" (dequantize per call; bit-exact with
-            the fake-quant model in float32).
-
-    Returns:
-        The Runtime.
+        kernel: torch backend: "auto" (docs/kernels.md) or "reference" (dequantize per call).
 
     Raises:
         ArtifactError: a missing, corrupt or tampered file, or a path outside the artifact.

@@ -90,14 +90,8 @@ def log_model(
     registered_name: str | None,
     name: str = "lowbit_model",
 ) -> str:
-    """Log ``artifact_dir`` as a pyfunc model in run ``run_id``; returns the model URI.
-
-    Args:
-        tracking_uri: MLflow tracking URI (the stage run's).
-        run_id: The run to log into (the export stage's child run).
-        artifact_dir: The exported artifact.
-        registered_name: Register it under this name in the model registry (None: don't).
-        name: The model's name inside the run.
+    """Log ``artifact_dir`` as a pyfunc model in run ``run_id`` (the export stage's child run),
+    registered as ``registered_name`` unless None; returns the model URI.
     """
     from mlflow.tracking import MlflowClient
 

@@ -1,12 +1,8 @@
-"""Decode speed of a run's models as the runtime runs them, next to what theory promises.
+"""Decode speed of runtime models (packed kernels), next to what theory promises.
 
-For every model: plain batch-1 tokens/s and the kernels its quantized linears ran. For every
-(draft, target) pair: speculative tokens/s, the speed-up over the target's plain decoding, and
-the theory ``tau(alpha, gamma) / (gamma * c + 1)`` at the alpha and cost ratio c measured on
-these models (``of_theory`` is their ratio), plus ``theory_at_v`` = tau / (gamma * c + v) with
-the measured verification cost v, which bounds the speed-up where v > 1. Callers pass runtime
-models (packed kernels, not fake-quant); each decodes a warm-up first, then the same prompts
-with the same seeds.
+Per model: plain batch-1 tokens/s and the kernels run. Per (draft, target) pair: speculative
+tokens/s, the speed-up, and theory tau / (gamma * c + 1) at the measured alpha and c
+(``of_theory``), plus ``theory_at_v`` with the measured verification cost v.
 """
 
 from __future__ import annotations
@@ -46,23 +42,16 @@ def decode_speed(
     temperature_schedule: bool = False,
     seed: int = 0,
 ) -> dict:
-    """Plain and speculative decode speed of runtime models.
+    """Plain and speculative decode speed of runtime models, batch 1, same prompts and seeds.
 
     Args:
         models: {name: causal LM} as the runtime runs them (targets and drafts alike).
         pairs: (draft, target) names to decode speculatively.
-        prompts: (1, T) prompts, decoded one at a time (batch 1, the latency setting).
-        new_tokens: Tokens generated after each prompt.
-        gamma: Draft length per round (without ``adaptive``).
         adaptive: (gamma_min, gamma_max, window) of an adaptive draft length; None = ``gamma``.
-        temperature: 0 = greedy.
-        temperature_schedule: The draft samples on the decoding-step temperature schedule.
-        seed: Prompt i samples with seed + i, the same for every model.
+        seed: Prompt i samples with seed + i.
 
     Returns:
-        ``{"plain": {name: {"tokens_per_s", "kernels"}}, "speculative": {"draft@target":
-        {"tokens_per_s", "speedup", "alpha", "tau", "gamma", "cost_ratio",
-        "theoretical_speedup", "of_theory", "verify_cost", "theory_at_v"}}}``.
+        ``{"plain": {name: row}, "speculative": {"draft@target": row}}``.
     """
     plain = {}
     for name in dict.fromkeys([t for _, t in pairs] + list(models)):

@@ -26,11 +26,8 @@ class AdaptiveGamma:
     """Chooses the draft length for the next round from recent acceptance.
 
     Args:
-        gamma_min: smallest draft length (>= 1).
-        gamma_max: largest draft length (>= gamma_min).
-        window: number of recent rounds (verifications) in the acceptance estimate.
-        cost_ratio: c = draft forward cost / target forward cost, measured
-            (:func:`pipeline.speculative.cost.measure_cost_ratio`); a guessed c picks wrong.
+        window: number of recent rounds in the acceptance estimate.
+        cost_ratio: c = draft / target forward cost, measured (``cost.measure_cost_ratio``).
         initial_gamma: draft length before any round was seen (default: the midpoint).
         verify_cost: {gamma: v} verification costs in target steps (default 1).
     """
@@ -71,12 +68,7 @@ class AdaptiveGamma:
         return (accepted + 1.0) / (verified + 2.0)
 
     def update(self, accepted: int, verified: int) -> int:
-        """Record one round and return the gamma for the next one.
-
-        Args:
-            accepted: draft tokens accepted in the round.
-            verified: positions whose acceptance test ran.
-        """
+        """Record one round (accepted drafts, positions tested) and return the next gamma."""
         if not 0 <= accepted <= verified:
             raise ValueError(f"need 0 <= accepted <= verified, got {accepted}, {verified}")
         self.history.append(self.gamma)

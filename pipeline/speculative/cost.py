@@ -68,19 +68,9 @@ def measure_cost_ratio(
     n_iters: int = 10,
     seed: int = 0,
 ) -> float:
-    """Time one cached decode step of each model and return draft time / target time.
+    """c = draft time / target time of one cached decode step (medians of ``n_iters``).
 
-    Args:
-        target: the verifying model.
-        draft: the proposing model.
-        input_ids: (1, T) context to decode after; random tokens of ``context_len`` if None.
-        context_len: length of the random context.
-        n_warmup: untimed steps (allocator and kernel warm-up).
-        n_iters: timed steps; the median is used.
-        seed: seed of the random context.
-
-    Returns:
-        c > 0.
+    ``input_ids``: (1, T) context to decode after; random tokens of ``context_len`` if None.
     """
     if n_iters < 1:
         raise ValueError(f"n_iters must be >= 1, got {n_iters}")
@@ -102,16 +92,7 @@ def measure_verify_cost(
     n_iters: int = 10,
     seed: int = 0,
 ) -> dict[int, float]:
-    """v(gamma) = time of a (gamma + 1)-token target forward / a single-token one.
-
-    Args:
-        target: the verifying model.
-        gammas: the draft lengths to price (e.g. ``range(2, 6)``).
-        input_ids, context_len, n_warmup, n_iters, seed: as :func:`measure_cost_ratio`.
-
-    Returns:
-        {gamma: v}, v > 0.
-    """
+    """{gamma: v}, v(gamma) = time of a (gamma + 1)-token target forward / a single-token one."""
     input_ids = _context(target, input_ids, context_len, seed)
     step = forward_seconds(target, input_ids, 1, n_warmup, n_iters)
     return {

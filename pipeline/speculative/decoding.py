@@ -55,9 +55,7 @@ class CachedLM:
     def forward(self, tokens: torch.Tensor, keep: int | torch.Tensor | None = None) -> torch.Tensor:
         """Feed (B, n) tokens after the cached ones; returns their logits (B, k, V).
 
-        Args:
-            keep: the last ``keep`` rows (int), the rows at these indices into the n fed
-                tokens (1-D tensor), or every row (None).
+        ``keep``: the last ``keep`` rows (int), rows at these indices (1-D tensor), or all (None).
         """
         n = tokens.shape[-1]
         position_ids = torch.arange(self.length, self.length + n, device=self.device)[None]
@@ -141,12 +139,9 @@ def draft_block(
     The last draft stays unread: the next call feeds it if kept; nothing to crop if not.
 
     Args:
-        drf: the draft and its cache.
         pending: (1, m) tokens after the cached ones, m >= 1 when g >= 1.
-        g: number of tokens to propose (may be 0: nothing is fed).
         vocab: the target's vocabulary size (see :func:`draft_probs`).
         temperature: one for the block or one per token (a schedule); 0 = greedy.
-        generator: randomness of the draft samples.
         probs: False (greedy only) returns the argmax tokens and None for q.
 
     Returns:
@@ -202,13 +197,11 @@ def speculative_generate(
         target: the model whose distribution is reproduced (eval mode).
         draft: the proposing model (same tokenizer).
         input_ids: (1, T) or (T,) prompt.
-        max_new_tokens: generation budget; rounds near the end draft fewer tokens.
         gamma: draft length per round (ignored when ``adaptive`` is given).
         adaptive: chooses gamma per round from recent acceptance (updated in place).
         temperature: applied to both models; 0 = greedy (output equals greedy target decoding).
         temperature_schedule: the draft samples on ``pipeline.speculative.schedule``; the
-            target stays at ``temperature``, so the output distribution is unchanged.
-        generator: randomness for draft sampling and verification.
+            output distribution is unchanged.
         eos_token_id: stop after emitting any of these tokens.
 
     Returns:

@@ -39,16 +39,10 @@ def expected_acceptance(
     temperature: float = 1.0,
     mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Expected acceptance sum_x min(p, q) per position and its mean (differentiable).
+    """Expected acceptance sum_x min(p, q) per position and its (masked) mean; differentiable.
 
-    Args:
-        p_logits: (..., V) target logits.
-        q_logits: (..., V) draft logits.
-        temperature: applied to both; 0 compares argmaxes.
-        mask: optional (...) bool, positions to average over.
-
-    Returns:
-        (mean, per_position): a scalar and a (...) tensor of beta values in [0, 1].
+    (..., V) target and draft logits -> (mean, per-position beta in [0, 1]); temperature 0
+    compares argmaxes.
     """
     p_logits, q_logits = align_vocab(p_logits, q_logits)
     p = logits_to_probs(p_logits, temperature)
@@ -90,15 +84,7 @@ def teacher_forced_acceptance(
     token_batches: Iterable[torch.Tensor | list],
     temperature: float = 1.0,
 ) -> float:
-    """Alpha = mean beta over every position of held-out token windows, without generation.
-
-    Args:
-        target: causal LM returning ``.logits`` (B, T, V).
-        draft: causal LM with the same tokenizer.
-        token_batches: windows, each a (B, T) or (T,) tensor or nested list of token ids.
-        temperature: applied to both models (0 = greedy agreement rate).
-
-    """
+    """Alpha = mean beta over every position of held-out (B, T) token windows, no generation."""
     total, count = 0.0, 0
     for batch in token_batches:
         ids = torch.as_tensor(batch, dtype=torch.long)

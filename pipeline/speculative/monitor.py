@@ -14,12 +14,7 @@ __all__ = ["AcceptanceMonitor"]
 
 
 class AcceptanceMonitor:
-    """Windowed acceptance and the fall detector.
-
-    Args:
-        window: steps kept (>= 2).
-        threshold: older-half minus newer-half mean that counts as a drop; None: monitor only.
-    """
+    """Windowed acceptance (``window`` >= 2 steps) and the fall detector (``threshold``)."""
 
     def __init__(self, window: int, threshold: float | None = None) -> None:
         if window < 2:

@@ -1,30 +1,19 @@
 """Pipelined speculative decoding: the draft proposes the next block while the target verifies.
 
-PEARL's post-verify (Liu et al., 2024). While the target runs its cached forward over a block
-x_1..x_g, the draft keeps going and samples a *bet* y_1..y_k (k = gamma + 1) that the whole
-block is accepted. y_1 takes the bonus position and is tested against the target's last row
-like any draft, so a round verifies x_1..x_g, y_1 with the unchanged ``verify_draft``. If all
-is accepted (the bet is won) y_2..y_k are the next round's block, verified at once; on a
-rejection the rest of the bet is discarded and the draft's cache cropped.
+PEARL's post-verify (Liu et al., 2024). While the target verifies a block x_1..x_g, the draft
+samples a *bet* y_1..y_k that the block is accepted. y_1 takes the bonus position and is tested
+like any draft; if all is accepted, y_2..y_k are the next round's block, else they are dropped.
 
-Why the output is still distributed as the target's: each round is a standard speculative
-round on the committed prefix s, because
-1. each draft is sampled from the draft model given s and the drafts before it (a won bet's
-   y_2..y_k after s + x + y_1, exactly the next round's prefix);
-2. each is tested against the target row at its own position, and the correction token comes
-   from that row's residual, as in verify_draft;
-3. whether a bet's rest becomes the next block depends only on the acceptance of x and y_1,
-   never on y_2..y_k, and the draft samples from a generator of its own, so that block is
-   distributed as freshly drafted tokens.
-A won round ends after y_1 without a bonus token (the row after y_1 is not computed yet); the
-guarantee is per position, so ending a round after an accepted draft is allowed. A copy of
-the previous row stands in for verify_draft's last row, and its bonus token is discarded.
+The output is still distributed as the target's: each round is a standard speculative round on
+the committed prefix s, since (1) every draft is sampled given s and the drafts before it (a
+won bet's rest after s + x + y_1, the next prefix); (2) each is tested against the target row
+at its own position, the correction from that row's residual; (3) whether a bet's rest is used
+depends only on the acceptance of x and y_1, and the draft has its own generator. A won round
+ends after y_1 without a bonus token, which the per-position guarantee allows; a copy of the
+last row stands in for verify_draft's bonus row and its token is discarded.
 
-``stats``: ``drafted`` counts y_1 in its round; ``draft_calls`` counts every draft forward,
-lost bets included. The token stream for a given ``generator`` is the same for every overlap:
-``"stream"`` (the draft on a side CUDA stream), ``"thread"`` (a second Python thread, for
-CPUs), ``"none"`` (sequential reference) or ``"auto"`` (stream on CUDA; on a CPU thread only if
-:func:`measure_overlap_gain` finds it :data:`AUTO_MIN_GAIN` times faster). See docs/kernels.md.
+The tokens for a given ``generator`` are the same for every overlap ("stream", "thread",
+"none", "auto"; docs/kernels.md).
 """
 
 from __future__ import annotations
@@ -82,7 +71,6 @@ class _Sequential:
         return fn()
 
     def both(self, target_fn: Callable[[], Any], draft_fn: Callable[[], Any]) -> tuple[Any, Any]:
-        """Run the target's and the draft's work; returns (target result, draft result)."""
         return target_fn(), draft_fn()
 
 
@@ -120,8 +108,7 @@ class _Streamed(_Sequential):
         return out
 
     def both(self, target_fn: Callable[[], Any], draft_fn: Callable[[], Any]) -> tuple[Any, Any]:
-        # The target's forward is queued first so the GPU runs it while the host launches the
-        # draft's kernels.
+        # The target's forward is queued first: the GPU runs it while the host launches more.
         self._side.wait_stream(self._main)
         out = target_fn()
         drafted = self._on_side(draft_fn)
@@ -147,10 +134,7 @@ def _overlap(mode: str, device: torch.device) -> _Sequential:
 
 
 def _draft_generator(generator: torch.Generator | None, device: torch.device) -> torch.Generator:
-    """The draft's own generator, seeded from ``generator`` (or the global RNG).
-
-    A generator shared by two threads would make the tokens depend on timing.
-    """
+    """The draft's own generator, seeded from ``generator``: one shared by threads is racy."""
     rng_device = generator.device if generator is not None else "cpu"
     seed = int(torch.randint(0, 2**62, (1,), generator=generator, device=rng_device))
     return torch.Generator(device=device).manual_seed(seed)
@@ -176,24 +160,17 @@ def measure_overlap_gain(
     n_warmup: int = 1,
     seed: int = 0,
 ) -> float:
-    """How much faster pipelined decoding runs with the draft in a second thread.
+    """Sequential / threaded median time of whole greedy pipelined decodes (> 1: threads pay).
 
-    Times whole greedy decodes with overlap "thread" and "none", alternating so a change of load
-    hits both, and returns the ratio of their median times. Whole decodes, because an isolated
-    round hides the GIL the loop's Python holds between forwards. CPU models only, under the
-    current ``torch.set_num_threads``.
+    Whole decodes, alternating modes, because an isolated round hides the GIL the loop's Python
+    holds between forwards. CPU models only, under the current ``torch.set_num_threads``.
 
     Args:
-        target: the verifying model (on the CPU).
-        draft: the proposing model (on the CPU).
         gamma: draft length per round.
         context_len: length of the random context.
         rounds: blocks of gamma + 1 tokens per timed decode; also the timed decodes per mode.
-        n_warmup: untimed decodes of each kind first (allocator and thread-pool warm-up).
+        n_warmup: untimed decodes of each kind first.
         seed: seed of the random context.
-
-    Returns:
-        sequential time / threaded time: > 1 when the thread overlap pays.
     """
     if rounds < 1 or gamma < 1:
         raise ValueError(f"need rounds >= 1 and gamma >= 1, got {rounds}, {gamma}")
@@ -217,11 +194,7 @@ def measure_overlap_gain(
 def resolve_overlap(
     overlap: str, target: torch.nn.Module, draft: torch.nn.Module, gamma: int = 4
 ) -> str:
-    """The overlap ``pipelined_generate`` runs with: ``overlap`` itself unless it is "auto".
-
-    Returns:
-        "stream", "thread" or "none" (see the module docstring for what "auto" picks).
-    """
+    """The overlap ``pipelined_generate`` runs with: "stream", "thread" or "none"."""
     if overlap not in OVERLAPS:
         raise ValueError(f"overlap must be one of {OVERLAPS}, got {overlap!r}")
     param = next(draft.parameters(), None)
@@ -255,9 +228,8 @@ def _score_and_bet(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple | None, int]:
     """One round's forwards: the target scores ``block`` while the draft bets it is accepted.
 
-    Returns:
-        (tokens, q, p, bet, k): the drafts to verify (the bet's first token appended), their
-        draft and target probabilities, the bet (or None) and its length.
+    Returns (tokens, q, p, bet, k): the drafts to verify (the bet's first token appended), their
+    draft and target probabilities, the bet (or None) and its length.
     """
     tokens, q = block
     g = tokens.shape[1]
@@ -268,10 +240,8 @@ def _score_and_bet(
     verify = partial(score, feed, g + 1)
     if k < 1:
         return tokens, q, verify(), None, k
-    # (k >= 1, so g >= 1: the draft has read all of the block but its last token)
     p, bet = ov.both(verify, partial(propose, tokens[:, -1:], k, produced + g))
-    # The bet's first token takes the bonus position; the row after it is unknown until the
-    # next forward, so a copy stands in and the bonus it yields is discarded.
+    # The row after the bet's first token is unknown: a copy stands in (module docstring).
     tokens = torch.cat([tokens, bet[0][:, :1]], dim=1)
     q = torch.cat([q, bet[1][:, :1]], dim=1)
     p = torch.cat([p, p[:, -1:]], dim=1)
@@ -306,22 +276,12 @@ def pipelined_generate(
 ) -> tuple[torch.Tensor, SpecStats]:
     """Generate up to ``max_new_tokens`` tokens distributed as the target's, drafting ahead.
 
-    Same contract as :func:`~pipeline.speculative.decoding.speculative_generate`.
+    Same contract as :func:`~pipeline.speculative.decoding.speculative_generate`, plus:
 
     Args:
-        target: the model whose distribution is reproduced (eval mode).
-        draft: the proposing model (same tokenizer).
-        input_ids: (1, T) or (T,) prompt.
-        max_new_tokens: generation budget; rounds near the end draft fewer tokens.
         gamma: drafts per round's block (the bet's first token comes on top).
-        temperature: applied to both models; 0 = greedy (output equals greedy target decoding).
-        temperature_schedule: the draft samples at the decoding-step schedule's temperature.
         generator: randomness of the verification; the draft's generator is seeded from it.
-        eos_token_id: stop after emitting any of these tokens.
-        overlap: "auto", "stream", "thread" or "none" (see the module docstring).
-
-    Returns:
-        (sequence, stats): the (1, T + n) prompt plus new tokens, and the round statistics.
+        overlap: "auto", "stream", "thread" or "none" (docs/kernels.md).
     """
     ids = _as_prompt(input_ids, max_new_tokens)
     if gamma < 1:
@@ -345,7 +305,7 @@ def pipelined_generate(
     def score(feed: torch.Tensor, rows: int) -> torch.Tensor:  # (1, rows, V)
         return logits_to_probs(tgt.forward(feed, keep=rows), temperature)
 
-    block = None  # (tokens (1, g), q (1, g, V)): the rest of a won bet, drafted last round
+    block = None  # (tokens (1, g), q (1, g, V)): the rest of a won bet
     produced, done = 0, False
     with _overlap(mode, drf.device) as ov:
         while produced < max_new_tokens and not done:

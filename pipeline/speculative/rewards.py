@@ -33,18 +33,10 @@ def speculative_reward(
     w_acceptance: float = 0.7,
     w_throughput: float = 0.3,
 ) -> torch.Tensor:
-    """Per-round reward R = w_a * acceptance + w_t * throughput, both in [0, 1].
+    """Per-round reward R = w_a * acceptance + w_t * throughput, both in [0, 1], shape (B,).
 
     acceptance = n_accepted / gamma; throughput = (n_accepted + 1) / (gamma * c + 1), the
     round's speed-up, divided by its maximum gamma + 1 to stay in [0, 1].
-
-    Args:
-        n_accepted: (B,) accepted draft tokens of each round.
-        gamma: draft length of the rounds (>= 1).
-        cost_ratio: c = draft forward cost / target forward cost.
-
-    Returns:
-        (B,) float rewards.
     """
     if gamma < 1:
         raise ValueError(f"gamma must be >= 1, got {gamma}")
@@ -54,11 +46,7 @@ def speculative_reward(
 
 
 class MovingAverageBaseline:
-    """Exponential moving average of the reward, subtracted to form advantages.
-
-    Args:
-        momentum: weight of the past; 0.9 averages over roughly the last ten batches.
-    """
+    """Exponential moving average of the reward (``momentum``: weight of the past)."""
 
     def __init__(self, momentum: float = 0.9) -> None:
         if not 0.0 <= momentum < 1.0:
@@ -97,13 +85,7 @@ def sampled_logprobs(
 def policy_gradient_loss(
     logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """REINFORCE loss -E[A * sum_k log q(x_k)], averaged over rounds.
-
-    Args:
-        logprobs: (B, G) draft log-probabilities of the proposed tokens (with grad).
-        advantages: (B,) reward minus baseline (treated as constants).
-        mask: optional (B, G) bool, the draft positions that count (e.g. all proposed ones).
-    """
+    """REINFORCE loss -E[A * sum_k log q(x_k)] over (B, G) log-probs and (B,) advantages."""
     if mask is not None:
         logprobs = logprobs * mask.to(logprobs.dtype)
     return -(advantages.detach().unsqueeze(-1) * logprobs).sum(-1).mean()
@@ -115,14 +97,7 @@ def tvd_loss(
     mask: torch.Tensor | None = None,
     temperature: float = 1.0,
 ) -> torch.Tensor:
-    """Mean TVD(p, q) = 1 - expected acceptance over the visited positions.
-
-    Args:
-        p_logits: (..., V) target logits (no gradient flows into the target).
-        q_logits: (..., V) draft logits.
-        mask: optional (...) bool of positions to average over.
-        temperature: > 0, the decoding temperature the acceptance should hold at.
-    """
+    """Mean TVD(p, q) = 1 - expected acceptance over the (masked) positions; no grad into p."""
     if temperature <= 0:
         raise ValueError(
             f"tvd_loss needs a temperature > 0 to be differentiable, got {temperature}"

@@ -24,11 +24,8 @@ class Rollout:
 
     Attributes:
         sequences: (B, T + G) contexts followed by the draft's proposals.
-        tokens: (B, G) the proposals.
         p_logits: (B, G + 1, V) target logits predicting each proposal and the bonus position.
         q_logits: (B, G, V_q) draft logits the proposals were sampled from.
-        verification: accepted counts, correction/bonus tokens and beta per position.
-        context_len: T.
         p_context: (B, K, V) target logits at the requested context positions, or None.
     """
 
@@ -58,19 +55,14 @@ def draft_rollout(
     generator: torch.Generator | None = None,
     context_positions: torch.Tensor | None = None,
 ) -> Rollout:
-    """Propose ``gamma`` tokens per context with the draft and verify them with the target.
+    """Propose ``gamma`` tokens per (B, T) context with the draft and verify them with the target.
 
     Args:
-        target: verifying causal LM.
-        draft: proposing causal LM (same tokenizer).
-        contexts: (B, T) token ids, all rows the same length (no padding).
-        gamma: tokens proposed per row (>= 1).
         temperature: sampling temperature of both models (0 = greedy).
         draft_temperature: the draft samples at this temperature instead (None: ``temperature``);
             verification stays exact, testing against the distribution actually sampled.
-        generator: randomness for proposals and verification.
-        context_positions: (K,) indices < T - 1 into the contexts whose target logits the
-            rollout also returns from the same forward (for a teacher-forced loss).
+        context_positions: (K,) indices < T - 1 whose target logits the rollout also returns
+            from the same forward (for a teacher-forced loss).
     """
     contexts = torch.as_tensor(contexts, dtype=torch.long)
     if contexts.dim() != 2 or contexts.shape[1] == 0:

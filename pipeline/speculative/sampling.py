@@ -84,12 +84,10 @@ def verify_draft(
     """Accept or reject a block of draft tokens per row (the speculative sampling step).
 
     Args:
-        draft_tokens: (B, G) tokens proposed by the draft (G = gamma, may be 0).
-        q_probs: (B, G, V) draft probabilities each token was sampled from (temperature applied).
+        draft_tokens: (B, G) tokens proposed by the draft (G may be 0).
+        q_probs: (B, G, V) draft probabilities each token was sampled from.
         p_probs: (B, G + 1, V) target probabilities there and after the last draft token.
         greedy: accept iff the draft token is the target's argmax; correction = argmax p.
-        generator: source of randomness (uniforms and the correction sample).
-
     """
     b, g = draft_tokens.shape
     if q_probs.shape[:2] != (b, g) or p_probs.shape[:2] != (b, g + 1):
@@ -129,14 +127,9 @@ def verify_draft(
 
 
 def verify_greedy(draft_tokens: torch.Tensor, target_tokens: torch.Tensor) -> Verification:
-    """:func:`verify_draft` with ``greedy=True``, from the target's argmax tokens alone.
+    """``verify_draft(greedy=True)`` from (B, G) draft and (B, G + 1) target argmax tokens.
 
-    The same outcome without one-hot rows over the vocabulary (costly at large vocabularies);
-    beta is 1 where the draft token is the target's argmax, as for two one-hots.
-
-    Args:
-        draft_tokens: (B, G) the draft's greedy tokens.
-        target_tokens: (B, G + 1) the target's argmax at the same positions and the one after.
+    No one-hot rows over the vocabulary; beta is 1 where the tokens agree, as for two one-hots.
     """
     b, g = draft_tokens.shape
     match = target_tokens[:, :g] == draft_tokens  # (B, G)

@@ -18,17 +18,10 @@ class SpecStats:
     """Statistics of one or more decoding runs (merge runs with :meth:`merge`).
 
     Attributes:
-        drafted: draft tokens proposed.
-        accepted: draft tokens accepted.
         target_calls: target forwards that emitted tokens (not the prompt prefill).
-        draft_calls: single-token draft forwards.
-        new_tokens: tokens emitted.
         seconds: wall time, prompt processing included.
-        beta_sum: sum of beta = sum_x min(p, q) over verified positions.
-        beta_count: number of verified positions.
-        position_accepted: per draft position k, how often it was accepted.
-        position_verified: per draft position k, how often its test ran.
-        gammas: draft length used by each round.
+        beta_sum, beta_count: sum of beta over verified positions, and their number.
+        position_accepted, position_verified: per draft position, accepted / tested counts.
     """
 
     drafted: int = 0
@@ -44,13 +37,8 @@ class SpecStats:
     gammas: list[int] = field(default_factory=list)
 
     def record_round(self, gamma: int, n_accepted: int, n_new: int, betas: list[float]) -> None:
-        """Add one verification round.
-
-        Args:
-            gamma: tokens drafted this round (0 for a plain decoding step).
-            n_accepted: leading draft tokens accepted.
-            n_new: tokens emitted (n_accepted + 1 unless cut at an end-of-sequence token).
-            betas: beta at each verified position, len = min(n_accepted + 1, gamma).
+        """Add one round: ``gamma`` drafted (0: a plain step), ``n_accepted``, ``n_new`` emitted
+        and beta at each of the min(n_accepted + 1, gamma) tested positions.
         """
         self.drafted += gamma
         self.draft_calls += gamma
