@@ -69,13 +69,9 @@ def grad_scale_factor(mode: str, fmt: Format | str, numel: int) -> float:
 class FakeQuantLinear(nn.Module):
     """Linear layer whose weight is quantize-dequantized on every forward.
 
-    ``learn_weights=True`` (LSQ): float ``weight`` is trained and re-rounded every forward.
-    ``False`` (frozen codes): buffer ``codes`` (uint8), ``W_hat = (codes - z) * s``, no ``weight``.
-
-    Attributes:
-        scale: (out, n_groups) scale (exp: base ``s``), trainable iff ``learn_scales``.
-        zero: (out, n_groups) zero point in code units (asymmetric int only), same.
-        ratio: (out, n_groups) buffer, exp ratio ``r``.
+    ``learn_weights=True`` (LSQ): float ``weight`` is trained and re-rounded every forward;
+    ``False``: frozen uint8 ``codes``, ``W_hat = (codes - z) * s``. ``scale`` (exp: the base) and
+    ``zero`` (code units, asymmetric int) train iff ``learn_scales``; ``ratio`` is a buffer.
     """
 
     def __init__(

@@ -1,23 +1,17 @@
-"""GPTQ: one-shot weight quantization with second-order error feedback.
+"""GPTQ: one-shot weight quantization with second-order error feedback (Frantar et al., 2023).
 
-Frantar et al., ICLR 2023. The layer-output error ||W X - Q X||^2 is a quadratic in the weights
-with Hessian H = 2 X X^T / N. Columns are quantized one at a time; the rounding error of
-column q is pushed onto the not yet quantized columns through row q of the upper Cholesky
-factor U of H^-1 (H^-1 = U^T U), which is the optimal (OBS) update. Updates inside a block of
-columns are applied eagerly, the rest as one matmul per block (lazy batch updates).
-
-Choices made here:
-* Dampening lambda = damp * mean(diag H), raised 10x (with a warning) until H factorises.
-* Dead inputs (H_ii = 0) get H_ii = 1 and weight 0, as in the reference.
-* A group's parameters are fitted (``fmt.codec``) when its first column comes up, on its
-  current weights including the block's pending lazy updates, so the fit sees exactly what it
-  quantizes. act_order permutes columns by decreasing H_ii, but groups stay contiguous in the
-  original order (no g_idx at export); codes are un-permuted before they are stored.
-* Kept columns (``keep``, outliers stored in fp16) go last with error 0 (fp16 rounding only):
-  every other column's error is compensated onto them, and the compensated values are stored.
-  Their codes are still written (dense layout); ``QTensor.keep_vals`` overrides them.
-* The loss 1/2 * sum (w - q)^2 / U_qq^2 equals the mean squared layer-output error
-  ||(W - Q) x||^2 over calibration samples (exactly for lambda = 0).
+The layer-output error ||W X - Q X||^2 is a quadratic in W with Hessian H = 2 X X^T / N. Columns
+are quantized one at a time; column q's rounding error is pushed onto the later columns through
+row q of the upper Cholesky factor U of H^-1 (H^-1 = U^T U), the optimal (OBS) update; updates
+within a block apply eagerly, the rest as one matmul per block. Choices made here:
+* lambda = damp * mean(diag H), raised 10x (with a warning) until H + lambda I factorises;
+  dead inputs (H_ii = 0) get H_ii = 1 and weight 0.
+* A group's parameters are fitted (``fmt.codec``) when its first column comes up, on its current
+  weights including the block's pending updates. act_order permutes columns by decreasing H_ii;
+  groups stay contiguous in the original order (no g_idx at export).
+* Kept (fp16 outlier) columns go last with error 0: every other column's error is compensated
+  onto them, and the compensated values are stored (their dense codes are never read).
+* The loss 1/2 sum (w - q)^2 / U_qq^2 is the mean ||(W - Q) x||^2 over calibration x (lambda = 0).
 """
 
 from __future__ import annotations
@@ -100,16 +94,10 @@ def gptq_quantize(
     act_order: bool = False,
     keep: Tensor | None = None,
 ) -> tuple[QTensor, float]:
-    """Quantize a weight matrix (out, in) with GPTQ, given its Hessian (in, in).
+    """Quantize a weight (out, in) with GPTQ given its Hessian (in, in); returns (qtensor, loss).
 
-    Args:
-        block_size: Columns per lazy-update block.
-        damp: Relative dampening (fraction of mean diag(H)).
-        act_order: Quantize columns in order of decreasing H_ii.
-        keep: Optional input columns kept exactly in fp16.
-
-    Returns:
-        ``(qtensor, loss)`` with loss = 1/2 sum (w - q)^2 / [H^-1]_qq.
+    ``block_size``: columns per lazy-update block; ``damp``: relative dampening; ``act_order``:
+    columns by decreasing H_ii; ``keep``: input columns kept exactly in fp16.
     """
     fmt = parse_format(fmt)
     n_out, n_in = w.shape
@@ -212,10 +200,8 @@ def _quantize_columns(
 def _current(
     Wt: Tensor, W1: Tensor, err: Tensor, U: Tensor, rows: Tensor, i1: int, i2: int
 ) -> Tensor:
-    """Current weights (G, out) of permuted columns ``rows`` while inside block [i1, i2).
-
-    Columns in the block are up to date in ``W1``; later ones still miss this block's
-    updates so far, ``U[i1:i1+k, rows]^T @ err`` (k = columns already quantized in the block).
+    """Current weights (G, out) of permuted columns ``rows`` inside block [i1, i2): ``W1`` for
+    columns in the block, else ``Wt`` minus the pending updates ``U[i1:i1+k, rows]^T @ err``.
     """
     inside = rows < i2
     out = Wt[rows] - U[i1 : i1 + err.shape[0], rows].t() @ err

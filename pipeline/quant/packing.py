@@ -1,7 +1,6 @@
 """Bit packing of quantized codes (lowbit layout, Ascend int4 layouts).
 
 lowbit layout (``pack_bits``), codes taken in row-major (flattened) order, result 1-D uint8:
-
 * 8-bit: one code per byte.
 * 4-bit: two per byte, low nibble first: ``byte[k] = c[2k] | c[2k+1] << 4``.
 * 2-bit: four per byte, lowest bits first: ``byte[k] = sum_j c[4k+j] << 2j``.
@@ -9,13 +8,10 @@ lowbit layout (``pack_bits``), codes taken in row-major (flattened) order, resul
   fill 3 bytes: ``byte[3k+b] = bits 8b..8b+7 of sum_j c[8k+j] << 3j``.
 
 The tail is zero-padded to whole bytes (whole 3-byte triples for 3-bit); ``unpack_bits``
-takes the original numel or shape to drop it.
-
-The lane views below assume a little-endian host (x86, Arm), as the int32 NPU layout does.
+takes the original numel or shape to drop it. The lane views assume a little-endian host.
 
 Ascend layouts (signed int4, two's-complement nibbles, low nibble first,
 ``byte = (q_odd << 4) | (q_even & 0xF)``):
-
 * ``pack_int4_ascend(q, per_group=True)``: pairs along the output dim, int8 ``[n/2, k]``
   (msModelSlim W4A16 per-group); ``per_group=False``: pairs along k, ``[n, k/2]``.
 * ``pack_int4_npu_int32(q)``: eight nibbles per int32 along the last dim, element 8j+i at

@@ -1,7 +1,6 @@
 """QTensor: a quantized weight matrix (codes + group parameters) and its flat state dict.
 
 Code convention (what every other part of lowbit relies on):
-
 * ``codes``: unsigned integers, unpacked, shape ``[out, in]``, dtype uint8.
 * Groups run along the input dim inside each output row: column ``j`` belongs to group
   ``j // G`` (``G = fmt.group_size``, or ``in`` for per-channel formats). Group parameters

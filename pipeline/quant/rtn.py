@@ -18,11 +18,8 @@ from pipeline.quant.qtensor import QTensor
 def quantize_rtn(
     w: Tensor, fmt: Format | str, hdiag: Tensor | None = None, keep: Tensor | None = None
 ) -> QTensor:
-    """Quantize a weight matrix (out, in) by round-to-nearest.
-
-    Args:
-        hdiag: Optional (in,) non-negative per-input importance weighting the parameter search.
-        keep: Optional input columns kept exactly in fp16 (``QTensor.keep_idx``).
+    """Round-to-nearest quantization of a weight (out, in); ``hdiag`` (in,) weights the parameter
+    search per input column, ``keep`` lists input columns kept exactly in fp16.
     """
     fmt = parse_format(fmt)
     if w.dim() != 2:

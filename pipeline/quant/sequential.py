@@ -94,21 +94,13 @@ def quantize_block(
     all_reduce: Callable[[Tensor], Tensor] | None = None,
     keep: dict[str, Sequence[int]] | None = None,
 ) -> tuple[dict[str, QTensor], dict[str, dict[str, Any]]]:
-    """Quantize the linears of ``block`` listed in ``formats``, group after group.
+    """Quantize the linears of ``block`` listed in ``formats`` (relative name: format), group
+    after group, leaving them holding their dequantized weights for the caller's final pass.
 
-    The linears are left holding their dequantized weights, for the caller's final pass.
-
-    Args:
-        formats: ``{relative linear name: format}``; linears not listed stay float.
-        batches: Returns an iterable of this rank's input batches (B, T, C), on the device.
-        kwargs: Extra keyword arguments of ``block.forward`` (masks, position embeddings).
-        groups: Linear names in execution order, grouped by shared input (``block_groups``).
-        all_reduce: In-place sum over ranks; None for a single process.
-        keep: ``{relative linear name: input columns}`` kept exactly in fp16.
-
-    Returns:
-        ``({name: QTensor}, {name: report})``, report keys: format, gptq_loss,
-        rel_output_error, seconds (and kept_columns where columns are kept).
+    ``batches()`` yields this rank's (B, T, C) inputs; ``kwargs`` go to ``block.forward``;
+    ``groups`` come from ``block_groups``; ``all_reduce`` sums over ranks (None: one process);
+    ``keep`` maps names to input columns kept in fp16. Returns ({name: QTensor}, {name: report})
+    with format, gptq_loss, rel_output_error, seconds (and kept_columns).
     """
     keep = {n: c for n, c in (keep or {}).items() if len(c)}
     qtensors: dict[str, QTensor] = {}

@@ -1,11 +1,9 @@
 """Quantized linear layers of the runtime: the torch backend and torch_npu.
 
-Both start from the same unpacked ``LinearCodes`` (the code the export tests check), so only
-the last step is backend-specific: ``torch`` runs a packed kernel per layer
-(``pipeline.runtime.kernels``), ``npu`` runs ``torch_npu.npu_weight_quant_batchmatmul``, which
-computes ``x @ ((w + antiquant_offset) * antiquant_scale)`` with ``w`` logically (K, N): lowbit's
-offset is subtracted, so ``-offset`` is passed and scale/offset are transposed to (n_groups, N).
-W8A8_DYNAMIC layers quantize their input per token to int8 first, as MindIE does.
+Both start from the same unpacked ``LinearCodes``. ``npu`` runs
+``torch_npu.npu_weight_quant_batchmatmul``: ``x @ ((w + antiquant_offset) * antiquant_scale)``
+with ``w`` logically (K, N), so ``-offset`` is passed and scale/offset are transposed to
+(n_groups, N). W8A8_DYNAMIC layers quantize their input per token to int8 first, as MindIE.
 """
 
 from __future__ import annotations

@@ -2,13 +2,10 @@
 
     lowbit-run outputs/default/export/artifact --prompt "Once upon a time" --max-new-tokens 64
     lowbit-run ARTIFACT --prompt "..." --draft OTHER_ARTIFACT --temperature 0.7
-    lowbit-run ARTIFACT --prompt "..." --no-draft --stats --kernel reference
     lowbit-run ARTIFACT --prompt "..." --chat --temperature 0.7 --top-p 0.9 --stop "###" --stream
 
-The artifact's own draft (``ARTIFACT/draft``) decodes speculatively, with an adaptive draft
-length unless ``--gamma`` fixes it. ``--top-p``, ``--top-k``, ``--stop`` and ``--stream`` decode
-through transformers' ``generate`` and do not mix with the engine's ``--gamma``,
-``--pipelined`` and ``--temperature-schedule``.
+The artifact's own draft decodes speculatively unless ``--draft`` or ``--no-draft`` says
+otherwise; ``Runtime.generate`` documents the options.
 """
 
 from __future__ import annotations

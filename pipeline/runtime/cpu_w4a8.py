@@ -1,12 +1,10 @@
 """W4A8 (and W8A8) matmul on AVX-512 VNNI and AVX2 CPUs for the few rows of decoding and
-verification.
+verification: llama.cpp's Q4 x Q8 dot product.
 
-llama.cpp's Q4 x Q8 dot product: activations are quantized per 32 columns to int8 (``scale =
-max|x| / 127``), weights stay codes ``u = q + 8`` in [0, 15] (8-bit: ``u = q + 128``), and
-``vpdpbusd`` (AVX2: ``vpmaddubsw`` + ``vpmaddwd``) multiplies u8 codes by s8 activations. A
-weight block is unpacked once for all activation rows, so verifying several tokens costs
-multiplies, not memory traffic; the price is the int8 activations' rounding. Both ISAs read the
-same layout (``csrc/w4a8.cpp``).
+Activations are quantized per 32 columns to int8 (``max|x| / 127``), weights stay codes
+``u = q + 8`` (8-bit: ``q + 128``), and ``vpdpbusd`` (AVX2: ``vpmaddubsw`` + ``vpmaddwd``)
+multiplies them; a weight block is unpacked once for all rows, so more rows cost multiplies,
+not memory traffic. Both ISAs read the layout of ``csrc/w4a8.cpp``.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
-"""The runtime's float32 linears on CPU: few-row calls read the weight once (``csrc/f32_rows.cpp``).
+"""Float32 CPU linears whose few-row calls read the weight once (``csrc/f32_rows.cpp``).
 
-MKL's sgemm streams a weight near memory speed for one row but re-reads it for a few, which
-made the float lm_head dominate speculative verification. :func:`convert` gives every large
-float32 ``nn.Linear`` of a CPU model this layer, sharing its parameters; calls outside
-``MIN_ROWS..MAX_ROWS`` rows (prompts, training, other dtypes) stay on ``F.linear``. Results
-differ from ``F.linear`` by summation order only. See docs/kernels.md.
+MKL's sgemm re-reads a weight for a few rows, which made the float lm_head dominate
+speculative verification. :func:`convert` swaps large float32 ``nn.Linear`` layers (parameters
+shared); calls outside ``MIN_ROWS..MAX_ROWS`` rows stay on ``F.linear``. docs/kernels.md.
 """
 
 from __future__ import annotations

@@ -83,16 +83,11 @@ def hf_generate(
     stream: bool = False,
     seed: int = 0,
 ) -> tuple[str, list[int], SpecStats]:
-    """Continue the (1, T) prompt ``ids`` with ``model.generate``.
+    """Continue the (1, T) prompt ``ids`` with ``model.generate`` (``draft`` as assistant model).
 
-    Args:
-        draft: Assistant model for transformers' assisted (speculative) generation.
-        top_p, top_k: Nucleus / top-k sampling (None = off).
-        stop: Stop strings; the output ends with the first one.
-        seed: Sampling seed (the caller's RNG state is restored afterwards).
-
-    Returns:
-        (text, new token ids, stats): stats count tokens and seconds only.
+    ``top_p`` / ``top_k`` None = off; ``stop``: the output ends with the first stop string;
+    ``seed`` seeds sampling, the caller's RNG state restored. Returns (text, new token ids, stats
+    of tokens and seconds).
     """
     stats = SpecStats()
     if max_new_tokens == 0:

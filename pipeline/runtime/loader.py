@@ -1,10 +1,7 @@
 """Load an exported artifact (ascend / lowbit layout) and generate text with it.
 
-``load`` verifies every manifest file (inside the directory, sha256) before reading a weight,
-builds the model skeleton on the meta device and swaps in the backend's quantized linears, so
-memory stays near the artifact's size. ``Runtime.generate`` decodes plainly, speculatively
-with the draft (``pipeline.speculative``), or through transformers' ``generate`` for top-p /
-top-k / stop / streaming (``hf_generate``).
+``load`` verifies every manifest file before reading a weight and builds the model on the meta
+device with the backend's quantized linears, so memory stays near the artifact's size.
 """
 
 from __future__ import annotations
@@ -107,17 +104,11 @@ class Runtime:
     ) -> Generation:
         """Continue ``prompt`` (temperature 0 = greedy).
 
-        With ``top_p``, ``top_k``, ``stop`` or ``stream`` it decodes through transformers'
-        ``generate`` (the draft as its assistant model); otherwise through lowbit's engine.
-
-        Args:
-            speculative: Use the draft (when one is loaded) to propose tokens.
-            gamma: Fixed draft length; None = adaptive (2..5; ``_adaptive``).
-            pipelined: Draft the next block while the target verifies this one; fixed ``gamma``.
-            temperature_schedule: The draft samples on ``pipeline.speculative.schedule``.
-            top_p, top_k: Nucleus / top-k sampling (temperature > 0).
-            stop: A stop string or several: the text ends with the first one (included).
-            chat: Wrap ``prompt`` as one user turn with the tokenizer's chat template.
+        ``top_p``, ``top_k``, ``stop`` (the text ends with the first, included) or ``stream``
+        decode through transformers' ``generate``, the draft as its assistant. Otherwise lowbit's
+        engine decodes plainly or with the draft (``speculative``) at a fixed ``gamma`` or an
+        adaptive one (None), optionally ``pipelined`` (fixed gamma) or with the draft on the
+        reinforce stage's ``temperature_schedule``. ``chat`` applies the chat template.
 
         Raises:
             ValueError: an option out of range, or engine and transformers options mixed.
@@ -304,8 +295,7 @@ def load(
     Args:
         backend: "auto" (torch_npu when importable, else torch), "torch" or "npu".
         draft: "auto" loads the artifact's own draft if any; a path loads that one; None: none.
-        device: Override the backend's device (torch backend: cuda when available, else cpu).
-        dtype: Float dtype of activations and float weights (default float32 on CPU, else fp16).
+        device, dtype: Override the backend's device and float dtype (CPU: float32, else fp16).
         verify_hashes: Check every file's sha256 first (paths are always checked).
         kernel: torch backend: "auto" (docs/kernels.md) or "reference" (dequantize per call).
 

@@ -44,14 +44,9 @@ def decode_speed(
 ) -> dict:
     """Plain and speculative decode speed of runtime models, batch 1, same prompts and seeds.
 
-    Args:
-        models: {name: causal LM} as the runtime runs them (targets and drafts alike).
-        pairs: (draft, target) names to decode speculatively.
-        adaptive: (gamma_min, gamma_max, window) of an adaptive draft length; None = ``gamma``.
-        seed: Prompt i samples with seed + i.
-
-    Returns:
-        ``{"plain": {name: row}, "speculative": {"draft@target": row}}``.
+    ``models``: {name: causal LM} (targets and drafts); ``pairs``: (draft, target) names;
+    ``adaptive``: (gamma_min, gamma_max, window), None = fixed ``gamma``; prompt i uses seed + i.
+    Returns ``{"plain": {name: row}, "speculative": {"draft@target": row}}``.
     """
     plain = {}
     for name in dict.fromkeys([t for _, t in pairs] + list(models)):

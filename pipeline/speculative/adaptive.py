@@ -1,15 +1,9 @@
 """Adaptive draft length from a sliding-window acceptance estimate.
 
-Acceptance varies with the text, so a fixed gamma is too short on easy spans or wastes draft
-calls on hard ones. After every round, alpha is re-estimated over the last ``window`` rounds
-and the gamma in [gamma_min, gamma_max] maximising Leviathan et al.'s (2023) expected speed-up
-
-    S(gamma) = (1 - alpha^(gamma+1)) / ((1 - alpha) * (gamma * c + v(gamma)))
-
-is chosen, with c = draft cost / target cost and v(gamma) the cost of verifying gamma + 1
-tokens in target steps (``pipeline.speculative.cost``). No thresholds to tune: only measured
-alpha, c and v. alpha = accepted / verified positions (the maximum-likelihood estimate under
-the round's truncated-geometric model), Laplace-smoothed while the window is nearly empty.
+After every round alpha is re-estimated over the last ``window`` rounds (accepted / tested
+positions, the truncated-geometric MLE, Laplace-smoothed) and the next gamma maximises
+Leviathan et al.'s expected speed-up (1 - alpha^(gamma+1)) / ((1 - alpha)(gamma c + v(gamma)))
+with measured c and v (``pipeline.speculative.cost``): no thresholds to tune.
 """
 
 from __future__ import annotations
@@ -23,13 +17,10 @@ __all__ = ["AdaptiveGamma"]
 
 
 class AdaptiveGamma:
-    """Chooses the draft length for the next round from recent acceptance.
+    """Chooses the draft length for the next round from the last ``window`` rounds' acceptance.
 
-    Args:
-        window: number of recent rounds in the acceptance estimate.
-        cost_ratio: c = draft / target forward cost, measured (``cost.measure_cost_ratio``).
-        initial_gamma: draft length before any round was seen (default: the midpoint).
-        verify_cost: {gamma: v} verification costs in target steps (default 1).
+    ``cost_ratio`` c and ``verify_cost`` {gamma: v} (default 1) are measured
+    (``pipeline.speculative.cost``); a guessed c picks the wrong gamma.
     """
 
     def __init__(

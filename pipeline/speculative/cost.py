@@ -1,10 +1,7 @@
-"""Measured costs of speculative decoding: the cost ratio c and the verification cost v.
+"""Measured costs of speculative decoding: the cost ratio c and the verification cost v(gamma).
 
-c = draft step time / target step time, and v(gamma) = target's (gamma + 1)-token forward time /
-its single-token step, enter the speed-up tau / (gamma * c + v). Both are measured, not derived:
-a 2-bit draft has the target's FLOPs but fewer bytes, and v = 1 (Leviathan et al.) holds only
-where decoding is memory-bound, not for CPU kernels whose cost grows with the rows. Each time
-is the median of cached forwards after the same context (the cache cropped back each time).
+Both enter the speed-up tau / (gamma * c + v) and are measured (medians of cached forwards on
+the same context), not derived: v = 1 holds only where decoding is memory-bound.
 """
 
 from __future__ import annotations

@@ -53,9 +53,8 @@ class CachedLM:
         self.length = 0  # tokens held by the cache
 
     def forward(self, tokens: torch.Tensor, keep: int | torch.Tensor | None = None) -> torch.Tensor:
-        """Feed (B, n) tokens after the cached ones; returns their logits (B, k, V).
-
-        ``keep``: the last ``keep`` rows (int), rows at these indices (1-D tensor), or all (None).
+        """Feed (B, n) tokens after the cached ones; logits (B, k, V) of the last ``keep`` rows
+        (int), of rows at these indices (1-D tensor) or of all (None).
         """
         n = tokens.shape[-1]
         position_ids = torch.arange(self.length, self.length + n, device=self.device)[None]
@@ -114,10 +113,7 @@ def _cut_at_eos(tokens: list[int], eos: set[int]) -> tuple[list[int], bool]:
 
 
 def draft_probs(logits: torch.Tensor, vocab: int, temperature: float) -> torch.Tensor:
-    """Draft distribution on the target's vocabulary: (1, V_q) logits -> (1, V_p) probs.
-
-    Target tokens the draft lacks get q = 0, which the residual distribution covers exactly.
-    """
+    """(1, V_q) draft logits -> (1, V_p) probs on the target's vocabulary (missing ones: q = 0)."""
     q = logits_to_probs(logits[..., :vocab], temperature)
     if q.shape[-1] < vocab:
         q = torch.nn.functional.pad(q, (0, vocab - q.shape[-1]))
@@ -134,19 +130,11 @@ def draft_block(
     *,
     probs: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Sample ``g`` draft tokens autoregressively, one cached forward each.
+    """Sample ``g`` tokens after ``pending`` (1, m), one cached forward each; the last stays unread.
 
-    The last draft stays unread: the next call feeds it if kept; nothing to crop if not.
-
-    Args:
-        pending: (1, m) tokens after the cached ones, m >= 1 when g >= 1.
-        vocab: the target's vocabulary size (see :func:`draft_probs`).
-        temperature: one for the block or one per token (a schedule); 0 = greedy.
-        probs: False (greedy only) returns the argmax tokens and None for q.
-
-    Returns:
-        (tokens, q): (1, g) int64 proposals on the draft's device, and (1, g, vocab) the
-        probabilities each was sampled from.
+    ``temperature``: one, or one per token; 0 = greedy. ``vocab``: the target's. Returns (tokens,
+    q): (1, g) int64 proposals and the (1, g, vocab) probabilities each was sampled from, or None
+    for q with ``probs=False`` (greedy only).
     """
     temps = [temperature] * g if isinstance(temperature, (int, float)) else list(temperature)
     if len(temps) != g:
@@ -193,19 +181,10 @@ def speculative_generate(
 ) -> tuple[torch.Tensor, SpecStats]:
     """Generate up to ``max_new_tokens`` tokens distributed as the target's, using a draft.
 
-    Args:
-        target: the model whose distribution is reproduced (eval mode).
-        draft: the proposing model (same tokenizer).
-        input_ids: (1, T) or (T,) prompt.
-        gamma: draft length per round (ignored when ``adaptive`` is given).
-        adaptive: chooses gamma per round from recent acceptance (updated in place).
-        temperature: applied to both models; 0 = greedy (output equals greedy target decoding).
-        temperature_schedule: the draft samples on ``pipeline.speculative.schedule``; the
-            output distribution is unchanged.
-        eos_token_id: stop after emitting any of these tokens.
-
-    Returns:
-        (sequence, stats): the (1, T + n) prompt plus new tokens, and the round statistics.
+    Batch size 1: ``input_ids`` is (1, T) or (T,). ``temperature`` applies to both models (0 =
+    greedy target decoding); ``adaptive`` (updated in place) overrides ``gamma`` per round;
+    ``temperature_schedule`` changes the draft's sampling only. Returns the (1, T + n) sequence
+    and the round statistics.
     """
     ids = _as_prompt(input_ids, max_new_tokens)
     if gamma < 1:
@@ -261,11 +240,7 @@ def plain_generate(
     generator: torch.Generator | None = None,
     eos_token_id: int | list[int] | None = None,
 ) -> tuple[torch.Tensor, SpecStats]:
-    """Token-by-token decoding with a KV cache (the baseline speculative decoding must beat).
-
-    Returns:
-        (sequence, stats) as :func:`speculative_generate`; nothing is drafted.
-    """
+    """Token-by-token decoding with a KV cache, the baseline; returns as speculative_generate."""
     ids = _as_prompt(input_ids, max_new_tokens)
     eos = _eos_set(eos_token_id)
     seq = ids[0].tolist()

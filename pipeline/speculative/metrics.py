@@ -1,11 +1,8 @@
 """Acceptance statistics of a draft/target pair, and what they predict for speed.
 
-Speculative sampling accepts a draft token with probability beta = sum_x min(p, q) =
-1 - TVD(p, q) (Leviathan et al. 2023); alpha = E[beta]. With i.i.d. acceptance the tokens per
-target call are tau = (1 - alpha^(gamma+1)) / (1 - alpha) and the speed-up is
-tau / (gamma * c + 1), c = draft cost / target cost. ``teacher_forced_acceptance`` estimates
-alpha on corpus text in one forward per model (cheap, deterministic), so it can differ from
-the on-line acceptance of decoding the draft's own samples.
+beta = sum_x min(p, q) = 1 - TVD(p, q) is a draft token's acceptance probability; alpha = E[beta]
+gives tau = (1 - alpha^(gamma+1)) / (1 - alpha) tokens per target call (Leviathan et al. 2023).
+``teacher_forced_acceptance`` estimates alpha on corpus text, not the draft's own samples.
 """
 
 from __future__ import annotations

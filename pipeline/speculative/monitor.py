@@ -1,9 +1,8 @@
 """Sliding-window acceptance monitor: the reinforce stage's "dynamic strategy".
 
-A too-large on-policy step can make acceptance fall while the loss looks fine. The monitor
-compares the older half of the last ``window`` steps' acceptance with the newer half (halves,
-because one step's batch swings with its scenario); a fall beyond ``threshold`` tells the caller
-to lower the learning rate, and the window starts over so one fall is acted on once.
+Acceptance can fall while the loss looks fine. A fall of the newer half of the window's mean
+below the older half's (halves: one step's batch swings with its scenario) by more than
+``threshold`` tells the caller to lower the learning rate; the window then starts over.
 """
 
 from __future__ import annotations

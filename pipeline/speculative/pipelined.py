@@ -162,15 +162,9 @@ def measure_overlap_gain(
 ) -> float:
     """Sequential / threaded median time of whole greedy pipelined decodes (> 1: threads pay).
 
-    Whole decodes, alternating modes, because an isolated round hides the GIL the loop's Python
-    holds between forwards. CPU models only, under the current ``torch.set_num_threads``.
-
-    Args:
-        gamma: draft length per round.
-        context_len: length of the random context.
-        rounds: blocks of gamma + 1 tokens per timed decode; also the timed decodes per mode.
-        n_warmup: untimed decodes of each kind first.
-        seed: seed of the random context.
+    Whole decodes (``rounds`` blocks of gamma + 1 tokens after a random context), alternating
+    modes, because an isolated round hides the GIL the loop's Python holds between forwards.
+    CPU models only, under the current ``torch.set_num_threads``.
     """
     if rounds < 1 or gamma < 1:
         raise ValueError(f"need rounds >= 1 and gamma >= 1, got {rounds}, {gamma}")
@@ -228,8 +222,8 @@ def _score_and_bet(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple | None, int]:
     """One round's forwards: the target scores ``block`` while the draft bets it is accepted.
 
-    Returns (tokens, q, p, bet, k): the drafts to verify (the bet's first token appended), their
-    draft and target probabilities, the bet (or None) and its length.
+    Returns the drafts to verify (the bet's first token appended), their q and p, the bet or None,
+    and its length k.
     """
     tokens, q = block
     g = tokens.shape[1]
@@ -274,14 +268,9 @@ def pipelined_generate(
     eos_token_id: int | list[int] | None = None,
     overlap: str = "auto",
 ) -> tuple[torch.Tensor, SpecStats]:
-    """Generate up to ``max_new_tokens`` tokens distributed as the target's, drafting ahead.
-
-    Same contract as :func:`~pipeline.speculative.decoding.speculative_generate`, plus:
-
-    Args:
-        gamma: drafts per round's block (the bet's first token comes on top).
-        generator: randomness of the verification; the draft's generator is seeded from it.
-        overlap: "auto", "stream", "thread" or "none" (docs/kernels.md).
+    """``speculative_generate`` drafting ahead: ``gamma`` drafts per block plus the bet's first
+    token; ``overlap`` is "auto", "stream", "thread" or "none" (docs/kernels.md). The draft's
+    generator is seeded from ``generator``.
     """
     ids = _as_prompt(input_ids, max_new_tokens)
     if gamma < 1:

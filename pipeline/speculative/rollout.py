@@ -1,9 +1,7 @@
 """Batched on-policy rollouts: one speculative round on many contexts at once.
 
-The draft proposes gamma tokens for B equal-length contexts, the target scores all rows in one
-forward, and ``verify_draft`` runs row by row in one vectorised call. Nothing carries
-gradients: the training step re-runs the draft on ``sequences`` with gradients, one batched
-forward instead of autograd state across the gamma sampling steps.
+No gradients: the training step re-runs the draft on ``sequences`` in one batched forward
+instead of keeping autograd state across the gamma sampling steps.
 """
 
 from __future__ import annotations
@@ -20,22 +18,15 @@ __all__ = ["Rollout", "draft_rollout"]
 
 @dataclass(frozen=True)
 class Rollout:
-    """One speculative round on a batch of contexts.
+    """One speculative round on a batch of contexts."""
 
-    Attributes:
-        sequences: (B, T + G) contexts followed by the draft's proposals.
-        p_logits: (B, G + 1, V) target logits predicting each proposal and the bonus position.
-        q_logits: (B, G, V_q) draft logits the proposals were sampled from.
-        p_context: (B, K, V) target logits at the requested context positions, or None.
-    """
-
-    sequences: torch.Tensor
+    sequences: torch.Tensor  # (B, T + G) contexts followed by the draft's proposals
     tokens: torch.Tensor
-    p_logits: torch.Tensor
-    q_logits: torch.Tensor
+    p_logits: torch.Tensor  # (B, G + 1, V) target logits at each proposal and the bonus
+    q_logits: torch.Tensor  # (B, G, V_q) draft logits the proposals were sampled from
     verification: Verification
     context_len: int
-    p_context: torch.Tensor | None = None
+    p_context: torch.Tensor | None = None  # (B, K, V) target logits at context_positions
 
     def draft_positions(self) -> slice:
         """Positions of ``sequences`` whose logits predict the proposals (T - 1 .. T + G - 2)."""
@@ -57,12 +48,9 @@ def draft_rollout(
 ) -> Rollout:
     """Propose ``gamma`` tokens per (B, T) context with the draft and verify them with the target.
 
-    Args:
-        temperature: sampling temperature of both models (0 = greedy).
-        draft_temperature: the draft samples at this temperature instead (None: ``temperature``);
-            verification stays exact, testing against the distribution actually sampled.
-        context_positions: (K,) indices < T - 1 whose target logits the rollout also returns
-            from the same forward (for a teacher-forced loss).
+    ``draft_temperature`` (None: ``temperature``) changes the draft's sampling only: verification
+    tests against the distribution sampled. ``context_positions`` (K,) < T - 1: target logits to
+    return too from the same forward (for a teacher-forced loss).
     """
     contexts = torch.as_tensor(contexts, dtype=torch.long)
     if contexts.dim() != 2 or contexts.shape[1] == 0:

@@ -19,19 +19,12 @@ __all__ = ["Verification", "logits_to_probs", "sample_tokens", "verify_draft", "
 
 @dataclass(frozen=True)
 class Verification:
-    """Outcome of verifying one block of draft tokens per row.
+    """Outcome of verifying one block of draft tokens per row."""
 
-    Attributes:
-        n_accepted: (B,) number of leading draft tokens accepted, in [0, gamma].
-        next_token: (B,) the correction token (at the first rejection) or the bonus token.
-        accepted: (B, gamma) bool, True for the accepted prefix only.
-        beta: (B, gamma) expected acceptance sum_x min(p, q) at every draft position.
-    """
-
-    n_accepted: torch.Tensor
-    next_token: torch.Tensor
-    accepted: torch.Tensor
-    beta: torch.Tensor
+    n_accepted: torch.Tensor  # (B,) leading draft tokens accepted, in [0, gamma]
+    next_token: torch.Tensor  # (B,) the correction (first rejection) or the bonus token
+    accepted: torch.Tensor  # (B, gamma) bool, True for the accepted prefix only
+    beta: torch.Tensor  # (B, gamma) expected acceptance sum_x min(p, q) at each position
 
     @property
     def n_verified(self) -> torch.Tensor:
@@ -54,10 +47,7 @@ def logits_to_probs(logits: torch.Tensor, temperature: float = 1.0) -> torch.Ten
 def sample_tokens(
     probs: torch.Tensor, generator: torch.Generator | None = None, greedy: bool = False
 ) -> torch.Tensor:
-    """Draw one token per row of ``probs`` (..., V) -> (...) int64.
-
-    Sampling runs on the generator's device, so a seeded generator reproduces the tokens.
-    """
+    """One token per row of ``probs`` (..., V) -> (...) int64, sampled on the generator's device."""
     if greedy:
         return probs.argmax(-1)
     shape = probs.shape[:-1]
@@ -81,13 +71,10 @@ def verify_draft(
     greedy: bool = False,
     generator: torch.Generator | None = None,
 ) -> Verification:
-    """Accept or reject a block of draft tokens per row (the speculative sampling step).
+    """Accept or reject a block of (B, G) draft tokens per row (the speculative sampling step).
 
-    Args:
-        draft_tokens: (B, G) tokens proposed by the draft (G may be 0).
-        q_probs: (B, G, V) draft probabilities each token was sampled from.
-        p_probs: (B, G + 1, V) target probabilities there and after the last draft token.
-        greedy: accept iff the draft token is the target's argmax; correction = argmax p.
+    ``q_probs`` (B, G, V): what each draft was sampled from; ``p_probs`` (B, G + 1, V): the
+    target there and after the last draft. ``greedy``: accept iff the target's argmax.
     """
     b, g = draft_tokens.shape
     if q_probs.shape[:2] != (b, g) or p_probs.shape[:2] != (b, g + 1):

@@ -1,7 +1,7 @@
 """The draft's sampling temperature schedule, shared by training rollouts and decoding.
 
 Verification tests each proposal against the distribution it was drawn from, so the schedule
-changes acceptance only, never the output distribution; T0 = 0 (greedy) stays 0.
+changes acceptance only, never the output distribution.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """Counters of a speculative (or plain) decoding run and the rates derived from them.
 
-Two acceptance numbers are kept apart: ``acceptance_rate`` = accepted / drafted counts drafts
-after the first rejection that were never tested (so it sits below alpha for gamma > 1), while
-``alpha_hat`` = mean beta over the positions actually tested, an unbiased (Rao-Blackwellised)
-estimate of alpha. ``tau`` is new tokens per target forward (block efficiency).
+``acceptance_rate`` (accepted / drafted) counts drafts after the first rejection, never
+tested; ``alpha_hat`` averages beta over tested positions, an unbiased estimate of alpha.
 """
 
 from __future__ import annotations
@@ -15,13 +13,10 @@ __all__ = ["SpecStats"]
 
 @dataclass
 class SpecStats:
-    """Statistics of one or more decoding runs (merge runs with :meth:`merge`).
+    """Counters of one or more decoding runs (merge runs with :meth:`merge`).
 
-    Attributes:
-        target_calls: target forwards that emitted tokens (not the prompt prefill).
-        seconds: wall time, prompt processing included.
-        beta_sum, beta_count: sum of beta over verified positions, and their number.
-        position_accepted, position_verified: per draft position, accepted / tested counts.
+    ``target_calls`` excludes the prompt prefill; ``seconds`` includes it. ``beta_*`` sum beta
+    over tested positions; ``position_*`` count accepted / tested per draft position.
     """
 
     drafted: int = 0
