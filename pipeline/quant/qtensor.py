@@ -8,9 +8,8 @@ Code convention (what every other part of lowbit relies on):
 * ``int`` formats: ``W = (codes - zeros) * scales``. ``scales`` are fp16; ``zeros`` are uint8
   code values in ``[0, 2**b - 1]`` for asymmetric formats and ``None`` for symmetric ones,
   where the origin is the fixed code ``2**(b-1)``.
-* ``exp`` formats: ``W = lut[codes]`` per group, ``lut = [0, s, s*r, ..., s*r**6]`` followed
-  by the same values negated (codes 8..15 are the negative half; code 8 is a second zero).
-  ``scales`` holds the base ``s`` and ``ratios`` the ratio ``r``, both fp16; ``zeros`` is None.
+* ``exp`` formats: ``W = lut[codes]`` per group (``codec.exponential``); ``scales`` holds the
+  base ``s`` and ``ratios`` the ratio ``r``, both fp16; ``zeros`` is None.
 * ``float``: ``codes`` is the int16 bit pattern of the fp16 weight (``codes.view(fp16)``);
   no group parameters.
 
