@@ -1,30 +1,13 @@
 """Fake-quantized linear layer for quantization-aware training (distillation).
 
-The layer keeps the weights (float, or the integer codes) and the per-group grid parameters
-of a QTensor and computes, on every forward, ``W_hat = dequant(quant(W))``: the network sees
-exactly the weights that will be exported, while gradients flow through the rounding with the
-straight-through estimator (STE).
-
-Two modes. With trainable weights (LSQ), the float weights are re-rounded every forward and
-the gradient to the scale follows LSQ (Esser et al., ICLR 2020): with ``v = w / s``,
-``d W_hat / d s = round(v) - v`` inside the clipping range and ``-Q_N`` / ``Q_P`` (the code
-distance of the clip point from the zero) outside; the weight gradient is passed through
-inside the range and zeroed outside. The zero point (asymmetric formats) is learned in code
-units and rounded with an STE (LSQ+ style): its gradient is non-zero only for clipped weights.
-Scales are rounded to fp16 in the forward (identity gradient), so what trains is what is
-stored. LSQ also scales the step-size gradient (``1/sqrt(N * Q_P)``); ``set_grad_scale``
-applies any such factor, ``grad_scale_factor`` computes the usual ones. With frozen weights
-the integer codes are kept and only the grid trains (EfficientQAT's step-size phase):
-``W_hat = (codes - z) * s`` and ``d W_hat / d s = codes - z``. Re-rounding frozen weights
-instead would be useless: they sit exactly on the grid, where LSQ's ``round(v) - v`` is 0.
-
-The per-family forward (and so the gradients) is the format codec's (``fmt.codec``:
-``trained``, ``fake_quant``, ``fake_decode``); for exponential formats the learnable scale is
-the base ``s`` and the ratio ``r`` stays as fitted (``pipeline.quant.codec.exponential``).
-
-Kept columns (``QTensor.keep_idx``, outlier input channels stored in fp16) are buffers: the
-forward overwrites those columns of ``W_hat`` with their exact values, so they get no gradient
-and stay frozen through distillation, and what trains is scored as it will be stored.
+Every forward computes ``W_hat = dequant(quant(W))`` from the QTensor's weights and grid, so
+the network sees exactly the exported weights; gradients pass the rounding by the
+straight-through estimator. With trainable weights the step size follows LSQ (Esser et al.,
+ICLR 2020): ``d W_hat / d s = round(v) - v`` inside the clip range, the clip point's code
+distance outside; the zero point trains in code units (LSQ+). With frozen codes only the grid
+trains (EfficientQAT): ``d W_hat / d s = codes - z``, since on-grid weights would give
+``round(v) - v = 0``. Scales are rounded to fp16 in the forward, so what trains is what is
+stored. The per-family forward is the codec's (``fmt.codec``). Kept columns are frozen buffers.
 """
 
 from __future__ import annotations
@@ -68,15 +51,10 @@ class _ScaleGrad(torch.autograd.Function):
 
 
 def grad_scale_factor(mode: str, fmt: Format | str, numel: int) -> float:
-    """Gradient factor for scale/zero parameters.
+    """Gradient factor for scale/zero parameters (for ``FakeQuantLinear.set_grad_scale``).
 
-    Args:
-        mode: ``"bits"`` (2**-bits, the default), ``"lsq"`` (1/sqrt(numel * Q_P)) or ``"none"``.
-        fmt: The layer's format.
-        numel: Number of weights the LSQ rule counts (the layer's weights, N_W in LSQ).
-
-    Returns:
-        The factor to pass to ``FakeQuantLinear.set_grad_scale``.
+    ``mode``: ``"bits"`` (2**-bits), ``"lsq"`` (1/sqrt(numel * Q_P), numel = the layer's weights)
+    or ``"none"``.
     """
     fmt = parse_format(fmt)
     if mode == "none" or fmt.kind == "float":
@@ -91,22 +69,9 @@ def grad_scale_factor(mode: str, fmt: Format | str, numel: int) -> float:
 class FakeQuantLinear(nn.Module):
     """Linear layer whose weight is quantize-dequantized on every forward.
 
-    Two modes, chosen by ``learn_weights``:
-
-    * ``True`` (LSQ): float ``weight`` is trained and re-rounded every forward. It starts on
-      the grid, where LSQ's scale gradient ``round(v) - v`` is exactly 0; the scale starts
-      learning once the weights have moved off the grid.
-    * ``False`` (frozen codes, as EfficientQAT's step-size training): the integer codes are
-      fixed (buffer ``codes``, uint8) and ``W_hat = (codes - z) * s``, so the scale gets the
-      exact gradient ``codes - z``. Re-rounding frozen on-grid weights would give it zero
-      gradient. ``weight`` is None in this mode (it saves the float copy).
-
-    Attributes:
-        weight: (out, in) float weights, or None with frozen codes.
-        codes: (out, in) uint8 frozen codes, or None.
-        scale: (out, n_groups) scale (exp: base ``s``), trainable iff ``learn_scales``.
-        zero: (out, n_groups) zero point in code units (asymmetric int only), same.
-        ratio: (out, n_groups) buffer, exp ratio ``r``.
+    ``learn_weights=True`` (LSQ): float ``weight`` is trained and re-rounded every forward;
+    ``False``: frozen uint8 ``codes``, ``W_hat = (codes - z) * s``. ``scale`` (exp: the base) and
+    ``zero`` (code units, asymmetric int) train iff ``learn_scales``; ``ratio`` is a buffer.
     """
 
     def __init__(

@@ -1,37 +1,17 @@
-"""GPTQ: one-shot weight quantization with second-order error feedback.
+"""GPTQ: one-shot weight quantization with second-order error feedback (Frantar et al., 2023).
 
-Frantar et al., "GPTQ: Accurate Post-Training Quantization for Generative Pre-trained
-Transformers", ICLR 2023. For a linear layer with calibration inputs X, the layer-output
-error ||W X - Q X||^2 is a quadratic in the weights with Hessian H = 2 X X^T / N. Columns are
-quantized one at a time; the rounding error of column q is pushed onto the not yet quantized
-columns through row q of the upper Cholesky factor U of H^-1 (H^-1 = U^T U), which is the
-optimal (OBS) update. Updates inside a block of columns are applied eagerly, the rest
-lazily as one matmul per block ("lazy batch updates"), which makes the algorithm
-matmul-bound instead of memory-bound.
-
-Choices made here:
-* Dampening lambda = damp * mean(diag H). If H + lambda I is still not positive definite
-  (numerically), lambda is raised 10x and the factorisation retried, with a warning.
-* Dead inputs (H_ii = 0, never activated) get H_ii = 1 and weight 0, as in the reference.
-* Group parameters are fitted (same grid search as RTN) on the *current*, error-updated
-  weights of a group when its first column is reached. Unlike the reference, the group's
-  columns include the pending lazy updates of the current block, so the fit sees exactly the
-  weights it will quantize, whatever the block size.
-* act_order quantizes columns by decreasing H_ii. Groups stay contiguous in the original
-  column order (column j belongs to group j // G, so no g_idx is needed at export); a
-  group's parameters are fitted when the first of its columns comes up in the permuted
-  order, and the codes are un-permuted before they are stored.
-* Fitting and rounding are the format codec's (``fmt.codec``), so every family gets the same
-  feedback with its own rounding (exp: nearest LUT level).
-* Kept columns (``keep``, SpQR-style outlier columns stored exactly in fp16) are quantized
-  with error 0 (their fp16 rounding only) and go *last* in the column order: every other
-  column's rounding error is then compensated onto them through the OBS update, and the
-  compensated values are what is stored. Their codes are still written (the packed layout
-  stays dense) but ``QTensor.keep_vals`` overrides them. Group parameters are fitted as usual.
-* The returned loss is 1/2 * sum (w - q)^2 / [H^-1]_qq over all weights (the diagonal of
-  the inverse of the still-unquantized sub-Hessian, i.e. U_qq^2). With H = 2 X X^T / N this
-  is the mean over calibration samples of the squared layer-output error ||(W - Q) x||^2
-  (exactly so for lambda = 0), which is the number reported per layer.
+The layer-output error ||W X - Q X||^2 is a quadratic in W with Hessian H = 2 X X^T / N. Columns
+are quantized one at a time; column q's rounding error is pushed onto the later columns through
+row q of the upper Cholesky factor U of H^-1 (H^-1 = U^T U), the optimal (OBS) update; updates
+within a block apply eagerly, the rest as one matmul per block. Choices made here:
+* lambda = damp * mean(diag H), raised 10x (with a warning) until H + lambda I factorises;
+  dead inputs (H_ii = 0) get H_ii = 1 and weight 0.
+* A group's parameters are fitted (``fmt.codec``) when its first column comes up, on its current
+  weights including the block's pending updates. act_order permutes columns by decreasing H_ii;
+  groups stay contiguous in the original order (no g_idx at export).
+* Kept (fp16 outlier) columns go last with error 0: every other column's error is compensated
+  onto them, and the compensated values are stored (their dense codes are never read).
+* The loss 1/2 sum (w - q)^2 / U_qq^2 is the mean ||(W - Q) x||^2 over calibration x (lambda = 0).
 """
 
 from __future__ import annotations
@@ -49,13 +29,7 @@ MAX_DAMP_TRIES = 6
 
 
 class HessianAccumulator:
-    """Running H = 2/N * sum_n x_n x_n^T over the inputs of one linear layer.
-
-    Args:
-        in_features: Input dimension of the layer.
-        dtype: Accumulation dtype (float32 is enough for a running mean; float64 optional).
-        device: Where H lives.
-    """
+    """Running H = 2/N * sum_n x_n x_n^T over the inputs of one linear layer."""
 
     def __init__(
         self,
@@ -81,7 +55,7 @@ class HessianAccumulator:
         self.n_samples = total
 
     def merge(self, other: HessianAccumulator) -> None:
-        """Fold in another accumulator (e.g. from another rank), weighting by sample counts."""
+        """Fold in another accumulator (e.g. another rank), weighted by sample counts."""
         total = self.n_samples + other.n_samples
         if total == 0:
             return
@@ -120,19 +94,10 @@ def gptq_quantize(
     act_order: bool = False,
     keep: Tensor | None = None,
 ) -> tuple[QTensor, float]:
-    """Quantize a weight matrix with GPTQ.
+    """Quantize a weight (out, in) with GPTQ given its Hessian (in, in); returns (qtensor, loss).
 
-    Args:
-        w: Weight (out, in).
-        H: Hessian (in, in), e.g. ``HessianAccumulator.H``.
-        fmt: Format or format name.
-        block_size: Columns per lazy-update block.
-        damp: Relative dampening (fraction of mean diag(H)).
-        act_order: Quantize columns in order of decreasing H_ii.
-        keep: Optional input columns kept exactly in fp16 (see the module docstring).
-
-    Returns:
-        ``(qtensor, loss)`` with loss = 1/2 sum (w - q)^2 / [H^-1]_qq (see module docstring).
+    ``block_size``: columns per lazy-update block; ``damp``: relative dampening; ``act_order``:
+    columns by decreasing H_ii; ``keep``: input columns kept exactly in fp16.
     """
     fmt = parse_format(fmt)
     n_out, n_in = w.shape
@@ -148,9 +113,28 @@ def gptq_quantize(
         delta = qt.dequantize() - w.detach().float()
         return qt, float(0.5 * ((delta @ H) * delta).sum())
 
-    # Work on W^T (in, out): a weight column is then a contiguous row, which makes the
-    # per-column rank-1 updates several times faster on CPU.
-    Wt = w.detach().float().t().contiguous()  # (in, out), updated in place
+    Wt, H, perm, kept = _permuted(w, H, act_order, keep)
+    U = _inverse_cholesky(H, damp)  # (in, in) upper
+    codes, p1, p2, losses = _quantize_columns(Wt, U, perm, kept, fmt, block_size)
+    pos_of = torch.argsort(perm)
+    codes = codes[pos_of].t()  # back to the original column order, (out, in)
+    qt = QTensor.from_params(codes, fmt, p1, p2)
+    if kept.any():
+        qt = qt.with_kept(Wt[pos_of].t(), kept.nonzero().flatten())  # fp16-exact already
+    return qt, float(0.5 * losses.sum())
+
+
+def _permuted(
+    w: Tensor, H: Tensor, act_order: bool, keep: Tensor | None
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """W^T (in, out) and H with dead inputs fixed, both in quantization order.
+
+    Returns (Wt, H, perm, kept): ``perm`` gives each position's original column; ``kept`` is
+    the mask over original columns (kept columns go last).
+    """
+    n_in = w.shape[1]
+    # W^T makes a weight column a contiguous row: faster rank-1 updates on CPU.
+    Wt = w.detach().float().t().contiguous()
     H = H.clone()
     dead = H.diagonal() == 0
     H[dead, dead] = 1.0
@@ -162,21 +146,30 @@ def gptq_quantize(
     kept = torch.zeros(n_in, dtype=torch.bool, device=w.device)
     if keep is not None and len(keep):
         kept[torch.as_tensor(keep, dtype=torch.int64, device=w.device)] = True
-        perm = torch.cat([perm[~kept[perm]], perm[kept[perm]]])  # kept columns last
+        perm = torch.cat([perm[~kept[perm]], perm[kept[perm]]])
+    return Wt[perm], H[perm][:, perm], perm, kept
+
+
+def _quantize_columns(
+    Wt: Tensor, U: Tensor, perm: Tensor, kept: Tensor, fmt: Format, block_size: int
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The GPTQ loop over permuted columns; updates ``Wt`` in place (kept columns' values).
+
+    Returns (codes, p1, p2, losses): codes (in, out) in permuted order, group parameters
+    (out, n_groups) and the per-output-row loss.
+    """
+    n_in, n_out = Wt.shape
+    device = Wt.device
     kept_at = kept[perm].tolist()  # whether each permuted position is kept
     pos_of = torch.argsort(perm)  # permuted position of each original column
-    Wt, H = Wt[perm], H[perm][:, perm]
-    U = _inverse_cholesky(H, damp)  # (in, in) upper
-
     codec = fmt.codec
     G = fmt.group_len(n_in)
-    n_groups = fmt.n_groups(n_in)
     group_of = (perm // G).tolist()  # group of each permuted position
-    p1 = torch.zeros(n_out, n_groups, device=w.device)
+    p1 = torch.zeros(n_out, fmt.n_groups(n_in), device=device)
     p2 = torch.zeros_like(p1)
     rounders: dict[int, Callable[[Tensor], tuple[Tensor, Tensor]]] = {}  # group -> rounding
-    codes = torch.empty(n_in, n_out, dtype=torch.int64, device=w.device)  # permuted, transposed
-    losses = torch.zeros(n_out, device=w.device)
+    codes = torch.empty(n_in, n_out, dtype=torch.int64, device=device)
+    losses = torch.zeros(n_out, device=device)
 
     for i1 in range(0, n_in, block_size):
         i2 = min(i1 + block_size, n_in)
@@ -194,28 +187,21 @@ def gptq_quantize(
             c, q = rounders[g](col)
             if kept_at[i1 + i]:  # stored exactly: only the fp16 rounding remains
                 q = col.half().float()
-                Wt[i1 + i] = q  # the final value of the column, read back below
+                Wt[i1 + i] = q  # the final value of the column, read back by the caller
             codes[i1 + i] = c
             err = (col - q) / U1[i, i]
             losses += err.square()
             W1[i:].addr_(U1[i, i:], err, alpha=-1.0)
             Err1[i] = err
         Wt[i2:].addmm_(U[i1:i2, i2:].t(), Err1, alpha=-1.0)  # lazy update of later columns
-
-    codes = codes[pos_of].t()  # back to the original column order, (out, in)
-    qt = QTensor.from_params(codes, fmt, p1, p2)
-    if kept.any():
-        qt = qt.with_kept(Wt[pos_of].t(), kept.nonzero().flatten())  # fp16-exact already
-    return qt, float(0.5 * losses.sum())
+    return codes, p1, p2, losses
 
 
 def _current(
     Wt: Tensor, W1: Tensor, err: Tensor, U: Tensor, rows: Tensor, i1: int, i2: int
 ) -> Tensor:
-    """Current weights (G, out) of permuted columns ``rows`` while inside block [i1, i2).
-
-    Columns in the block are up to date in ``W1``; later ones still miss this block's
-    updates so far, ``U[i1:i1+k, rows]^T @ err`` (k = columns already quantized in the block).
+    """Current weights (G, out) of permuted columns ``rows`` inside block [i1, i2): ``W1`` for
+    columns in the block, else ``Wt`` minus the pending updates ``U[i1:i1+k, rows]^T @ err``.
     """
     inside = rows < i2
     out = Wt[rows] - U[i1 : i1 + err.shape[0], rows].t() @ err

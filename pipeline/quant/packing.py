@@ -1,7 +1,6 @@
 """Bit packing of quantized codes (lowbit layout, Ascend int4 layouts).
 
 lowbit layout (``pack_bits``), codes taken in row-major (flattened) order, result 1-D uint8:
-
 * 8-bit: one code per byte.
 * 4-bit: two per byte, low nibble first: ``byte[k] = c[2k] | c[2k+1] << 4``.
 * 2-bit: four per byte, lowest bits first: ``byte[k] = sum_j c[4k+j] << 2j``.
@@ -9,15 +8,10 @@ lowbit layout (``pack_bits``), codes taken in row-major (flattened) order, resul
   fill 3 bytes: ``byte[3k+b] = bits 8b..8b+7 of sum_j c[8k+j] << 3j``.
 
 The tail is zero-padded to whole bytes (whole 3-byte triples for 3-bit); ``unpack_bits``
-takes the original numel or shape to drop it.
-
-Speed: codes move between packed and byte positions through full-width integer ops on
-16/64-bit lanes (see ``_spread_``), chunk by chunk; see ``bench/packing.py``. The lane views
-assume a little-endian host (x86, Arm), as the int32 NPU layout does anyway.
+takes the original numel or shape to drop it. The lane views assume a little-endian host.
 
 Ascend layouts (signed int4, two's-complement nibbles, low nibble first,
 ``byte = (q_odd << 4) | (q_even & 0xF)``):
-
 * ``pack_int4_ascend(q, per_group=True)``: pairs along the output dim, int8 ``[n/2, k]``
   (msModelSlim W4A16 per-group); ``per_group=False``: pairs along k, ``[n, k/2]``.
 * ``pack_int4_npu_int32(q)``: eight nibbles per int32 along the last dim, element 8j+i at
@@ -50,17 +44,14 @@ def _check_bits(bits: int) -> None:
         raise ValueError(f"bits must be one of {PACKED_BITS}, got {bits}")
 
 
-# A "stage" moves a bit field up by k inside wider lanes with one mask and one fused
-# multiply-add: x + (x & mask) * (2**k - 1) == (x & ~mask) | (x & mask) << k when the moved
-# bits land on zeros. Unpacking spreads codes into whole bytes stage by stage (each stage
-# halves the field width); packing runs the inverse stages. Every step is a full-width
-# vectorised op on 16/64-bit lanes instead of a byte-wise shuffle, and the work runs chunk by
-# chunk so that temporaries stay in cache and the allocator never touches fresh pages.
+# A stage moves a bit field up by k inside wider lanes with one fused multiply-add:
+# x + (x & mask) * (2**k - 1) == (x & ~mask) | (x & mask) << k when the moved bits land on
+# zeros. Unpacking spreads codes into bytes stage by stage; packing runs the inverse stages.
 _SPREAD4 = ((0xF0, 4),)  # int16 lane: byte b -> (b & 15) | (b >> 4) << 8
 _SPREAD2 = ((0x0C, 6),)  # int16 lane: nibble -> two 2-bit codes in two bytes
 _SPREAD3 = ((0xFFF000, 20), (0x00000FC000000FC0, 10), (0x0038003800380038, 5))  # int64 lane
 _M24 = 0xFFFFFF
-CHUNK = 1 << 20  # packed bytes per chunk (a few MiB of temporaries, reused by the allocator)
+CHUNK = 1 << 20  # packed bytes per chunk: temporaries stay in cache
 
 
 def _spread_(x: Tensor, stages: tuple[tuple[int, int], ...]) -> Tensor:

@@ -1,7 +1,6 @@
 """QTensor: a quantized weight matrix (codes + group parameters) and its flat state dict.
 
 Code convention (what every other part of lowbit relies on):
-
 * ``codes``: unsigned integers, unpacked, shape ``[out, in]``, dtype uint8.
 * Groups run along the input dim inside each output row: column ``j`` belongs to group
   ``j // G`` (``G = fmt.group_size``, or ``in`` for per-channel formats). Group parameters
@@ -9,29 +8,22 @@ Code convention (what every other part of lowbit relies on):
 * ``int`` formats: ``W = (codes - zeros) * scales``. ``scales`` are fp16; ``zeros`` are uint8
   code values in ``[0, 2**b - 1]`` for asymmetric formats and ``None`` for symmetric ones,
   where the origin is the fixed code ``2**(b-1)``.
-* ``exp`` formats: ``W = lut[codes]`` per group, ``lut = [0, s, s*r, ..., s*r**6]`` followed
-  by the same values negated (codes 8..15 are the negative half; code 8 is a second zero).
-  ``scales`` holds the base ``s`` and ``ratios`` the ratio ``r``, both fp16; ``zeros`` is None.
+* ``exp`` formats: ``W = lut[codes]`` per group (``codec.exponential``); ``scales`` holds the
+  base ``s`` and ``ratios`` the ratio ``r``, both fp16; ``zeros`` is None.
 * ``float``: ``codes`` is the int16 bit pattern of the fp16 weight (``codes.view(fp16)``);
   no group parameters.
 
-Kept columns (``quant.outliers=keep_fp16``, SpQR / LLM.int8()-style): ``keep_idx`` int32
-``[k]`` (ascending input columns) and ``keep_vals`` fp16 ``[out, k]``, the exact weights of those
-columns. They override the decoded codes there: ``W[:, keep_idx] = keep_vals``; the codes of a
-kept column are still stored (the packed layout stays dense) but never read. Both are None for a
-layer without kept columns, and then absent from the state dict.
+Kept columns (``quant.outliers=keep_fp16``): ``keep_idx`` int32 ``[k]`` (ascending) and
+``keep_vals`` fp16 ``[out, k]`` override the decoded codes, ``W[:, keep_idx] = keep_vals``; the
+kept columns' codes are still stored (dense layout) but never read. None when nothing is kept.
 
 Export (Ascend, ``W = (q - offset) * scale``, q signed): ``signed()`` maps an int QTensor to
 ``q = codes - 2**(b-1)`` (int8, in ``[-2**(b-1), 2**(b-1) - 1]``),
 ``offset = zeros - 2**(b-1)`` (0 for symmetric) and ``scale`` as float32, which is exact.
 
-Serialization: ``to_state_dict(prefix)`` emits ``{prefix}.codes``, ``{prefix}.scales``,
-``{prefix}.zeros`` / ``{prefix}.ratios`` when present, and ``{prefix}.format``, the format
-name as a uint8 tensor of its ASCII bytes, so a state dict alone rebuilds the QTensor. Files
-are written by their owners (``pipeline.models.quantized``, ``pipeline.models.qtensor_io``).
-
-The arithmetic of each family (what the fields mean, how codes decode) is its codec's
-(``fmt.codec``); this class holds the tensors and the layout.
+Serialization: ``to_state_dict(prefix)`` emits ``{prefix}.<field>`` for the fields present
+and ``{prefix}.format``, the format name as uint8 ASCII bytes, so a state dict alone rebuilds
+the QTensor. Each family's arithmetic is its codec's (``fmt.codec``).
 """
 
 from __future__ import annotations
@@ -103,8 +95,7 @@ class QTensor:
         )
 
     def with_kept(self, w: Tensor, columns: Tensor | list[int] | None) -> QTensor:
-        """This QTensor with ``columns`` of ``w`` (out, in) kept exactly (fp16); no columns (None
-        or empty) leaves it as it is."""
+        """This QTensor with ``columns`` of ``w`` (out, in) kept exactly (fp16); none: as is."""
         if columns is None or len(columns) == 0:
             return self
         idx = torch.as_tensor(columns, dtype=torch.int64, device=w.device).sort().values
@@ -143,11 +134,8 @@ class QTensor:
         return w.to(dtype)
 
     def signed(self) -> tuple[Tensor, Tensor, Tensor]:
-        """Ascend convention ``W = (q - offset) * scale``.
-
-        Returns:
-            ``(q, scale, offset)``: q int8 ``[out, in]`` in ``[-2**(b-1), 2**(b-1) - 1]``;
-            scale and offset float32 ``[out, n_groups]`` (``[out, 1]`` per channel).
+        """Ascend convention ``W = (q - offset) * scale``: q int8 [out, in], scale and offset
+        float32 [out, n_groups].
         """
         if self.fmt.kind != "int":
             raise ValueError(

@@ -1,11 +1,8 @@
 """Round-to-nearest (RTN) quantization with searched group parameters.
 
-Every weight is rounded independently to the nearest level of its group's grid; the grid of
-each group (scale/zero, or exp base/ratio) is chosen by the format codec's vectorised search,
-which minimises the reconstruction error, optionally weighted per input column by the
-Hessian diagonal ``hdiag`` (as in SqueezeLLM-style sensitivity weighting: errors on inputs
-with large activations cost more). RTN is the baseline GPTQ is measured against, and the
-quantizer the sensitivity stage uses to estimate ``Q_b(w)`` for every candidate format.
+Each weight rounds to the nearest level of its group's grid, the grid found by the codec's
+search, optionally weighting errors per input column by the Hessian diagonal ``hdiag``. The
+baseline GPTQ is measured against, and the sensitivity stage's quantizer.
 """
 
 from __future__ import annotations
@@ -21,18 +18,8 @@ from pipeline.quant.qtensor import QTensor
 def quantize_rtn(
     w: Tensor, fmt: Format | str, hdiag: Tensor | None = None, keep: Tensor | None = None
 ) -> QTensor:
-    """Quantize a weight matrix by round-to-nearest.
-
-    Args:
-        w: Weight (out, in), any float dtype.
-        fmt: Format or format name.
-        hdiag: Optional (in,) non-negative per-input importance (e.g. the Hessian diagonal)
-            weighting the error in the parameter search.
-        keep: Optional input columns kept exactly in fp16 (``QTensor.keep_idx``): their error
-            is the fp16 rounding only; the other columns are rounded as without them.
-
-    Returns:
-        The QTensor.
+    """Round-to-nearest quantization of a weight (out, in); ``hdiag`` (in,) weights the parameter
+    search per input column, ``keep`` lists input columns kept exactly in fp16.
     """
     fmt = parse_format(fmt)
     if w.dim() != 2:

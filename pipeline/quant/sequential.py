@@ -1,24 +1,12 @@
 """Sequential quantization of one decoder block (GPTQ's "true sequential" order).
 
-Frantar et al. (GPTQ, 2023) quantize a transformer block by block; inside a block, each
-linear is quantized on the inputs it sees when every linear *before* it is already quantized,
-so later layers compensate earlier rounding errors. Linears that read the same tensor form one
-group and share one Hessian: for Llama-style blocks the order is
-
-    (q_proj, k_proj, v_proj) -> o_proj -> (gate_proj, up_proj) -> down_proj
-
-and a group's inputs are collected by running the calibration batches through the block with
-the earlier groups already replaced by their dequantized weights. The pass stops at the
-group's first linear (a pre-hook raises), so group g costs the forward up to g, not the whole
-block. With several ranks each rank holds a share of the calibration windows; the Hessian
-(or RTN's error sums) is all-reduced before the layer is quantized, so every rank computes
-the same codes.
-
-Reported per layer, on the calibration inputs X of that layer:
-* ``gptq_loss``: GPTQ's objective, the mean over tokens of ``||(W - Q) x||^2`` (for RTN the
-  same quantity, measured);
-* ``rel_output_error`` = ``||X W^T - X Q^T|| / ||X W^T||``, for GPTQ exactly from the
-  Hessian: ``sqrt(tr(D H D^T) / tr(W H W^T))`` with ``D = W - Q``.
+Each linear is quantized on the inputs it sees with every linear before it already quantized,
+so later layers compensate earlier rounding. Linears reading the same tensor form one group
+with one Hessian, e.g. (q, k, v) -> o -> (gate, up) -> down; a group's inputs are captured by a
+pre-hook that stops the forward there. With several ranks the Hessian (or RTN's error sums) is
+all-reduced, so every rank computes the same codes. Reported per layer: ``gptq_loss`` (mean
+``||(W - Q) x||^2``) and ``rel_output_error`` = ``||X (W - Q)^T|| / ||X W^T||``, for GPTQ from
+the Hessian: ``sqrt(tr(D H D^T) / tr(W H W^T))``, D = W - Q.
 """
 
 from __future__ import annotations
@@ -39,8 +27,9 @@ from pipeline.quant.rtn import quantize_rtn
 
 @dataclass(frozen=True)
 class QuantOptions:
-    """How each linear is quantized (see ``gptq_quantize`` for the GPTQ fields); built from the
-    run's ``quant`` section (``pipeline.streaming.quant_options``), which holds the defaults."""
+    """How each linear is quantized (GPTQ fields: see ``gptq_quantize``); built from the run's
+    ``quant`` section, which holds the defaults.
+    """
 
     method: str  # gptq | rtn
     block_size: int
@@ -105,25 +94,13 @@ def quantize_block(
     all_reduce: Callable[[Tensor], Tensor] | None = None,
     keep: dict[str, Sequence[int]] | None = None,
 ) -> tuple[dict[str, QTensor], dict[str, dict[str, Any]]]:
-    """Quantize the linears of ``block`` listed in ``formats``, group after group.
+    """Quantize the linears of ``block`` listed in ``formats`` (relative name: format), group
+    after group, leaving them holding their dequantized weights for the caller's final pass.
 
-    The block's linears are left holding their dequantized weights, so the caller's final
-    pass computes the quantized block's outputs.
-
-    Args:
-        block: The module (e.g. a decoder layer) on the compute device.
-        formats: ``{relative linear name: format}``; linears not listed stay float.
-        batches: Returns an iterable of this rank's input batches (B, T, C), on the device.
-        kwargs: Extra keyword arguments of ``block.forward`` (masks, position embeddings).
-        groups: Linear names in execution order, grouped by shared input (``block_groups``).
-        opts: Method and GPTQ settings.
-        all_reduce: In-place sum over ranks; None for a single process.
-        keep: ``{relative linear name: input columns}`` kept exactly in fp16 (outlier
-            channels, ``QTensor.keep_idx``); linears not listed keep none.
-
-    Returns:
-        ``({name: QTensor}, {name: report})``, report keys: format, gptq_loss,
-        rel_output_error, seconds (and kept_columns for a linear with kept columns).
+    ``batches()`` yields this rank's (B, T, C) inputs; ``kwargs`` go to ``block.forward``;
+    ``groups`` come from ``block_groups``; ``all_reduce`` sums over ranks (None: one process);
+    ``keep`` maps names to input columns kept in fp16. Returns ({name: QTensor}, {name: report})
+    with format, gptq_loss, rel_output_error, seconds (and kept_columns).
     """
     keep = {n: c for n, c in (keep or {}).items() if len(c)}
     qtensors: dict[str, QTensor] = {}

@@ -1,28 +1,9 @@
-"""Quantized linear layers of the runtime: the torch reference backend and torch_npu.
+"""Quantized linear layers of the runtime: the torch backend and torch_npu.
 
-Both start from the same unpacked form, ``pipeline.artifact.lowbit_format.LinearCodes`` (signed
-int8 codes + float32 scale/offset per group, or exponential codes + base/ratio), produced by
-the same unpacking code the export tests check, so the only backend-specific code is the last
-step:
-
-* ``torch`` (CPU or CUDA): each layer gets the packed kernel measured fastest for its format
-  (``pipeline.runtime.kernels``: torch's int4 and int8 weight-only matmuls, exponential codes
-  decoded once to bf16), or the reference, which dequantizes ``W = (q - offset) * scale`` per
-  group on every call and is bit-exact with the fake-quant model in float32.
-* ``npu`` (Ascend, when ``torch_npu`` imports): ``torch_npu.npu_weight_quant_batchmatmul``,
-  which computes ``x @ ((w + antiquant_offset) * antiquant_scale)`` with ``w`` logically
-  (K, N): lowbit's offset is *subtracted*, so ``-offset`` is passed; scale/offset are
-  transposed to (n_groups, N). int8 codes go as int8, 2/3/4-bit codes (all inside the int4
-  range) as int4 packed eight per int32 (``pack_int4_npu_int32``). Exponential codes are
-  decoded through their LUT to an fp16 weight at load and run as a plain matmul. This path
-  has not run on Ascend hardware here; its argument layout is tested on CPU against a
-  stand-in kernel with the documented semantics.
-
-A layer with kept outlier columns (``quant.outliers=keep_fp16``) adds ``x[..., idx] @ S.T``
-(``kernels.SideColumns``, the same on both backends) to the kernel's output.
-
-W8A8_DYNAMIC layers also quantize their input per token to int8 (symmetric, absmax/127) before
-the matmul, as MindIE's dynamic W8A8 does, so the runtime's numerics match that target.
+Both start from the same unpacked ``LinearCodes``. ``npu`` runs
+``torch_npu.npu_weight_quant_batchmatmul``: ``x @ ((w + antiquant_offset) * antiquant_scale)``
+with ``w`` logically (K, N), so ``-offset`` is passed and scale/offset are transposed to
+(n_groups, N). W8A8_DYNAMIC layers quantize their input per token to int8 first, as MindIE.
 """
 
 from __future__ import annotations
@@ -73,8 +54,7 @@ def quantize_tokens_int8(x: Tensor) -> Tensor:
 
 
 class TorchQuantLinear(nn.Module):
-    """Quantized linear of the torch backend: a packed kernel (``pipeline.runtime.kernels``)
-    chosen per format and device, or the reference dequantize-then-matmul."""
+    """Quantized linear of the torch backend: a packed kernel or the reference."""
 
     def __init__(
         self,
@@ -96,8 +76,7 @@ class TorchQuantLinear(nn.Module):
 
     @property
     def kernel(self) -> str:
-        """The kernel this layer runs: "w4a8pack", "w8a8pack", "int4pack", "int8pack",
-        "dense-bf16" or "reference"."""
+        """The kernel this layer runs, e.g. "w4a8pack" or "reference"."""
         return self.impl.name
 
     def weight_matrix(self) -> Tensor:
@@ -191,8 +170,7 @@ def make_linear(
 
 
 def kernel_summary(model: nn.Module) -> str:
-    """What the model's quantized linears run, and its float linears where they run lowbit's
-    kernel, e.g. "int4pack x12, reference x2, f32rows x1"; "" for a model of plain layers."""
+    """What the model's linears run, e.g. "int4pack x12, reference x2, f32rows x1"; "" if plain."""
     layers = (*QUANT_LINEARS, FloatRowsLinear)
     counts = Counter(m.kernel for m in model.modules() if isinstance(m, layers) and m.kernel)
     return ", ".join(f"{k} x{n}" for k, n in counts.most_common())

@@ -2,21 +2,10 @@
 
     lowbit-run outputs/default/export/artifact --prompt "Once upon a time" --max-new-tokens 64
     lowbit-run ARTIFACT --prompt "..." --draft OTHER_ARTIFACT --temperature 0.7
-    lowbit-run ARTIFACT --prompt "..." --no-draft --stats --kernel reference
-    lowbit-run ARTIFACT --prompt "..." --temperature 0.8 --temperature-schedule
     lowbit-run ARTIFACT --prompt "..." --chat --temperature 0.7 --top-p 0.9 --stop "###" --stream
 
-The artifact's own draft (``ARTIFACT/draft``, exported with the reinforced draft) is used for
-speculative decoding unless ``--draft`` names another one or ``--no-draft`` is given. Its draft
-length is adaptive (2-5, from the acceptance of the last 64 verifications, priced with the cost
-ratio measured once when the first prompt decodes) unless ``--gamma`` fixes it.
-``--top-p``, ``--top-k``, ``--stop`` and ``--stream`` decode through transformers'
-``model.generate`` on the same model, the draft as its assistant model (``--gamma``,
-``--pipelined`` and ``--temperature-schedule`` belong to lowbit's engine and do not mix with
-them); ``--chat`` wraps each prompt as a user turn with the tokenizer's chat template.
-``--temperature-schedule`` makes the draft sample at T = temperature * (1 + 0.1 * cos(step /
-1000)) over the decoding steps, the schedule the reinforce stage trained it with; the output
-stays distributed as the target's.
+The artifact's own draft decodes speculatively unless ``--draft`` or ``--no-draft`` says
+otherwise; ``Runtime.generate`` documents the options.
 """
 
 from __future__ import annotations
@@ -28,7 +17,7 @@ import sys
 from pipeline.errors import LowbitError
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="lowbit-run", description=__doc__.split("\n")[0])
     p.add_argument("artifact", help="artifact directory (<run_dir>/export/artifact)")
     p.add_argument(
@@ -86,6 +75,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="wrap each prompt as a user turn with the tokenizer's chat template",
     )
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = _parser()
     args = p.parse_args(argv)
     if args.max_new_tokens < 0:
         p.error("--max-new-tokens must be >= 0")

@@ -1,16 +1,9 @@
 """lowbit's CPU kernels as one compiled extension: W4A8/W8A8 (``cpu_w4a8``) and few-row float32
-(``float_rows``), for decoding's and speculative verification's few rows.
+(``float_rows``).
 
-Each kernel exists for two ISAs, AVX-512 VNNI and AVX2 (with FMA and F16C), compiled into the
-same extension under per-ISA target pragmas and no global ``-m`` flags, so one build serves any
-x86-64 CPU and the kernels take the ISA as an argument. :func:`isa` picks the one this process
-runs: the best the CPU executes, or what ``LOWBIT_CPU_ISA`` asks (auto, avx512, avx2, none), so
-that the AVX2 path can be tested and timed on an AVX-512 machine.
-
-The extension is compiled at first use (``torch.utils.cpp_extension``, cached under
-``TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions``). ``.ci/setup`` builds it ahead
-(:func:`main`) and fails when it cannot; at run time a failed build
-costs one warning and the callers keep torch's kernels.
+Each kernel is compiled for AVX-512 VNNI and AVX2 under per-ISA target pragmas, so one build
+serves any x86-64 CPU; :func:`isa` picks the ISA (``LOWBIT_CPU_ISA``, see docs/kernels.md). The
+extension builds at first use; a failed build costs one warning and callers keep torch's kernels.
 """
 
 from __future__ import annotations
@@ -81,8 +74,7 @@ def isa() -> str | None:
 
 @contextlib.contextmanager
 def forced_isa(name: str | None) -> Iterator[None]:
-    """Layers built inside take ``name``'s kernels (None: torch's), whatever ``LOWBIT_CPU_ISA``
-    says: what a benchmark needs to time both paths side by side in one process."""
+    """Layers built inside take ``name``'s kernels (None: torch's), whatever the env says."""
     if name is not None and name not in supported():
         raise ValueError(f"this CPU does not run lowbit's {name} kernels (it runs: {supported()})")
     _forced.append(name)
@@ -106,8 +98,7 @@ def _load() -> ModuleType:
 
 @functools.cache
 def loaded() -> ModuleType | None:
-    """The compiled kernels (built on the first call), or None after one warning where they
-    do not build. Layers built for an ISA call this; others ask :func:`extension`."""
+    """The compiled kernels (built on the first call), or None after one warning."""
     try:
         return _load()
     except Exception as e:  # a missing compiler, ninja or source: any is a reason to fall back

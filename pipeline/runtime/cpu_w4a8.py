@@ -1,24 +1,10 @@
 """W4A8 (and W8A8) matmul on AVX-512 VNNI and AVX2 CPUs for the few rows of decoding and
-verification.
+verification: llama.cpp's Q4 x Q8 dot product.
 
-torch's ``_weight_int4pack_mm_for_cpu`` dequantizes its weights per row block, so its cost grows
-with the rows: verifying 5 draft tokens costs 2-3 single-token steps and eats most of what
-speculative decoding gains. Here the idea of llama.cpp's Q4 x Q8 dot product: activations are
-quantized per 32 columns to int8 (Q8_0, ``scale = max|x| / 127``), weights stay 4-bit codes
-``u = q + 8`` in [0, 15], and ``vpdpbusd`` (AVX-512 VNNI; on AVX2 ``vpmaddubsw`` + ``vpmaddwd``)
-multiplies u8 codes by s8 activations. A block of weights is read and unpacked once for all the
-activation rows of a pass (``csrc/w4a8.cpp`` has the layout), so more rows cost multiplies, not
-memory traffic. Trade-off: the int8 activations add ~0.5% relative error on top of the weights'
-own, where the bf16 path adds ~0.3%.
-
-8-bit codes take the same kernel as ``u = q + 128`` (llama.cpp's Q8_0 x Q8_0), unpacked by a
-plain load: torch's ``_weight_int8pack_mm`` reaches a third of the memory-bandwidth limit on a
-1B model at one thread, this path more than half (``docs/benchmarks.md``).
-
-Both ISAs read the same packed layout and compute the same integer dot products, so a packed
-layer runs on either. The kernel lives in lowbit's CPU extension (``cpu_ext``, which picks the
-ISA); where :func:`~pipeline.runtime.cpu_ext.extension` is None the caller keeps its other
-kernels.
+Activations are quantized per 32 columns to int8 (``max|x| / 127``), weights stay codes
+``u = q + 8`` (8-bit: ``q + 128``), and ``vpdpbusd`` (AVX2: ``vpmaddubsw`` + ``vpmaddwd``)
+multiplies them; a weight block is unpacked once for all rows, so more rows cost multiplies,
+not memory traffic. Both ISAs read the layout of ``csrc/w4a8.cpp``.
 """
 
 from __future__ import annotations
@@ -34,8 +20,7 @@ TILE = 16  # output rows per packed tile: the int32 lanes of one AVX-512 registe
 
 
 def base(codes: LinearCodes) -> int:
-    """u = q + base: signed codes as vpdpbusd's unsigned operand (2/3/4-bit codes lie in the
-    int4 range [-8, 7], 8-bit ones in [-128, 127])."""
+    """u = q + base: signed codes (int4 range for 2/3/4 bits) as vpdpbusd's unsigned operand."""
     return 8 if codes.info.bits <= 4 else 128
 
 
@@ -60,8 +45,7 @@ def pack(codes: LinearCodes) -> tuple[Tensor, Tensor, Tensor]:
         packed: (n / 16, k / 32, 256) uint8 for 2/3/4-bit codes, byte ``64c + 4r + i`` of a
             block holding ``u[r, 8c + i] | u[r, 8c + 4 + i] << 4``; (n / 16, k / 32, 512) for
             8-bit codes, byte ``64j + 4r + i`` holding ``u[r, 4j + i]``.
-        scale: (n / 16, n_groups, 16) float16 (a 0.05% rounding, float32 doubles the bytes
-            of the group parameters: 1 bit per weight at 64-column groups).
+        scale: (n / 16, n_groups, 16) float16.
         zero: (n / 16, n_groups, 16) float16, ``(base + offset) * scale``.
     """
     n, k = codes.info.shape
@@ -84,8 +68,7 @@ def pack(codes: LinearCodes) -> tuple[Tensor, Tensor, Tensor]:
 def matmul(
     x: Tensor, packed: Tensor, scale: Tensor, zero: Tensor, group_len: int, isa: str | None = None
 ) -> Tensor:
-    """(..., k) -> (..., n) float32 with :func:`pack`'s tensors, on ``isa``'s kernel ("avx512",
-    "avx2"; default: ``cpu_ext.isa()``)."""
+    """(..., k) -> (..., n) float32 with :func:`pack`'s tensors on ``isa`` (default: cpu_ext's)."""
     isa = isa or cpu_ext.isa()
     if isa is None:
         raise RuntimeError("the W4A8 CPU kernel does not run here (no AVX2 or LOWBIT_CPU_ISA=none)")

@@ -1,15 +1,8 @@
-"""Decoding through transformers' ``generate``, for what lowbit's own engine does not offer.
+"""Decoding through transformers' ``generate``: top-p / top-k, stop strings and streaming.
 
-The runtime's model is a transformers causal LM whose linears are lowbit's packed layers, so
-``model.generate(assistant_model=draft.model, ...)`` runs on it unchanged and brings nucleus /
-top-k sampling, stop strings and token streaming. ``Runtime.generate`` takes this path when
-one of those is asked for; otherwise lowbit's engine decodes (adaptive draft length,
-pipelining, acceptance statistics).
-
-Stop strings: the output ends with the first stop string (included, as transformers returns
-it). transformers' assisted generation checks stop strings only at the end of each accepted
-block, so the model may run a few tokens past one; the text, the tokens and the streamed
-output are cut here at the same place.
+The runtime's model is a transformers causal LM, so ``generate(assistant_model=draft)`` runs on
+it unchanged. Assisted generation checks stop strings only after each accepted block, so the
+text, tokens and streamed output are cut here at the first stop string (included).
 """
 
 from __future__ import annotations
@@ -90,23 +83,11 @@ def hf_generate(
     stream: bool = False,
     seed: int = 0,
 ) -> tuple[str, list[int], SpecStats]:
-    """Continue the (1, T) prompt ``ids`` with ``model.generate``.
+    """Continue the (1, T) prompt ``ids`` with ``model.generate`` (``draft`` as assistant model).
 
-    Args:
-        model: The target (transformers causal LM).
-        tokenizer: Its tokenizer (decodes, matches stop strings, streams).
-        ids: (1, T) prompt token ids on the model's device.
-        max_new_tokens: Generation budget.
-        temperature: 0 = greedy; above 0 samples (with ``top_p`` / ``top_k`` when given).
-        draft: Assistant model for transformers' assisted (speculative) generation.
-        top_p: Nucleus sampling mass (None = off).
-        top_k: Sample among the k likeliest tokens (None = off).
-        stop: Stop strings; the output ends with the first one.
-        stream: Print the continuation to stdout as it is decoded.
-        seed: Sampling seed (the caller's RNG state is restored afterwards).
-
-    Returns:
-        (text, new token ids, stats): stats count tokens and seconds only.
+    ``top_p`` / ``top_k`` None = off; ``stop``: the output ends with the first stop string;
+    ``seed`` seeds sampling, the caller's RNG state restored. Returns (text, new token ids, stats
+    of tokens and seconds).
     """
     stats = SpecStats()
     if max_new_tokens == 0:
@@ -124,8 +105,7 @@ def hf_generate(
     if temperature > 0:
         kwargs.update(temperature=temperature, top_p=top_p or 1.0, top_k=top_k or 0)
     if stop:
-        # As a criterion, not ``stop_strings``: those would reach the assistant's own generate,
-        # which has no tokenizer to match them with.
+        # Not ``stop_strings``: those reach the assistant's generate, which has no tokenizer.
         kwargs["stopping_criteria"] = StoppingCriteriaList(
             [StopStringCriteria(tokenizer, list(stop))]
         )

@@ -1,12 +1,8 @@
 """A run's quantized model as the runtime executes it, without writing an artifact.
 
-evaluate and the benchmarks time decoding the way ``lowbit-run`` decodes: every quantized
-linear (a :class:`~pipeline.quant.fakequant.FakeQuantLinear` from ``load_quantized``, or a
-QTensor from a quantizer) goes through the export's own packing (``plan_layer`` ->
-``pack_linear`` -> ``unpack_linear``, the lowbit layout) and becomes the torch backend's
-:class:`~pipeline.runtime.backends.TorchQuantLinear` with its packed kernel. So the codes a
-timing runs on are the bytes an export would write, and the kernels are the ones ``load``
-picks.
+Every quantized linear goes through the export's own packing (``plan_layer`` -> ``pack_linear``
+-> ``unpack_linear``) and becomes the torch backend's layer, so timings run on the bytes an
+export would write, with the kernels ``load`` picks.
 """
 
 from __future__ import annotations
@@ -38,18 +34,8 @@ def runtime_linear(
 
 @torch.no_grad()
 def to_runtime(model: nn.Module, kernel: str = "auto", *, copy_model: bool = True) -> nn.Module:
-    """``model`` with every quantized FakeQuantLinear replaced by the runtime's layer, and its
-    float32 linears, with ``kernel="auto"`` on CPU, on the few-row kernel (``float_rows``).
-
-    Args:
-        model: A causal LM, FP or holding FakeQuantLinear modules (float-format ones run as
-            plain float weights, as in the runtime).
-        kernel: "auto" or "reference" (every float linear stays ``F.linear``), as in
-            :func:`pipeline.runtime.load`.
-        copy_model: Convert a deep copy (the caller keeps its fake-quant model).
-
-    Returns:
-        The converted model in eval mode, on the device of its first parameter.
+    """``model`` (a deep copy unless ``copy_model`` is False) in eval mode, every quantized
+    FakeQuantLinear replaced by the runtime's layer (``kernel`` as in ``pipeline.runtime.load``).
     """
     out = copy.deepcopy(model) if copy_model else model
     device = next(out.parameters()).device

@@ -1,68 +1,9 @@
 """Packed matmul kernels of the runtime's torch backend: which one a layer gets, and its call.
 
-A quantized linear computes ``x @ W.T`` with ``W = (q - offset) * scale`` per group (integer
-codes) or ``W = lut[code]`` per group (exponential codes). Dequantizing W on every call, as the
-reference does, reads the codes *and* writes and re-reads a float32 W: slower than FP. The
-kernels here read the packed codes instead. What each format gets was chosen by measurement
-(this CPU: 2 AVX-512 cores, torch 2.13; one 4096 -> 11008 GEMV, batch 1, milliseconds):
-
-=============================================  =====  =========================================
-path                                            ms    note
-=============================================  =====  =========================================
-FP32 ``F.linear``                               8.8
-BF16 ``F.linear``                               5.4
-``_weight_int4pack_mm_for_cpu``, bf16 input     1.2   int4 codes, 4 bits read per weight
-``_weight_int4pack_mm_for_cpu``, fp32 input    38.6   torch's fp32 path is not vectorised
-``_weight_int8pack_mm``, bf16 input             1.8
-``_weight_int8pack_mm``, fp32 input            22.4
-LUT gather per call, then FP32 matmul         175.0   exponential codes
-=============================================  =====  =========================================
-
-Speculative decoding verifies M = gamma + 1 tokens in one forward, so what a kernel costs at
-M > 1 matters as much (same layer, int4 g128, 1 thread, ms, best of 30 interleaved rounds; the
-int8 rows: int8 per channel, best of 15 calls; int4pack's and int8pack's time grows with M
-because they convert their weights per row block):
-
-=============================================  =====  =====  ==================================
-path                                           M = 1  M = 5  note
-=============================================  =====  =====  ==================================
-FP32 ``F.linear``                              10.1   36.3   MKL sgemm: ~one weight pass per row
-``_weight_int4pack_mm_for_cpu``, bf16 input    2.6    7.1
-W4A8, AVX-512 VNNI (``cpu_w4a8``)              1.2    1.9    bound by vpdpbusd throughput at M=5
-``_weight_int8pack_mm``, bf16 input, int8      3.7    9.5
-W8A8, AVX-512 VNNI (``cpu_w4a8``), int8        2.3    3.3
-=============================================  =====  =====  ==================================
-
-Hence (``bench/decode_speed.py`` measures them again on a whole model):
-
-* ``w4a8pack`` (CPUs with AVX-512 VNNI or AVX2 where the extension builds, on the ISA
-  ``cpu_ext.isa()`` picks): int2/int3/int4 codes, ``n % 16 == 0``, a group length that is a
-  multiple of 32 and divides k. Activations are
-  quantized to int8 per 32 columns (~5e-3 relative error); the output returns in the caller's
-  dtype. Faster than int4pack at every M measured (1 to 128; 34 against 139 ms at 128), so on
-  such CPUs it replaces int4pack instead of sharing the layer: one packed copy of the weights.
-* ``w8a8pack``: the same kernel on int8 codes (``u = q + 128``, 512 bytes a block), per
-  channel or per group of a multiple of 32 columns; replaces int8pack where it runs for the
-  same reason (1.6x faster at M = 1, 2.9x at M = 5).
-* ``int4pack``: the other int2/int3/int4 layers (CUDA, CPUs without AVX2, a partial last group)
-  whose group length is a multiple of 32; per-channel layers repeat their scale per
-  256/128/64/32-column block. Activations enter in bf16, the output returns in the caller's
-  dtype.
-* ``int8pack``: other int8 codes with one scale per output channel and ``in_features % 16 == 0``;
-  an asymmetric row's offset is folded as ``- sum(x) * offset * scale``. bf16 activations.
-* ``dense-bf16``: exponential codes, decoded once through their LUT to a bf16 weight at load
-  (gathering per call loses 30x; no LUT kernel exists in torch). 16 bits per weight in memory.
-* ``reference``: dequantize then matmul in the caller's dtype; the oracle, bit-exact with the
-  fake-quant model in float32, and the fallback for every layer a kernel cannot take
-  (int8 with groups where w8a8pack cannot run, shapes a kernel refuses).
-
-Float layers a model keeps (lm_head) are not built here: ``float_rows`` gives float32 CPU
-linears their few-row kernel.
-
-On CUDA, int2/int3/int4 layers take int4pack through ``_weight_int4pack_mm`` (tinygemm, bf16)
-and int8 ones ``_weight_int8pack_mm``. They have not run here (no GPU); :func:`build` therefore
-checks every kernel against the reference on a random probe at load and falls back, with a
-warning naming the layer, when a kernel raises or disagrees beyond ``TOLERANCE``.
+The kernels read packed codes instead of dequantizing W on every call. Which format gets which
+kernel on which device, and why, is in docs/kernels.md (figures in docs/benchmarks.md).
+:func:`build` checks every chosen kernel against the reference on a random probe at load and
+falls back, with a warning, when one raises or disagrees beyond ``TOLERANCE``.
 """
 
 from __future__ import annotations
@@ -80,7 +21,7 @@ from pipeline.runtime import cpu_ext, cpu_w4a8
 log = logging.getLogger(__name__)
 
 W8A8_NAME = "w8a8pack"  # the W4A8 kernel on 8-bit codes
-KERNELS = ("auto", "reference")  # what a user chooses; "auto" = the table above
+KERNELS = ("auto", "reference")  # what a user chooses; "auto": docs/kernels.md
 ACT_DTYPE = torch.bfloat16  # the activation dtype the packed kernels are fast in
 INT4_BLOCKS = (256, 128, 64, 32)  # the group sizes the int4 kernels accept, largest first
 TOLERANCE = 2e-2  # relative L2 error vs the reference (bf16 activations and scales: ~4e-3)
@@ -143,8 +84,7 @@ class Int4Pack(Kernel):
         n, k = codes.info.shape
         self.block, self.cuda = block, device.type == "cuda"
         u = (codes.q.to(torch.int32) - _INT4_MIN).to(device)  # (n, k) in [0, 15]
-        # (q - offset) * s = (u - 8) * s + (-offset * s): the kernel's zero is -offset * s.
-        # A block never straddles two groups (the group length is a multiple of the block).
+        # (q - offset) * s = (u - 8) * s + (-offset * s); a block never straddles two groups.
         first_col = torch.arange(0, k, block) // codes.group_len
         scale = codes.scale[:, first_col]  # (n, k / block)
         zero = -codes.offset[:, first_col] * scale
@@ -167,9 +107,7 @@ class Int4Pack(Kernel):
 
 
 class W4A8(Kernel):
-    """int2/3/4 codes (``w4a8pack``) and int8 ones (``w8a8pack``) times int8 activations on
-    AVX-512 VNNI or AVX2 (``cpu_w4a8``; ``isa``, default ``cpu_ext.isa()``): weights read (and
-    unpacked) once for all token rows, so more rows cost multiplies, not memory traffic."""
+    """int2/3/4 (``w4a8pack``) or int8 (``w8a8pack``) codes times int8 activations."""
 
     name = "w4a8pack"
 
@@ -200,8 +138,7 @@ class Int8Pack(Kernel):
     def __init__(self, codes: LinearCodes, device: torch.device) -> None:
         super().__init__()
         scale = codes.scale[:, 0]  # (n,)
-        # A fresh allocation: the kernel uses aligned vector loads, and codes unpacked from a
-        # safetensors buffer may start anywhere (a misaligned q segfaults, it does not raise).
+        # A fresh (aligned) allocation: a misaligned q from a safetensors buffer segfaults.
         q = torch.empty(codes.q.shape, dtype=torch.int8, device=device).copy_(codes.q)
         self.register_buffer("q", q)  # (n, k)
         self.register_buffer("scale", scale.to(device, ACT_DTYPE))
@@ -230,10 +167,8 @@ class DenseBf16(Kernel):
 
 
 class SideColumns(nn.Module):
-    """Kept outlier columns (``quant.outliers=keep_fp16``): ``x[:, idx] @ S.T`` with the
-    correction ``S = W[:, idx] - Wq[:, idx]`` (``LinearCodes.side``), added to whatever kernel
-    runs the dense codes. k is ~1% of the columns, so this is a small dense matmul in the
-    caller's dtype; the kernels above stay as they are."""
+    """Kept outlier columns: ``x[:, idx] @ S.T``, ``S = W[:, idx] - Wq[:, idx]``, added to the
+    output of whatever kernel runs the dense codes."""
 
     def __init__(self, idx: Tensor, correction: Tensor, device: torch.device | str) -> None:
         super().__init__()
@@ -250,7 +185,7 @@ class SideColumns(nn.Module):
 
 
 def _candidate(codes: LinearCodes, device: torch.device) -> Kernel | None:
-    """The measured-fastest kernel for this layer on ``device``, or None (reference)."""
+    """The packed kernel for this layer on ``device`` (docs/kernels.md), or None (reference)."""
     if device.type not in ("cpu", "cuda"):
         return None
     info = codes.info
@@ -261,22 +196,19 @@ def _candidate(codes: LinearCodes, device: torch.device) -> Kernel | None:
     block = _int4_block(codes)
     if block is not None:
         return Int4Pack(codes, block, device)
-    # The int8 kernel reads k in steps of 16 without a bounds check (other k: garbage or a
-    # segfault, not an error), so the precondition is checked here, not by the probe.
+    # The int8 kernel reads k in unchecked steps of 16 (a segfault, not an error): check here.
     if info.bits == 8 and info.group_size == 0 and info.shape[1] % 16 == 0:
         return Int8Pack(codes, device)
     return None
 
 
 def _w4a8_runs_on(device: torch.device) -> bool:
-    """Whether the W4A8 kernel serves ``device``: a CPU where ``cpu_ext.isa()`` is an ISA
-    (AVX-512 VNNI or AVX2, unless ``LOWBIT_CPU_ISA`` says otherwise) and the extension built."""
+    """Whether the W4A8 kernel serves ``device``: a CPU where lowbit's extension runs."""
     return device.type == "cpu" and cpu_ext.extension() is not None
 
 
 def int_kernel_name(device: torch.device | str = "cpu", bits: int = 4) -> str:
-    """The kernel int layers of ordinary shapes get on ``device``: on a CPU that runs lowbit's
-    kernel "w4a8pack" (2/3/4-bit codes) or "w8a8pack" (8-bit), else "int4pack" / "int8pack"."""
+    """The kernel int layers of ordinary shapes get on ``device`` ("w4a8pack", "int8pack"...)."""
     if _w4a8_runs_on(torch.device(device)):
         return W8A8_NAME if bits == 8 else W4A8.name
     return Int8Pack.name if bits == 8 else Int4Pack.name
@@ -297,15 +229,10 @@ def build(
     check: bool = True,
     name: str = "",
 ) -> Kernel:
-    """The kernel for one layer on ``device``: the measured choice, or the reference.
+    """The kernel for one layer on ``device``: the packed choice, or the reference.
 
-    Args:
-        codes: The layer's unpacked codes (``unpack_linear``).
-        device: Where the layer runs; packed layouts are device-specific.
-        kernel: "auto" (the table in the module docstring) or "reference".
-        check: Compare the chosen kernel with the reference on a random probe (two tokens);
-            a kernel that raises or disagrees beyond ``TOLERANCE`` is replaced by the reference.
-        name: The layer's name, for the fallback warning.
+    ``check`` compares the chosen kernel with the reference on a random two-token probe and
+    falls back (warning with the layer's ``name``) when it raises or exceeds ``TOLERANCE``.
     """
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")

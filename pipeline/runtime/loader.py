@@ -1,16 +1,7 @@
 """Load an exported artifact (ascend / lowbit layout) and generate text with it.
 
-``load`` checks the artifact before reading any weight: every file in manifest.json must be
-inside the directory and match its sha256, so a corrupt or tampered file is refused by name.
-It then builds the transformers model skeleton from ``config.json`` on the meta device (no
-weight initialisation), swaps each quantized linear for the backend's quantized layer, fills
-the float tensors, and recreates computed buffers (rotary tables). Memory stays near the
-artifact's size plus one layer's unpacking.
-
-``Runtime.generate`` decodes plainly or, with a draft artifact, speculatively with an
-adaptive draft length (``pipeline.speculative``); at temperature 0 both give the target's greedy
-output. Top-p / top-k sampling, stop strings and streaming go through transformers' own
-``generate`` on the same model, with the draft as its assistant (``hf_generate``).
+``load`` verifies every manifest file before reading a weight and builds the model on the meta
+device with the backend's quantized linears, so memory stays near the artifact's size.
 """
 
 from __future__ import annotations
@@ -62,8 +53,7 @@ class Runtime:
     layers: dict[str, LayerInfo] = field(default_factory=dict)
     cost_ratio: float | None = None  # draft step / target step, measured at the first use
     verify_cost: dict[int, float] = field(default_factory=dict)  # gamma -> v, likewise
-    # The acceptance window of adaptive decoding, kept across prompts: a new prompt starts from
-    # what the last ones measured instead of an empty window.
+    # Adaptive decoding's acceptance window, kept across prompts.
     adaptive: AdaptiveGamma | None = None
 
     @property
@@ -112,41 +102,16 @@ class Runtime:
         stream: bool = False,
         chat: bool = False,
     ) -> Generation:
-        """Continue ``prompt``.
+        """Continue ``prompt`` (temperature 0 = greedy).
 
-        With ``top_p``, ``top_k``, ``stop`` or ``stream`` it decodes through transformers'
-        ``generate`` (``pipeline.runtime.hf_generate``, the draft as its assistant model);
-        otherwise through lowbit's engine.
-
-        Args:
-            prompt: Text to continue.
-            max_new_tokens: Generation budget.
-            temperature: 0 = greedy.
-            speculative: Use the draft (when one is loaded) to propose tokens.
-            gamma: Fixed draft length; None = adaptive (2..5 from recent acceptance, the cost
-                ratio c and the verification cost v(gamma), measured on the first adaptive call
-                and kept in ``cost_ratio`` and ``verify_cost``).
-            seed: Sampling seed (temperature > 0).
-            pipelined: Draft the next block while the target verifies this one
-                (``pipeline.speculative.pipelined``: a CUDA side stream, on a CPU a second
-                thread only where it measures faster); fixed ``gamma`` (default 4). Off by
-                default: on this project's CPU the overlap does not pay (docs/benchmarks.md).
-            temperature_schedule: The draft samples token n at temperature
-                ``T * (1 + 0.1 * cos(n / 1000))`` (``pipeline.speculative.schedule``), as the
-                reinforce stage trained it; the target, and so the output distribution, stay at T.
-            top_p: Nucleus sampling (temperature > 0): sample from the smallest set of tokens
-                holding this probability mass.
-            top_k: Sample (temperature > 0) among the k likeliest tokens; 1 = greedy.
-            stop: A stop string or several: the text ends with the first one to appear
-                (included).
-            stream: Print the continuation to stdout as it is decoded.
-            chat: Wrap ``prompt`` as one user turn with the tokenizer's chat template (and its
-                generation prompt); either decoder.
+        ``top_p``, ``top_k``, ``stop`` (the text ends with the first, included) or ``stream``
+        decode through transformers' ``generate``, the draft as its assistant. Otherwise lowbit's
+        engine decodes plainly or with the draft (``speculative``) at a fixed ``gamma`` or an
+        adaptive one (None), optionally ``pipelined`` (fixed gamma) or with the draft on the
+        reinforce stage's ``temperature_schedule``. ``chat`` applies the chat template.
 
         Raises:
-            ValueError: an option out of range, sampling options at temperature 0, or engine
-                options (``gamma``, ``pipelined``, ``temperature_schedule``) mixed with
-                transformers' ones.
+            ValueError: an option out of range, or engine and transformers options mixed.
             ArtifactError: ``chat`` with a tokenizer that has no chat template.
         """
         stop = [stop] if isinstance(stop, str) else list(stop)
@@ -154,6 +119,7 @@ class Runtime:
             temperature, top_p, top_k, stop, stream, gamma, pipelined, temperature_schedule
         )
         ids = self.encode(prompt, chat)
+        draft = self.draft.model if speculative and self.draft is not None else None
         if use_hf:
             text, new, stats = hf_generate(
                 self.model,
@@ -161,7 +127,7 @@ class Runtime:
                 ids,
                 max_new_tokens,
                 temperature,
-                draft=self.draft.model if speculative and self.draft is not None else None,
+                draft=draft,
                 top_p=top_p,
                 top_k=top_k,
                 stop=stop,
@@ -169,12 +135,30 @@ class Runtime:
                 seed=seed,
             )
             return Generation(text, new, stats)
+        seq, stats = self._decode(
+            ids, draft, max_new_tokens, temperature, gamma, seed, pipelined, temperature_schedule
+        )
+        new = seq[0, ids.shape[1] :].tolist()
+        return Generation(self.tokenizer.decode(new, skip_special_tokens=True), new, stats)
+
+    def _decode(
+        self,
+        ids: torch.Tensor,
+        draft: nn.Module | None,
+        max_new_tokens: int,
+        temperature: float,
+        gamma: int | None,
+        seed: int,
+        pipelined: bool,
+        temperature_schedule: bool,
+    ) -> tuple[torch.Tensor, SpecStats]:
+        """lowbit's engine: plain, speculative or pipelined speculative decoding."""
         gen = torch.Generator(device=self.device).manual_seed(seed)
         eos = self.tokenizer.eos_token_id
-        if speculative and self.draft is not None and pipelined:
+        if draft is not None and pipelined:
             seq, stats = pipelined_generate(
                 self.model,
-                self.draft.model,
+                draft,
                 ids,
                 max_new_tokens,
                 gamma=gamma or 4,
@@ -183,29 +167,14 @@ class Runtime:
                 eos_token_id=eos,
                 temperature_schedule=temperature_schedule,
             )
-        elif speculative and self.draft is not None:
-            adaptive = None
-            if gamma is None:  # the best draft length depends on c and v: measure them here
-                if self.cost_ratio is None:
-                    self.cost_ratio = measure_cost_ratio(
-                        self.model, self.draft.model, input_ids=ids
-                    )
-                    self.verify_cost = measure_verify_cost(self.model, GAMMAS, input_ids=ids)
-                if self.adaptive is None:
-                    self.adaptive = AdaptiveGamma(
-                        GAMMAS[0],
-                        GAMMAS[-1],
-                        cost_ratio=self.cost_ratio,
-                        verify_cost=self.verify_cost,
-                    )
-                adaptive = self.adaptive
+        elif draft is not None:
             seq, stats = speculative_generate(
                 self.model,
-                self.draft.model,
+                draft,
                 ids,
                 max_new_tokens,
                 gamma=gamma or 4,
-                adaptive=adaptive,
+                adaptive=None if gamma is not None else self._adaptive(ids),
                 temperature=temperature,
                 generator=gen,
                 eos_token_id=eos,
@@ -213,8 +182,18 @@ class Runtime:
             )
         else:
             seq, stats = plain_generate(self.model, ids, max_new_tokens, temperature, gen, eos)
-        new = seq[0, ids.shape[1] :].tolist()
-        return Generation(self.tokenizer.decode(new, skip_special_tokens=True), new, stats)
+        return seq, stats
+
+    def _adaptive(self, ids: torch.Tensor) -> AdaptiveGamma:
+        """The shared draft-length controller; measures c and v(gamma) on first use."""
+        if self.cost_ratio is None:
+            self.cost_ratio = measure_cost_ratio(self.model, self.draft.model, input_ids=ids)
+            self.verify_cost = measure_verify_cost(self.model, GAMMAS, input_ids=ids)
+        if self.adaptive is None:
+            self.adaptive = AdaptiveGamma(
+                GAMMAS[0], GAMMAS[-1], cost_ratio=self.cost_ratio, verify_cost=self.verify_cost
+            )
+        return self.adaptive
 
 
 def _float_dtype(device: torch.device, dtype: torch.dtype | None) -> torch.dtype:
@@ -246,40 +225,8 @@ def _read_tensors(root: Path, manifest: dict) -> dict[str, torch.Tensor]:
     return state
 
 
-def load(
-    artifact_dir: str | Path,
-    backend: str = "auto",
-    *,
-    draft: str | Path | None = "auto",
-    device: str | torch.device | None = None,
-    dtype: torch.dtype | None = None,
-    verify_hashes: bool = True,
-    kernel: str = "auto",
-) -> Runtime:
-    """Load an ascend / lowbit artifact.
-
-    Args:
-        artifact_dir: The artifact directory (``<run_dir>/export/artifact``).
-        backend: "auto" (torch_npu when importable, else torch), "torch" or "npu".
-        draft: "auto" loads ``artifact_dir/draft`` when the artifact has one; a path loads that
-            artifact as the draft; None loads none.
-        device: Override the backend's device (torch backend: cuda when available, else cpu).
-        dtype: Float dtype of activations and float weights (default float32 on CPU, else fp16).
-        verify_hashes: Check every file's sha256 first (paths are always checked).
-        kernel: torch backend: "auto" (each layer's measured-fastest packed kernel, see
-            ``pipeline.runtime.kernels``; float32 CPU linears take few-row calls on
-            ``float_rows``) or "reference" (dequantize per call, float linears on ``F.linear``;
-            bit-exact with the fake-quant model in float32).
-
-    Returns:
-        The Runtime.
-
-    Raises:
-        ArtifactError: a missing, corrupt or tampered file, or a path outside the artifact.
-    """
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    root = Path(artifact_dir)
+def _read_manifest(root: Path, verify_hashes: bool) -> dict:
+    """The manifest, after checking paths (and hashes) and that lowbit-run reads its format."""
     manifest = verify(root) if verify_hashes else read_manifest(root)
     for rel in manifest["files"]:
         safe_relpath(root, rel)
@@ -288,21 +235,32 @@ def load(
             f"{root} is a {manifest.get('format')!r} artifact; lowbit-run loads the ascend and "
             "lowbit formats (serve compressed-tensors checkpoints with vLLM)"
         )
-    name, dev = resolve(backend)
-    dev = torch.device(device if device is not None else dev)
-    dtype = _float_dtype(dev, dtype)
+    return manifest
+
+
+def _build_model(
+    root: Path,
+    manifest: dict,
+    layers: dict[str, LayerInfo],
+    backend: str,
+    dev: torch.device,
+    dtype: torch.dtype,
+    kernel: str,
+) -> nn.Module:
+    """The model skeleton on meta, quantized linears swapped in, float tensors assigned."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
     config = AutoConfig.from_pretrained(root, local_files_only=True)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     state = _read_tensors(root, manifest)
-    layers = {n: LayerInfo.from_json(d) for n, d in manifest.get("layers", {}).items()}
     for lname, info in layers.items():
         prefix = f"{lname}."
         local = {k[len(prefix) :]: state.pop(k) for k in list(state) if k.startswith(prefix)}
         bias = local.pop("bias", None)
         codes = unpack_linear(local, info)
         bias = None if bias is None else bias.to(dtype)
-        layer = make_linear(name, codes, bias, dtype, kernel=kernel, device=dev, name=lname)
+        layer = make_linear(backend, codes, bias, dtype, kernel=kernel, device=dev, name=lname)
         model.set_submodule(lname, layer)
     state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
     result = model.load_state_dict(state, strict=False, assign=True)
@@ -317,14 +275,47 @@ def load(
     if missing:
         raise ArtifactError(f"{root} lacks tensors {missing[:5]}; export the artifact again")
     model = model.to(dev).eval()
-    if name == "torch" and kernel == "auto":
+    if backend == "torch" and kernel == "auto":
         float_rows.convert(model)  # float32 CPU linears (lm_head): few-row calls read W once
+    return model
+
+
+def load(
+    artifact_dir: str | Path,
+    backend: str = "auto",
+    *,
+    draft: str | Path | None = "auto",
+    device: str | torch.device | None = None,
+    dtype: torch.dtype | None = None,
+    verify_hashes: bool = True,
+    kernel: str = "auto",
+) -> Runtime:
+    """Load an ascend / lowbit artifact (``<run_dir>/export/artifact``).
+
+    Args:
+        backend: "auto" (torch_npu when importable, else torch), "torch" or "npu".
+        draft: "auto" loads the artifact's own draft if any; a path loads that one; None: none.
+        device, dtype: Override the backend's device and float dtype (CPU: float32, else fp16).
+        verify_hashes: Check every file's sha256 first (paths are always checked).
+        kernel: torch backend: "auto" (docs/kernels.md) or "reference" (dequantize per call).
+
+    Raises:
+        ArtifactError: a missing, corrupt or tampered file, or a path outside the artifact.
+    """
+    from transformers import AutoTokenizer
+
+    root = Path(artifact_dir)
+    manifest = _read_manifest(root, verify_hashes)
+    name, dev = resolve(backend)
+    dev = torch.device(device if device is not None else dev)
+    dtype = _float_dtype(dev, dtype)
+    layers = {n: LayerInfo.from_json(d) for n, d in manifest.get("layers", {}).items()}
+    model = _build_model(root, manifest, layers, name, dev, dtype, kernel)
     tokenizer = AutoTokenizer.from_pretrained(root, local_files_only=True)
     rt = Runtime(root, model, tokenizer, manifest, name, dev, layers=layers)
     if draft == "auto":
         draft = safe_relpath(root, manifest["draft"]["path"]) if manifest.get("draft") else None
-        # The parent manifest already hashed the draft's files.
-        verify_draft = False
+        verify_draft = False  # the parent manifest already hashed the draft's files
     else:
         verify_draft = verify_hashes
     if draft is not None:

@@ -1,16 +1,9 @@
 """The exported artifact as an MLflow pyfunc model: ``predict`` generates text.
 
 ``mlflow.pyfunc.load_model(uri).predict(["prompt", ...], params={"max_new_tokens": 32})``
-returns one continuation per prompt, produced by lowbit's runtime (``pipeline.runtime.load``)
-on the artifact that MLflow stores next to the model (hashes are verified at load, as for
-``lowbit-run``). The parameters (``PARAMS``) are ``Runtime.generate``'s: max_new_tokens,
-temperature, seed, speculative, top_p, top_k, stop (one string), chat.
-
-The model is logged from code (``mlflow_entry.py``, nothing pickled) with a copy of the
-``pipeline`` package (``code_paths``) and pinned requirements of what the runtime imports, so
-``mlflow models serve`` or a fresh environment needs no lowbit release on an index.
-``predict``'s type hints (``list[str]`` in and out) give MLflow the input schema; the input
-example adds the generation parameters.
+returns one continuation per prompt from lowbit's runtime; ``PARAMS`` are
+``Runtime.generate``'s. Logged from code (``mlflow_entry.py``) with a copy of ``pipeline`` and
+pinned requirements, so serving needs no lowbit release on an index.
 """
 
 from __future__ import annotations
@@ -26,10 +19,7 @@ import pipeline
 
 log = logging.getLogger(__name__)
 ARTIFACT_KEY = "artifact"
-# The parameter schema MLflow records (and validates requests against) is inferred from these
-# defaults, so each "off" value has the option's type: top_p 1.0 and top_k 0 sample from the
-# whole distribution, stop "" has no stop string (one string: MLflow infers no element type
-# from an empty list). top_p, top_k and stop decode through transformers' generate.
+# MLflow infers the parameter schema from these defaults, so each "off" value has its type.
 PARAMS = {
     "max_new_tokens": 64,
     "temperature": 0.0,
@@ -41,8 +31,7 @@ PARAMS = {
     "chat": False,
 }
 MODEL_FILE = Path(__file__).with_name("mlflow_entry.py")
-# What pipeline.runtime imports to load an artifact and generate (numpy comes with torch's
-# tensors <-> MLflow's conversion); pinned to the versions the model was logged with.
+# What the runtime imports (numpy for MLflow's conversion), pinned as logged.
 RUNTIME_PACKAGES = ("torch", "transformers", "tokenizers", "safetensors", "numpy", "mlflow")
 
 
@@ -88,8 +77,7 @@ def _prompts(model_input) -> list[str]:
 
 
 def requirements() -> list[str]:
-    """``name==version`` of each runtime package as installed (a local build tag dropped:
-    ``torch==2.5.1``, not ``2.5.1+cpu``, which no index serves)."""
+    """``name==version`` of each runtime package, local build tag dropped (no index serves it)."""
     return [
         f"{name}=={importlib.metadata.version(name).split('+')[0]}" for name in RUNTIME_PACKAGES
     ]
@@ -102,14 +90,8 @@ def log_model(
     registered_name: str | None,
     name: str = "lowbit_model",
 ) -> str:
-    """Log ``artifact_dir`` as a pyfunc model in run ``run_id``; returns the model URI.
-
-    Args:
-        tracking_uri: MLflow tracking URI (the stage run's).
-        run_id: The run to log into (the export stage's child run).
-        artifact_dir: The exported artifact.
-        registered_name: Register it under this name in the model registry (None: don't).
-        name: The model's name inside the run.
+    """Log ``artifact_dir`` as a pyfunc model in run ``run_id`` (the export stage's child run),
+    registered as ``registered_name`` unless None; returns the model URI.
     """
     from mlflow.tracking import MlflowClient
 
@@ -122,8 +104,7 @@ def log_model(
                 python_model=str(MODEL_FILE),
                 artifacts={ARTIFACT_KEY: str(artifact_dir)},
                 code_paths=[str(Path(pipeline.__file__).parent)],
-                # The prompts give the input schema, the params the parameter schema (with
-                # their defaults); MLflow runs the model on it once as a check.
+                # The input and parameter schemas; MLflow runs the model on it once.
                 input_example=(["The quick brown fox"], dict(PARAMS)),
                 pip_requirements=requirements(),
                 registered_model_name=registered_name,

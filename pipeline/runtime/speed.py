@@ -1,22 +1,8 @@
-"""Decode speed of a run's models as the runtime runs them, next to what theory promises.
+"""Decode speed of runtime models (packed kernels), next to what theory promises.
 
-For every model: plain batch-1 decode tokens/s and the kernels its quantized linears ran
-(:func:`pipeline.runtime.backends.kernel_summary`). For every (draft, target) pair:
-speculative tokens/s, the measured speed-up over the target's plain decoding, and the
-theoretical one ``tau(alpha, gamma) / (gamma * c + 1)`` at the alpha measured in that same
-decode and the cost ratio c measured on these very models; ``of_theory`` is their ratio.
-Beside it, the verification cost v (the target's gamma + 1 token forward in single-token
-steps, ``pipeline.speculative.cost``) and ``theory_at_v`` = tau / (gamma * c + v): the theory
-assumes v = 1 (memory-bound decoding), and where v > 1 that is what bounds the speed-up.
-With ``adaptive`` the draft length follows the windowed acceptance
-(:class:`~pipeline.speculative.adaptive.AdaptiveGamma`, priced with the c and v measured here,
-one window per pair across its prompts), and the theory is taken at the mean gamma it chose.
-
-The caller passes runtime models (:func:`pipeline.runtime.inmemory.to_runtime` for a run's
-fake-quant targets), so a quantized target is timed on its packed kernels, never through
-fake-quant modules that rebuild a float weight on every call. Every model decodes a short
-warm-up first (allocator, kernel dispatch), then the same prompts with the same seeds.
-Timings are wall-clock and share the machine with whatever else runs.
+Per model: plain batch-1 tokens/s and the kernels run. Per (draft, target) pair: speculative
+tokens/s, the speed-up, and theory tau / (gamma * c + 1) at the measured alpha and c
+(``of_theory``), plus ``theory_at_v`` with the measured verification cost v.
 """
 
 from __future__ import annotations
@@ -56,23 +42,11 @@ def decode_speed(
     temperature_schedule: bool = False,
     seed: int = 0,
 ) -> dict:
-    """Plain and speculative decode speed of runtime models.
+    """Plain and speculative decode speed of runtime models, batch 1, same prompts and seeds.
 
-    Args:
-        models: {name: causal LM} as the runtime runs them (targets and drafts alike).
-        pairs: (draft, target) names to decode speculatively.
-        prompts: (1, T) prompts, decoded one at a time (batch 1, the latency setting).
-        new_tokens: Tokens generated after each prompt.
-        gamma: Draft length per round (without ``adaptive``).
-        adaptive: (gamma_min, gamma_max, window) of an adaptive draft length; None = ``gamma``.
-        temperature: 0 = greedy.
-        temperature_schedule: The draft samples on the decoding-step temperature schedule.
-        seed: Prompt i samples with seed + i, the same for every model.
-
-    Returns:
-        ``{"plain": {name: {"tokens_per_s", "kernels"}}, "speculative": {"draft@target":
-        {"tokens_per_s", "speedup", "alpha", "tau", "gamma", "cost_ratio",
-        "theoretical_speedup", "of_theory", "verify_cost", "theory_at_v"}}}``.
+    ``models``: {name: causal LM} (targets and drafts); ``pairs``: (draft, target) names;
+    ``adaptive``: (gamma_min, gamma_max, window), None = fixed ``gamma``; prompt i uses seed + i.
+    Returns ``{"plain": {name: row}, "speculative": {"draft@target": row}}``.
     """
     plain = {}
     for name in dict.fromkeys([t for _, t in pairs] + list(models)):
@@ -91,49 +65,86 @@ def decode_speed(
         cost = measure_cost_ratio(models[target], models[draft], input_ids=prompts[0])
         if target not in verify:
             verify[target] = measure_verify_cost(models[target], gammas, input_ids=prompts[0])
-        window = None
-        if adaptive is not None:
-            lo, hi, size = adaptive
-            window = AdaptiveGamma(lo, hi, size, cost_ratio=cost, verify_cost=verify[target])
-        stats = _decode(
-            lambda x, g, t=models[target], d=models[draft], w=window: speculative_generate(
-                t,
-                d,
-                x,
-                new_tokens,
-                gamma=gamma,
-                adaptive=w,
-                temperature=temperature,
-                temperature_schedule=temperature_schedule,
-                generator=g,
-            ),
+        stats = _speculative_stats(
+            models[target],
+            models[draft],
             prompts,
-            seed,
+            cost,
+            verify[target],
+            new_tokens=new_tokens,
+            gamma=gamma,
+            adaptive=adaptive,
+            temperature=temperature,
+            temperature_schedule=temperature_schedule,
+            seed=seed,
         )
-        # The theory at the draft length used (the nearest measured one when adaptive).
-        used = sum(stats.gammas) / max(len(stats.gammas), 1)
-        g_theory = min(gammas, key=lambda g: abs(g - used))
-        v = verify[target][g_theory]
-        theory = float(theoretical_speedup(stats.alpha_hat, g_theory, cost))
-        speedup = stats.tokens_per_s / max(plain[target]["tokens_per_s"], 1e-9)
-        spec[pair_name(draft, target)] = {
-            "tokens_per_s": stats.tokens_per_s,
-            "speedup": speedup,
-            "alpha": stats.alpha_hat,
-            "tau": stats.tau,
-            "gamma": used,
-            "cost_ratio": cost,
-            "theoretical_speedup": theory,
-            "of_theory": speedup / max(theory, 1e-9),
-            "verify_cost": v,
-            "theory_at_v": float(theoretical_speedup(stats.alpha_hat, g_theory, cost, v)),
-        }
+        spec[pair_name(draft, target)] = _pair_row(
+            stats, gammas, cost, verify[target], plain[target]["tokens_per_s"]
+        )
     return {"plain": plain, "speculative": spec}
 
 
+def _speculative_stats(
+    target: nn.Module,
+    draft: nn.Module,
+    prompts: Sequence[torch.Tensor],
+    cost: float,
+    verify: dict[int, float],
+    *,
+    new_tokens: int,
+    gamma: int,
+    adaptive: tuple[int, int, int] | None,
+    temperature: float,
+    temperature_schedule: bool,
+    seed: int,
+) -> SpecStats:
+    """Speculative decoding of ``prompts``, adaptive when asked (one window for all prompts)."""
+    window = None
+    if adaptive is not None:
+        lo, hi, size = adaptive
+        window = AdaptiveGamma(lo, hi, size, cost_ratio=cost, verify_cost=verify)
+    return _decode(
+        lambda x, g: speculative_generate(
+            target,
+            draft,
+            x,
+            new_tokens,
+            gamma=gamma,
+            adaptive=window,
+            temperature=temperature,
+            temperature_schedule=temperature_schedule,
+            generator=g,
+        ),
+        prompts,
+        seed,
+    )
+
+
+def _pair_row(
+    stats: SpecStats, gammas: list[int], cost: float, verify: dict[int, float], plain_tps: float
+) -> dict:
+    """A pair's measured speed next to the theory at the draft length it used."""
+    used = sum(stats.gammas) / max(len(stats.gammas), 1)
+    g_theory = min(gammas, key=lambda g: abs(g - used))  # the nearest measured one if adaptive
+    v = verify[g_theory]
+    theory = float(theoretical_speedup(stats.alpha_hat, g_theory, cost))
+    speedup = stats.tokens_per_s / max(plain_tps, 1e-9)
+    return {
+        "tokens_per_s": stats.tokens_per_s,
+        "speedup": speedup,
+        "alpha": stats.alpha_hat,
+        "tau": stats.tau,
+        "gamma": used,
+        "cost_ratio": cost,
+        "theoretical_speedup": theory,
+        "of_theory": speedup / max(theory, 1e-9),
+        "verify_cost": v,
+        "theory_at_v": float(theoretical_speedup(stats.alpha_hat, g_theory, cost, v)),
+    }
+
+
 def slow_lowbit(speed: dict, fp: str = "target_fp") -> list[str]:
-    """The quantized models that decode slower than ``fp``, e.g. where per-call overhead of a
-    small model outweighs the bytes its packed weights save."""
+    """The quantized models that decode slower than ``fp`` (per-call overhead beats bytes)."""
     plain = speed["plain"]
     if fp not in plain:
         return []

@@ -1,28 +1,9 @@
 """Adaptive draft length from a sliding-window acceptance estimate.
 
-Acceptance varies strongly with the text (repetitive spans are easy to draft, rare words are
-not), so a fixed gamma is either too short on easy spans or wastes draft calls on hard ones.
-After every verification round we re-estimate alpha over the last ``window`` rounds (the
-sliding-window acceptance monitor; 64 by default, inside the 50-100 the method prescribes: long
-enough that one unlucky round does not swing gamma, short enough to follow a change of text
-within a few hundred tokens) and pick
-the gamma in [gamma_min, gamma_max] that maximises the expected wall-time speed-up of
-Leviathan et al. (2023):
-
-    S(gamma) = (1 - alpha^(gamma+1)) / ((1 - alpha) * (gamma * c + v(gamma))),
-
-with c = draft cost / target cost and v(gamma) the cost of verifying gamma + 1 tokens in target
-steps (1 where decoding is memory-bound; measured by
-``pipeline.speculative.cost.measure_verify_cost`` where it is not, e.g. CPU kernels that process
-4 rows at a time). This is preferred over an up/down rule because it has no thresholds to tune:
-the only inputs are the measured alpha, c and v, and it reduces to "as long as allowed" when
-drafting and verifying are free and to gamma_min when alpha is low.
-
-Estimator: each round contributes its accepted count and the number of positions whose test
-actually ran (accepted + the first rejection). accepted / verified is the maximum-likelihood
-estimate of a per-token acceptance probability under the truncated-geometric model of the
-round; one pseudo-accept and one pseudo-reject (Laplace smoothing) keep it off 0 and 1 while
-the window is nearly empty.
+After every round alpha is re-estimated over the last ``window`` rounds (accepted / tested
+positions, the truncated-geometric MLE, Laplace-smoothed) and the next gamma maximises
+Leviathan et al.'s expected speed-up (1 - alpha^(gamma+1)) / ((1 - alpha)(gamma c + v(gamma)))
+with measured c and v (``pipeline.speculative.cost``): no thresholds to tune.
 """
 
 from __future__ import annotations
@@ -36,18 +17,10 @@ __all__ = ["AdaptiveGamma"]
 
 
 class AdaptiveGamma:
-    """Chooses the draft length for the next round from recent acceptance.
+    """Chooses the draft length for the next round from the last ``window`` rounds' acceptance.
 
-    Args:
-        gamma_min: smallest draft length (>= 1).
-        gamma_max: largest draft length (>= gamma_min).
-        window: number of recent rounds (verifications) in the acceptance estimate.
-        cost_ratio: c = draft forward cost / target forward cost, measured on the models that
-            decode (:func:`pipeline.speculative.cost.measure_cost_ratio`): no default, because
-            the best gamma depends on it and a guessed c picks the wrong one.
-        initial_gamma: draft length before any round was seen (default: the midpoint).
-        verify_cost: {gamma: v} verification costs in target steps; a gamma not listed
-            costs 1.
+    ``cost_ratio`` c and ``verify_cost`` {gamma: v} (default 1) are measured
+    (``pipeline.speculative.cost``); a guessed c picks the wrong gamma.
     """
 
     def __init__(
@@ -76,7 +49,7 @@ class AdaptiveGamma:
         start = (gamma_min + gamma_max) // 2 if initial_gamma is None else initial_gamma
         self.gamma = min(max(start, gamma_min), gamma_max)
         self._rounds: deque[tuple[int, int]] = deque(maxlen=window)
-        self.history: list[int] = []  # gamma used by each round, for plots and tests
+        self.history: list[int] = []  # gamma used by each round
 
     @property
     def alpha(self) -> float:
@@ -86,13 +59,7 @@ class AdaptiveGamma:
         return (accepted + 1.0) / (verified + 2.0)
 
     def update(self, accepted: int, verified: int) -> int:
-        """Record one round and return the gamma for the next one.
-
-        Args:
-            accepted: draft tokens accepted in the round.
-            verified: positions whose acceptance test ran (accepted + 1, or gamma when all
-                were accepted).
-        """
+        """Record one round (accepted drafts, positions tested) and return the next gamma."""
         if not 0 <= accepted <= verified:
             raise ValueError(f"need 0 <= accepted <= verified, got {accepted}, {verified}")
         self.history.append(self.gamma)

@@ -1,20 +1,7 @@
-"""Measured costs of speculative decoding: the cost ratio c and the verification cost v.
+"""Measured costs of speculative decoding: the cost ratio c and the verification cost v(gamma).
 
-c = draft step time / target step time enters the speed-up tau / (gamma * c + v), the
-adaptive draft length and the throughput reward. It is measured, not derived from parameter
-counts: a 2-bit self-draft has the target's FLOPs but a quarter of its weight bytes, and
-whether that matters depends on the hardware (memory-bound decoding on GPUs/NPUs, compute- or
-overhead-bound on small CPU models).
-
-v(gamma) = time of the target's verification forward (gamma + 1 tokens) / its single-token
-step. Leviathan et al. take v = 1, true where decoding is memory-bound (the weights are read
-once for all the tokens). On a CPU it is not: torch's int4 kernel processes 4 rows at a time
-(4 tokens cost ~1.8 steps, 5 tokens ~3.5), fp32 GEMM with 5 rows ~3 steps; so the best gamma
-and the speed-up to expect depend on v, and both are measured here.
-
-What is timed is one cached decode forward (``tokens`` tokens) after a prompt of
-``context_len`` tokens; the median over ``n_iters`` forwards resists scheduler noise. The cache
-is cropped back after every forward so each sees the same context.
+Both enter the speed-up tau / (gamma * c + v) and are measured (medians of cached forwards on
+the same context), not derived: v = 1 holds only where decoding is memory-bound.
 """
 
 from __future__ import annotations
@@ -78,23 +65,13 @@ def measure_cost_ratio(
     n_iters: int = 10,
     seed: int = 0,
 ) -> float:
-    """Time one cached decode step of each model and return draft time / target time.
+    """c = draft time / target time of one cached decode step (medians of ``n_iters``).
 
-    Args:
-        target: the verifying model.
-        draft: the proposing model.
-        input_ids: (1, T) context to decode after; random tokens of ``context_len`` if None.
-        context_len: length of the random context.
-        n_warmup: untimed steps (allocator and kernel warm-up).
-        n_iters: timed steps; the median is used.
-        seed: seed of the random context.
-
-    Returns:
-        c > 0.
+    ``input_ids``: (1, T) context to decode after; random tokens of ``context_len`` if None.
     """
     if n_iters < 1:
         raise ValueError(f"n_iters must be >= 1, got {n_iters}")
-    # the smaller vocabulary's ids are valid for both models
+    # The smaller vocabulary's ids are valid for both models.
     smaller = target if vocab_size(target) <= vocab_size(draft) else draft
     input_ids = _context(smaller, input_ids, context_len, seed)
     t_target = forward_seconds(target, input_ids, 1, n_warmup, n_iters)
@@ -112,16 +89,7 @@ def measure_verify_cost(
     n_iters: int = 10,
     seed: int = 0,
 ) -> dict[int, float]:
-    """v(gamma) = time of a (gamma + 1)-token target forward / a single-token one.
-
-    Args:
-        target: the verifying model.
-        gammas: the draft lengths to price (e.g. ``range(2, 6)``).
-        input_ids, context_len, n_warmup, n_iters, seed: as :func:`measure_cost_ratio`.
-
-    Returns:
-        {gamma: v}, v > 0.
-    """
+    """{gamma: v}, v(gamma) = time of a (gamma + 1)-token target forward / a single-token one."""
     input_ids = _context(target, input_ids, context_len, seed)
     step = forward_seconds(target, input_ids, 1, n_warmup, n_iters)
     return {

@@ -1,22 +1,12 @@
 """Speculative decoding with KV caches, and plain decoding as its baseline.
 
-Leviathan et al. (ICML 2023), Chen et al. (2023). Each round the draft proposes gamma tokens
-autoregressively (one cached forward per token), the target scores the last committed token
-plus all gamma drafts in ONE cached forward, and :func:`~pipeline.speculative.sampling.verify_draft`
-keeps the accepted prefix plus one correction/bonus token. Rejected positions are removed from
-both caches by cropping, so the next round continues from exactly the committed sequence.
-
-Cache invariant: after every round each model's cache holds a prefix of the committed sequence
-minus its last token; the next forward feeds the missing committed tokens (usually just the
-last one; for the draft also the last accepted draft token it never fed, when all gamma were
-accepted). Positions are passed explicitly (``position_ids`` = cache length + offset), so the
-rotary phases are right after a rollback whatever the cache implementation reports.
-
-Works with any HF-style causal LM called as ``model(input_ids=..., position_ids=...,
-cache=..., use_cache=True)`` (``past_key_values`` on transformers < 5.x) returning ``.logits``
-and a croppable cache: full-precision models, models with fake-quant linears, and a low-bit
-copy of the target as its own draft. Batch size is 1: speculative rounds accept different
-numbers of tokens per row, and batching them needs ragged caches; loop over prompts instead.
+Leviathan et al. (ICML 2023), Chen et al. (2023). Each round the draft proposes gamma tokens,
+the target scores them in ONE cached forward, and ``verify_draft`` keeps the accepted prefix
+plus one correction/bonus token. Cache invariant: after every round each cache holds a prefix
+of the committed sequence minus its last token (rejected drafts are cropped); positions are
+passed explicitly, so rotary phases stay right after a rollback. Works with any HF-style causal
+LM returning ``.logits`` and a croppable cache. Batch size 1: rounds accept different numbers
+of tokens per row, which would need ragged caches.
 """
 
 from __future__ import annotations
@@ -63,11 +53,8 @@ class CachedLM:
         self.length = 0  # tokens held by the cache
 
     def forward(self, tokens: torch.Tensor, keep: int | torch.Tensor | None = None) -> torch.Tensor:
-        """Feed (B, n) tokens after the cached ones; returns their logits (B, k, V).
-
-        Args:
-            keep: the last ``keep`` rows (int), the rows at these indices into the n fed
-                tokens (1-D tensor), or every row (None).
+        """Feed (B, n) tokens after the cached ones; logits (B, k, V) of the last ``keep`` rows
+        (int), of rows at these indices (1-D tensor) or of all (None).
         """
         n = tokens.shape[-1]
         position_ids = torch.arange(self.length, self.length + n, device=self.device)[None]
@@ -93,7 +80,7 @@ class CachedLM:
     def rollback(self, length: int) -> None:
         """Keep only the first ``length`` cached tokens."""
         if length < self.length:
-            # A negative argument means "remove this many" in both the 4.x and 5.x cache APIs.
+            # Negative: "remove this many" in both the 4.x and 5.x cache APIs.
             self.cache.crop(length - self.length)
             self.length = length
 
@@ -126,11 +113,7 @@ def _cut_at_eos(tokens: list[int], eos: set[int]) -> tuple[list[int], bool]:
 
 
 def draft_probs(logits: torch.Tensor, vocab: int, temperature: float) -> torch.Tensor:
-    """Draft distribution on the target's vocabulary: (1, V_q) logits -> (1, V_p) probs.
-
-    Extra draft rows (embedding padding) are cut before sampling; target tokens the draft
-    lacks get q = 0, which the residual distribution covers exactly.
-    """
+    """(1, V_q) draft logits -> (1, V_p) probs on the target's vocabulary (missing ones: q = 0)."""
     q = logits_to_probs(logits[..., :vocab], temperature)
     if q.shape[-1] < vocab:
         q = torch.nn.functional.pad(q, (0, vocab - q.shape[-1]))
@@ -147,25 +130,11 @@ def draft_block(
     *,
     probs: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Sample ``g`` draft tokens autoregressively, one cached forward each.
+    """Sample ``g`` tokens after ``pending`` (1, m), one cached forward each; the last stays unread.
 
-    The draft reads ``pending`` and then every draft but the last, which stays unread: the
-    next call feeds it (as its ``pending``) if it is kept, and nothing needs cropping if not.
-
-    Args:
-        drf: the draft and its cache.
-        pending: (1, m) tokens after the cached ones, m >= 1 when g >= 1.
-        g: number of tokens to propose (may be 0: nothing is fed).
-        vocab: the target's vocabulary size (see :func:`draft_probs`).
-        temperature: sampling temperature, one for the block or one per token (a schedule);
-            0 = greedy.
-        generator: randomness of the draft samples.
-        probs: False (greedy decoding only: every temperature 0) returns the argmax tokens
-            and None for q, which :func:`verify_greedy` does not need.
-
-    Returns:
-        (tokens, q): (1, g) int64 proposals on the draft's device, and (1, g, vocab) the
-        probabilities each was sampled from.
+    ``temperature``: one, or one per token; 0 = greedy. ``vocab``: the target's. Returns (tokens,
+    q): (1, g) int64 proposals and the (1, g, vocab) probabilities each was sampled from, or None
+    for q with ``probs=False`` (greedy only).
     """
     temps = [temperature] * g if isinstance(temperature, (int, float)) else list(temperature)
     if len(temps) != g:
@@ -190,9 +159,7 @@ def draft_block(
 def block_temperatures(
     temperature: float, first_step: int, g: int, schedule: bool
 ) -> float | list[float]:
-    """The draft's temperature for a block of ``g`` tokens starting at decoding step
-    ``first_step``: ``temperature`` itself, or with ``schedule`` the
-    :func:`~pipeline.speculative.schedule.draft_temperature` of each token's step."""
+    """The draft's temperature for ``g`` tokens from ``first_step`` (per token on a schedule)."""
     if not schedule:
         return temperature
     return [draft_temperature(first_step + k, temperature) for k in range(g)]
@@ -214,22 +181,10 @@ def speculative_generate(
 ) -> tuple[torch.Tensor, SpecStats]:
     """Generate up to ``max_new_tokens`` tokens distributed as the target's, using a draft.
 
-    Args:
-        target: the model whose distribution is reproduced (eval mode).
-        draft: the proposing model (same tokenizer), e.g. a small LM or a low-bit target copy.
-        input_ids: (1, T) or (T,) prompt.
-        max_new_tokens: generation budget; rounds near the end draft fewer tokens.
-        gamma: draft length per round (ignored when ``adaptive`` is given).
-        adaptive: chooses gamma per round from recent acceptance (updated in place).
-        temperature: applied to both models; 0 = greedy (output equals greedy target decoding).
-        temperature_schedule: the draft samples new token n (0-based) at
-            T = temperature * (1 + 0.1 * cos(n / 1000)) instead (``pipeline.speculative.schedule``);
-            the target stays at ``temperature``, so the output distribution is unchanged.
-        generator: randomness for draft sampling and verification.
-        eos_token_id: stop after emitting any of these tokens.
-
-    Returns:
-        (sequence, stats): the (1, T + n) prompt plus new tokens, and the round statistics.
+    Batch size 1: ``input_ids`` is (1, T) or (T,). ``temperature`` applies to both models (0 =
+    greedy target decoding); ``adaptive`` (updated in place) overrides ``gamma`` per round;
+    ``temperature_schedule`` changes the draft's sampling only. Returns the (1, T + n) sequence
+    and the round statistics.
     """
     ids = _as_prompt(input_ids, max_new_tokens)
     if gamma < 1:
@@ -269,8 +224,7 @@ def speculative_generate(
         stats.record_round(g, n, len(new), ver.beta[0, :n_verified].tolist())
         if adaptive is not None:
             adaptive.update(n, n_verified)
-        # Drop rejected drafts: the target keeps all but the last committed token, the draft
-        # keeps whatever of its cache is still a prefix of the committed sequence.
+        # Drop rejected drafts: both caches keep a prefix of the committed sequence.
         tgt.rollback(len(seq) - 1)
         drf.rollback(min(drf.length, len(seq) - 1))
     stats.seconds = time.perf_counter() - start
@@ -286,12 +240,7 @@ def plain_generate(
     generator: torch.Generator | None = None,
     eos_token_id: int | list[int] | None = None,
 ) -> tuple[torch.Tensor, SpecStats]:
-    """Token-by-token decoding with a KV cache (the baseline speculative decoding must beat).
-
-    Returns:
-        (sequence, stats) as :func:`speculative_generate`; here target_calls = new_tokens
-        (the prompt forward emits the first token) and nothing is drafted.
-    """
+    """Token-by-token decoding with a KV cache, the baseline; returns as speculative_generate."""
     ids = _as_prompt(input_ids, max_new_tokens)
     eos = _eos_set(eos_token_id)
     seq = ids[0].tolist()

@@ -1,16 +1,8 @@
 """Acceptance statistics of a draft/target pair, and what they predict for speed.
 
-For one context, speculative sampling accepts a draft token with probability
-beta = sum_x min(p(x), q(x)) = 1 - TVD(p, q) (Leviathan et al. 2023, Chen et al. 2023);
-alpha = E[beta] over contexts. With i.i.d. acceptance the expected number of tokens per target
-call (block efficiency) is tau = (1 - alpha^(gamma+1)) / (1 - alpha), and the wall-time
-speed-up over plain decoding is tau / (gamma * c + 1), c = draft cost / target cost.
-
-``teacher_forced_acceptance`` estimates alpha without generating: both models read the same
-held-out windows in one forward each and beta is averaged over every position. It is cheap and
-deterministic, which makes it the evaluate stage's per-scenario metric; its contexts are corpus
-text rather than the draft's own samples, so it can differ from the on-line acceptance rate of
-:func:`pipeline.speculative.decoding.speculative_generate` (which the speed benchmark reports).
+beta = sum_x min(p, q) = 1 - TVD(p, q) is a draft token's acceptance probability; alpha = E[beta]
+gives tau = (1 - alpha^(gamma+1)) / (1 - alpha) tokens per target call (Leviathan et al. 2023).
+``teacher_forced_acceptance`` estimates alpha on corpus text, not the draft's own samples.
 """
 
 from __future__ import annotations
@@ -33,11 +25,7 @@ __all__ = [
 
 
 def align_vocab(p_logits: torch.Tensor, q_logits: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Cut both logits to their common vocabulary prefix.
-
-    Checkpoints that share a tokenizer often pad the embedding to different multiples; the
-    padded rows are never real tokens, so comparing the shared prefix is exact.
-    """
+    """Cut both logits to their common vocabulary prefix (padded rows are never real tokens)."""
     v = min(p_logits.shape[-1], q_logits.shape[-1])
     return p_logits[..., :v], q_logits[..., :v]
 
@@ -48,18 +36,10 @@ def expected_acceptance(
     temperature: float = 1.0,
     mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Expected acceptance sum_x min(p, q) per position and its mean.
+    """Expected acceptance sum_x min(p, q) per position and its (masked) mean; differentiable.
 
-    Differentiable in both arguments (used as a training signal as well as a metric).
-
-    Args:
-        p_logits: (..., V) target logits.
-        q_logits: (..., V) draft logits.
-        temperature: applied to both; 0 compares argmaxes.
-        mask: optional (...) bool, positions to average over.
-
-    Returns:
-        (mean, per_position): a scalar and a (...) tensor of beta values in [0, 1].
+    (..., V) target and draft logits -> (mean, per-position beta in [0, 1]); temperature 0
+    compares argmaxes.
     """
     p_logits, q_logits = align_vocab(p_logits, q_logits)
     p = logits_to_probs(p_logits, temperature)
@@ -77,10 +57,7 @@ def tvd(p_logits: torch.Tensor, q_logits: torch.Tensor, temperature: float = 1.0
 
 
 def theoretical_tau(alpha: float | torch.Tensor, gamma: int) -> float | torch.Tensor:
-    """Expected tokens per target call, (1 - alpha^(gamma+1)) / (1 - alpha).
-
-    Written as sum_{k=0}^{gamma} alpha^k so alpha = 1 (tau = gamma + 1) needs no special case.
-    """
+    """Expected tokens per target call, sum_{k=0}^{gamma} alpha^k (exact at alpha = 1)."""
     if gamma < 0:
         raise ValueError(f"gamma must be >= 0, got {gamma}")
     return sum(alpha**k for k in range(gamma + 1))
@@ -89,11 +66,7 @@ def theoretical_tau(alpha: float | torch.Tensor, gamma: int) -> float | torch.Te
 def theoretical_speedup(
     alpha: float | torch.Tensor, gamma: int, c: float, v: float = 1.0
 ) -> float | torch.Tensor:
-    """Expected wall-time speed-up over plain decoding: tau / (gamma * c + v).
-
-    ``v`` is the verification forward's cost in target steps (``measure_verify_cost``); 1 is
-    Leviathan et al.'s memory-bound assumption.
-    """
+    """Expected speed-up over plain decoding, tau / (gamma * c + v); v = 1 if memory-bound."""
     if c < 0:
         raise ValueError(f"cost ratio c must be >= 0, got {c}")
     if v <= 0:
@@ -108,17 +81,7 @@ def teacher_forced_acceptance(
     token_batches: Iterable[torch.Tensor | list],
     temperature: float = 1.0,
 ) -> float:
-    """Alpha = mean beta over every position of held-out token windows, without generation.
-
-    Args:
-        target: causal LM returning ``.logits`` (B, T, V).
-        draft: causal LM with the same tokenizer.
-        token_batches: windows, each a (B, T) or (T,) tensor or nested list of token ids.
-        temperature: applied to both models (0 = greedy agreement rate).
-
-    Returns:
-        The position-weighted mean acceptance over all windows.
-    """
+    """Alpha = mean beta over every position of held-out (B, T) token windows, no generation."""
     total, count = 0.0, 0
     for batch in token_batches:
         ids = torch.as_tensor(batch, dtype=torch.long)

@@ -1,14 +1,8 @@
 """Sliding-window acceptance monitor: the reinforce stage's "dynamic strategy".
 
-On-policy training of the draft can go wrong quietly: a too-large step sharpens the draft where
-the target is flat, and acceptance, the quantity being optimised, starts to fall while the loss
-still looks fine. The monitor keeps the acceptance of the last ``window`` training steps and
-compares the older half of the window with the newer half; when the newer half is lower by more
-than ``threshold`` the caller lowers the learning rate. Halves rather than first-vs-last step,
-because one step's acceptance is one scenario's batch and swings with it; with the scenarios
-taken in turn, each half holds every scenario about equally often. After a drop the window
-starts over, so one fall is acted on once, and the next decision rests on steps taken at the
-new learning rate.
+Acceptance can fall while the loss looks fine. A fall of the newer half of the window's mean
+below the older half's (halves: one step's batch swings with its scenario) by more than
+``threshold`` tells the caller to lower the learning rate; the window then starts over.
 """
 
 from __future__ import annotations
@@ -19,13 +13,7 @@ __all__ = ["AcceptanceMonitor"]
 
 
 class AcceptanceMonitor:
-    """Windowed acceptance and the fall detector.
-
-    Args:
-        window: steps kept (>= 2).
-        threshold: fall (older-half mean minus newer-half mean) that counts as a drop; None
-            only monitors.
-    """
+    """Windowed acceptance (``window`` >= 2 steps) and the fall detector (``threshold``)."""
 
     def __init__(self, window: int, threshold: float | None = None) -> None:
         if window < 2:
@@ -51,8 +39,7 @@ class AcceptanceMonitor:
         return sum(vals[:half]) / half - sum(vals[-half:]) / half
 
     def update(self, alpha: float) -> bool:
-        """Record one step's acceptance; True when acceptance fell by more than the threshold
-        over the window (the window then starts over)."""
+        """Record one step's acceptance; True on a drop (the window then starts over)."""
         self.values.append(float(alpha))
         if self.threshold is None or self.fall <= self.threshold:
             return False

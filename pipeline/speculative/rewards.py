@@ -1,17 +1,9 @@
 """Reward and loss terms for acceptance-oriented training of the draft (reinforce stage).
 
-The draft is trained on its own proposals (on-policy, DistillSpec, Zhou et al. 2024):
-- a policy-gradient term with reward R = 0.7 * acceptance + 0.3 * throughput, minus a
-  moving-average baseline (REINFORCE with a baseline; the variance-reduction idea of TVD++,
-  Goel et al. 2024), which optimises what decoding actually measures, including how far into
-  the block acceptance survives;
-- the direct TVD term on the visited positions: expected acceptance is 1 - TVD(p, q) exactly,
-  so its gradient is dense and low-variance where the reward is sparse;
-- a KL anchor to the starting draft, so acceptance is not bought with language-model quality;
-- a slowly oscillating draft temperature (:mod:`pipeline.speculative.schedule`), which varies
-  how sharp the proposals are.
-
-Everything here is a pure function of tensors; the LightningModule wires them together.
+The draft is trained on its own proposals (on-policy, DistillSpec, Zhou et al. 2024) with a
+policy-gradient term on R = 0.7 * acceptance + 0.3 * throughput minus a moving-average
+baseline (TVD++, Goel et al. 2024), the dense TVD term (expected acceptance is exactly
+1 - TVD), and a KL anchor to the starting draft. Pure functions of tensors.
 """
 
 from __future__ import annotations
@@ -41,21 +33,10 @@ def speculative_reward(
     w_acceptance: float = 0.7,
     w_throughput: float = 0.3,
 ) -> torch.Tensor:
-    """Per-round reward R = w_a * acceptance + w_t * throughput, both in [0, 1].
+    """Per-round reward R = w_a * acceptance + w_t * throughput, both in [0, 1], shape (B,).
 
-    acceptance = n_accepted / gamma. throughput is the round's speed-up over plain decoding,
-    accepted_length / (gamma * c + 1) with accepted_length = n_accepted + 1 (the correction or
-    bonus token included), divided by gamma + 1, the largest accepted_length. The division
-    keeps it in [0, 1] like the acceptance term, while the cost still counts: the same accepted
-    length is worth less with a costlier draft or a longer block.
-
-    Args:
-        n_accepted: (B,) accepted draft tokens of each round.
-        gamma: draft length of the rounds (>= 1).
-        cost_ratio: c = draft forward cost / target forward cost.
-
-    Returns:
-        (B,) float rewards.
+    acceptance = n_accepted / gamma; throughput = (n_accepted + 1) / (gamma * c + 1), the
+    round's speed-up, divided by its maximum gamma + 1 to stay in [0, 1].
     """
     if gamma < 1:
         raise ValueError(f"gamma must be >= 1, got {gamma}")
@@ -65,11 +46,7 @@ def speculative_reward(
 
 
 class MovingAverageBaseline:
-    """Exponential moving average of the reward, subtracted to form advantages.
-
-    Args:
-        momentum: weight of the past; 0.9 averages over roughly the last ten batches.
-    """
+    """Exponential moving average of the reward (``momentum``: weight of the past)."""
 
     def __init__(self, momentum: float = 0.9) -> None:
         if not 0.0 <= momentum < 1.0:
@@ -78,10 +55,7 @@ class MovingAverageBaseline:
         self.value: float | None = None
 
     def advantages(self, rewards: torch.Tensor) -> torch.Tensor:
-        """Rewards minus the baseline (taken before this batch updates it), detached.
-
-        The first batch is centred on its own mean, so early advantages are not all positive.
-        """
+        """Rewards minus the baseline before this batch (the first: its own mean), detached."""
         rewards = rewards.detach().float()
         mean = rewards.mean().item()
         base = mean if self.value is None else self.value
@@ -111,13 +85,7 @@ def sampled_logprobs(
 def policy_gradient_loss(
     logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """REINFORCE loss -E[A * sum_k log q(x_k)], averaged over rounds.
-
-    Args:
-        logprobs: (B, G) draft log-probabilities of the proposed tokens (with grad).
-        advantages: (B,) reward minus baseline (treated as constants).
-        mask: optional (B, G) bool, the draft positions that count (e.g. all proposed ones).
-    """
+    """REINFORCE loss -E[A * sum_k log q(x_k)] over (B, G) log-probs and (B,) advantages."""
     if mask is not None:
         logprobs = logprobs * mask.to(logprobs.dtype)
     return -(advantages.detach().unsqueeze(-1) * logprobs).sum(-1).mean()
@@ -129,14 +97,7 @@ def tvd_loss(
     mask: torch.Tensor | None = None,
     temperature: float = 1.0,
 ) -> torch.Tensor:
-    """Mean TVD(p, q) = 1 - expected acceptance over the visited positions.
-
-    Args:
-        p_logits: (..., V) target logits (no gradient flows into the target).
-        q_logits: (..., V) draft logits.
-        mask: optional (...) bool of positions to average over.
-        temperature: > 0, the decoding temperature the acceptance should hold at.
-    """
+    """Mean TVD(p, q) = 1 - expected acceptance over the (masked) positions; no grad into p."""
     if temperature <= 0:
         raise ValueError(
             f"tvd_loss needs a temperature > 0 to be differentiable, got {temperature}"
@@ -153,12 +114,7 @@ def kl_to_reference(
     mask: torch.Tensor | None = None,
     temperature: float = 1.0,
 ) -> torch.Tensor:
-    """KL(q || q_ref), the anchor to the starting draft, averaged over positions.
-
-    Reverse KL (current policy first) as in KL-regularised policy optimisation: it penalises
-    the draft for putting mass where the reference had little, and is computed exactly over
-    the vocabulary rather than from samples.
-    """
+    """Reverse KL(q || q_ref), the anchor to the starting draft, exact over the vocabulary."""
     logq = torch.log_softmax(q_logits.float() / temperature, dim=-1)
     logr = torch.log_softmax(ref_logits.detach().float() / temperature, dim=-1)
     return masked_mean((logq.exp() * (logq - logr)).sum(-1), mask)

@@ -1,16 +1,7 @@
 """Batched on-policy rollouts: one speculative round on many contexts at once.
 
-The reinforce stage trains the draft on its own proposals (on-policy, as DistillSpec and OSD
-find most reliable). A rollout takes B equal-length contexts (scenario windows), lets the
-draft propose gamma tokens for every row with its KV cache, has the target score all rows in
-one forward, and runs the exact verification of :func:`~pipeline.speculative.sampling.verify_draft`
-row by row in one vectorised call. The result holds everything the loss terms of
-:mod:`pipeline.speculative.rewards` need: the proposed tokens (policy-gradient actions), the target
-logits at the visited positions (TVD term), and the accepted counts (reward).
-
-Nothing here carries gradients: the training step re-runs the draft on ``sequences`` with
-gradients enabled, which costs one batched forward and keeps the rollout cheap and free of
-autograd state across the gamma sampling steps.
+No gradients: the training step re-runs the draft on ``sequences`` in one batched forward
+instead of keeping autograd state across the gamma sampling steps.
 """
 
 from __future__ import annotations
@@ -27,25 +18,15 @@ __all__ = ["Rollout", "draft_rollout"]
 
 @dataclass(frozen=True)
 class Rollout:
-    """One speculative round on a batch of contexts.
+    """One speculative round on a batch of contexts."""
 
-    Attributes:
-        sequences: (B, T + G) contexts followed by the draft's proposals.
-        tokens: (B, G) the proposals.
-        p_logits: (B, G + 1, V) target logits predicting each proposal and the bonus position.
-        q_logits: (B, G, V_q) draft logits the proposals were sampled from.
-        verification: accepted counts, correction/bonus tokens and beta per position.
-        context_len: T.
-        p_context: (B, K, V) target logits at the requested context positions, or None.
-    """
-
-    sequences: torch.Tensor
+    sequences: torch.Tensor  # (B, T + G) contexts followed by the draft's proposals
     tokens: torch.Tensor
-    p_logits: torch.Tensor
-    q_logits: torch.Tensor
+    p_logits: torch.Tensor  # (B, G + 1, V) target logits at each proposal and the bonus
+    q_logits: torch.Tensor  # (B, G, V_q) draft logits the proposals were sampled from
     verification: Verification
     context_len: int
-    p_context: torch.Tensor | None = None
+    p_context: torch.Tensor | None = None  # (B, K, V) target logits at context_positions
 
     def draft_positions(self) -> slice:
         """Positions of ``sequences`` whose logits predict the proposals (T - 1 .. T + G - 2)."""
@@ -65,24 +46,11 @@ def draft_rollout(
     generator: torch.Generator | None = None,
     context_positions: torch.Tensor | None = None,
 ) -> Rollout:
-    """Propose ``gamma`` tokens per context with the draft and verify them with the target.
+    """Propose ``gamma`` tokens per (B, T) context with the draft and verify them with the target.
 
-    Args:
-        target: verifying causal LM.
-        draft: proposing causal LM (same tokenizer).
-        contexts: (B, T) token ids, all rows the same length (no padding).
-        gamma: tokens proposed per row (>= 1).
-        temperature: sampling temperature of both models (0 = greedy).
-        draft_temperature: the draft samples at this temperature instead (exploration during
-            training); verification stays exact because it uses the distribution each proposal
-            was actually drawn from. None = ``temperature``.
-        generator: randomness for proposals and verification.
-        context_positions: (K,) indices < T - 1 into the contexts whose target logits (each
-            predicting the next context token) the rollout also returns, from the same target
-            forward: what a teacher-forced loss on the contexts needs, at no extra forward.
-
-    Returns:
-        The :class:`Rollout`.
+    ``draft_temperature`` (None: ``temperature``) changes the draft's sampling only: verification
+    tests against the distribution sampled. ``context_positions`` (K,) < T - 1: target logits to
+    return too from the same forward (for a teacher-forced loss).
     """
     contexts = torch.as_tensor(contexts, dtype=torch.long)
     if contexts.dim() != 2 or contexts.shape[1] == 0:

@@ -1,17 +1,11 @@
 """Speculative sampling: the verification step that keeps the target's distribution.
 
-Leviathan et al. (ICML 2023) and Chen et al. (2023). A draft q proposes gamma tokens
-x_1..x_gamma; the target p scores all of them in one forward pass. Token x_i is accepted
-with probability min(1, p_i(x_i) / q_i(x_i)); at the first rejection the correction token is
-sampled from norm(max(0, p_i - q_i)); when every draft token is accepted a bonus token is sampled
-from p_{gamma+1}. Every emitted token is then distributed exactly as p, whatever q is: a bad
-draft costs speed, never quality.
-
-The step is vectorised over the gamma positions and over a batch of independent rows (one
-uniform per position, one multinomial per row), so a rollout of many contexts at once (the
-reinforce stage) and single-sequence decoding share the code. Temperature is applied to both
-distributions before the test; temperature 0 is greedy verification: a draft token is accepted
-iff it is the target's argmax, and the correction token is the target's argmax.
+Leviathan et al. (ICML 2023), Chen et al. (2023). Draft token x_i ~ q_i is accepted with
+probability min(1, p_i(x_i) / q_i(x_i)); at the first rejection the correction token is sampled
+from norm(max(0, p_i - q_i)); if all are accepted a bonus token is sampled from p_{gamma+1}.
+Every emitted token is then distributed exactly as p, whatever q is: a bad draft costs speed,
+never quality. Vectorised over positions and a batch of rows; temperature 0 is greedy
+verification (accept iff the target's argmax, correction = argmax).
 """
 
 from __future__ import annotations
@@ -25,20 +19,12 @@ __all__ = ["Verification", "logits_to_probs", "sample_tokens", "verify_draft", "
 
 @dataclass(frozen=True)
 class Verification:
-    """Outcome of verifying one block of draft tokens per row.
+    """Outcome of verifying one block of draft tokens per row."""
 
-    Attributes:
-        n_accepted: (B,) number of leading draft tokens accepted, in [0, gamma].
-        next_token: (B,) the correction token (at the first rejection) or the bonus token.
-        accepted: (B, gamma) bool, True for the accepted prefix only.
-        beta: (B, gamma) expected acceptance sum_x min(p, q) at every draft position; only the
-            first min(n_accepted + 1, gamma) positions of a row were actually tested.
-    """
-
-    n_accepted: torch.Tensor
-    next_token: torch.Tensor
-    accepted: torch.Tensor
-    beta: torch.Tensor
+    n_accepted: torch.Tensor  # (B,) leading draft tokens accepted, in [0, gamma]
+    next_token: torch.Tensor  # (B,) the correction (first rejection) or the bonus token
+    accepted: torch.Tensor  # (B, gamma) bool, True for the accepted prefix only
+    beta: torch.Tensor  # (B, gamma) expected acceptance sum_x min(p, q) at each position
 
     @property
     def n_verified(self) -> torch.Tensor:
@@ -48,21 +34,12 @@ class Verification:
 
 
 def logits_to_probs(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """Softmax at a temperature, in float32; temperature 0 gives the one-hot argmax.
-
-    Args:
-        logits: (..., V) unnormalised scores.
-        temperature: > 0 for sampling, 0 for greedy.
-
-    Returns:
-        (..., V) float32 probabilities.
-    """
+    """(..., V) logits -> float32 softmax at ``temperature``; 0 gives the one-hot argmax."""
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
     logits = logits.float()
     if temperature == 0:
-        # One-hot keeps greedy consistent with the general formulas: sum_x min(p, q) is 1 iff
-        # both argmaxes agree, which is exactly the greedy acceptance indicator.
+        # One-hot: sum_x min(p, q) is then the greedy acceptance indicator.
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
     return torch.softmax(logits / temperature, dim=-1)
 
@@ -70,11 +47,7 @@ def logits_to_probs(logits: torch.Tensor, temperature: float = 1.0) -> torch.Ten
 def sample_tokens(
     probs: torch.Tensor, generator: torch.Generator | None = None, greedy: bool = False
 ) -> torch.Tensor:
-    """Draw one token per row of ``probs`` (..., V) -> (...) int64.
-
-    Sampling runs on the generator's device so a seeded generator reproduces the same tokens
-    wherever the model runs (pass a generator on the model's device to avoid a host copy).
-    """
+    """One token per row of ``probs`` (..., V) -> (...) int64, sampled on the generator's device."""
     if greedy:
         return probs.argmax(-1)
     shape = probs.shape[:-1]
@@ -98,18 +71,10 @@ def verify_draft(
     greedy: bool = False,
     generator: torch.Generator | None = None,
 ) -> Verification:
-    """Accept or reject a block of draft tokens per row (the speculative sampling step).
+    """Accept or reject a block of (B, G) draft tokens per row (the speculative sampling step).
 
-    Args:
-        draft_tokens: (B, G) tokens proposed by the draft (G = gamma, may be 0).
-        q_probs: (B, G, V) draft probabilities each token was sampled from (temperature applied).
-        p_probs: (B, G + 1, V) target probabilities at the same positions plus the one after the
-            last draft token (for the bonus token).
-        greedy: accept iff the draft token is the target's argmax; correction = argmax p.
-        generator: source of randomness (uniforms and the correction sample).
-
-    Returns:
-        The :class:`Verification` of every row.
+    ``q_probs`` (B, G, V): what each draft was sampled from; ``p_probs`` (B, G + 1, V): the
+    target there and after the last draft. ``greedy``: accept iff the target's argmax.
     """
     b, g = draft_tokens.shape
     if q_probs.shape[:2] != (b, g) or p_probs.shape[:2] != (b, g + 1):
@@ -133,8 +98,7 @@ def verify_draft(
     n_accepted = _leading_true(accepted)  # (B,)
     accepted = torch.arange(g, device=accepted.device) < n_accepted.unsqueeze(-1)
 
-    # Padding q with a zero row makes "all accepted" fall out of the same formula:
-    # max(0, p_{G+1} - 0) = p_{G+1}, the bonus distribution.
+    # A zero q row makes "all accepted" the same formula: max(0, p_{G+1} - 0) = bonus.
     q_pad = torch.cat([q_probs, q_probs.new_zeros(b, 1, q_probs.shape[-1])], dim=1)
     rows = torch.arange(b, device=p_probs.device)
     p_n = p_probs[rows, n_accepted]  # (B, V)
@@ -143,23 +107,16 @@ def verify_draft(
     else:
         residual = torch.clamp(p_n - q_pad[rows, n_accepted], min=0.0)  # (B, V)
         mass = residual.sum(-1, keepdim=True)
-        # A rejection implies some p(y) > q(y), so mass > 0 in exact arithmetic; fall back to p
-        # where rounding left nothing.
+        # A rejection implies mass > 0 in exact arithmetic; fall back to p if rounding left 0.
         residual = torch.where(mass > 1e-12, residual / mass.clamp_min(1e-12), p_n)
         next_token = sample_tokens(residual, generator)
     return Verification(n_accepted, next_token, accepted, beta)
 
 
 def verify_greedy(draft_tokens: torch.Tensor, target_tokens: torch.Tensor) -> Verification:
-    """:func:`verify_draft` with ``greedy=True``, from the target's argmax tokens alone.
+    """``verify_draft(greedy=True)`` from (B, G) draft and (B, G + 1) target argmax tokens.
 
-    The same outcome without one-hot rows over the vocabulary: at a 152 k vocabulary and
-    gamma 4 building them cost ~11 ms a round on a 2-core CPU, a tenth of a 0.6 B model's round.
-    beta is 1 where the draft token is the target's argmax, as sum_x min(p, q) of two one-hots is.
-
-    Args:
-        draft_tokens: (B, G) the draft's greedy tokens.
-        target_tokens: (B, G + 1) the target's argmax at the same positions and the one after.
+    No one-hot rows over the vocabulary; beta is 1 where the tokens agree, as for two one-hots.
     """
     b, g = draft_tokens.shape
     match = target_tokens[:, :g] == draft_tokens  # (B, G)

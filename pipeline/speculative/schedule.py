@@ -1,11 +1,7 @@
 """The draft's sampling temperature schedule, shared by training rollouts and decoding.
 
-T(step) = T0 * (1 + 0.1 * cos(step / 1000)): the draft samples slightly hotter or colder than
-T0 over a slow period (~6300 steps). In the reinforce stage it varies how sharp the on-policy
-proposals are; at decode time it does the same over the decoding steps of a generation.
-Verification stays exact either way: each proposal is tested against the distribution it was
-actually drawn from (``pipeline.speculative.sampling.verify_draft``), so only acceptance, never
-the output distribution, depends on it. T0 = 0 (greedy) stays 0 at every step.
+Verification tests each proposal against the distribution it was drawn from, so the schedule
+changes acceptance only, never the output distribution.
 """
 
 from __future__ import annotations

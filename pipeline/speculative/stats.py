@@ -1,12 +1,7 @@
 """Counters of a speculative (or plain) decoding run and the rates derived from them.
 
-Two acceptance numbers are kept apart on purpose (see REFERENCES.md):
-- ``acceptance_rate`` = accepted / drafted counts every drafted token, including those after
-  the first rejection that were never tested, so it sits below alpha for gamma > 1;
-- ``alpha_hat`` = mean of beta = sum_x min(p, q) over the positions whose test actually ran,
-  an unbiased, low-variance (Rao-Blackwellised) estimate of the per-token acceptance alpha.
-``tau`` (new tokens per target forward, correction/bonus token included) is the block
-efficiency EAGLE-style evaluations report.
+``acceptance_rate`` (accepted / drafted) counts drafts after the first rejection, never
+tested; ``alpha_hat`` averages beta over tested positions, an unbiased estimate of alpha.
 """
 
 from __future__ import annotations
@@ -18,21 +13,10 @@ __all__ = ["SpecStats"]
 
 @dataclass
 class SpecStats:
-    """Statistics of one or more decoding runs (merge runs with :meth:`merge`).
+    """Counters of one or more decoding runs (merge runs with :meth:`merge`).
 
-    Attributes:
-        drafted: draft tokens proposed.
-        accepted: draft tokens accepted.
-        target_calls: target forwards that emitted tokens (the prompt prefill of speculative
-            decoding emits none and is not counted).
-        draft_calls: single-token draft forwards.
-        new_tokens: tokens emitted.
-        seconds: wall time, prompt processing included.
-        beta_sum: sum of beta = sum_x min(p, q) over verified positions.
-        beta_count: number of verified positions.
-        position_accepted: per draft position k, how often it was accepted.
-        position_verified: per draft position k, how often its test ran.
-        gammas: draft length used by each round.
+    ``target_calls`` excludes the prompt prefill; ``seconds`` includes it. ``beta_*`` sum beta
+    over tested positions; ``position_*`` count accepted / tested per draft position.
     """
 
     drafted: int = 0
@@ -48,13 +32,8 @@ class SpecStats:
     gammas: list[int] = field(default_factory=list)
 
     def record_round(self, gamma: int, n_accepted: int, n_new: int, betas: list[float]) -> None:
-        """Add one verification round.
-
-        Args:
-            gamma: tokens drafted this round (0 for a plain decoding step).
-            n_accepted: leading draft tokens accepted.
-            n_new: tokens emitted (n_accepted + 1 unless cut at an end-of-sequence token).
-            betas: beta at each verified position, len = min(n_accepted + 1, gamma).
+        """Add one round: ``gamma`` drafted (0: a plain step), ``n_accepted``, ``n_new`` emitted
+        and beta at each of the min(n_accepted + 1, gamma) tested positions.
         """
         self.drafted += gamma
         self.draft_calls += gamma

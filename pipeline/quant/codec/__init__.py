@@ -1,13 +1,8 @@
 """Codecs: one per format family, each owning its fit, encode, decode, storage and fake-quant.
 
-* ``IntCodec`` (``pipeline.quant.codec.integer``): uniform codes, per-group scale and zero.
-* ``ExpCodec`` (``pipeline.quant.codec.exponential``): 4-bit sign + index on a geometric grid,
-  per-group base and ratio, decoded through a 16-entry LUT.
-
-RTN, GPTQ, fake-quant and QTensor take the codec from the format (``fmt.codec``) and never
-branch on the family; the interface is ``base.Codec``. The artifact reader and the runtime
-import the group layout (``to_groups``, ``expand_groups``) and ``exp_lut`` from here. ``float``
-is not a quantized family: it has no codec (fp16 weights are stored as they are).
+``IntCodec`` (uniform codes, per-group scale and zero) and ``ExpCodec`` (4-bit sign + index on
+a geometric grid, decoded through a LUT). Callers take the codec from the format
+(``fmt.codec``) and never branch on the family; ``float`` has no codec.
 """
 
 from __future__ import annotations

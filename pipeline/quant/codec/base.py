@@ -99,9 +99,8 @@ def to_fp16(x: Tensor, round_down: bool = False) -> Tensor:
 
 
 def to_groups(w: Tensor, group_len: int) -> Tensor:
-    """(out, in) -> (out, n_groups, group_len), zero-padding a trailing partial group.
-
-    Zero padding is harmless: every format represents 0 exactly and every grid contains 0.
+    """(out, in) -> (out, n_groups, group_len), zero-padding a trailing partial group (harmless:
+    every grid contains 0).
     """
     out, n_in = w.shape
     pad = (-n_in) % group_len
@@ -116,11 +115,7 @@ def expand_groups(p: Tensor, group_len: int, n_in: int) -> Tensor:
 
 
 def row_chunks(wg: Tensor, weight: Tensor | None) -> Iterator[tuple[slice, Tensor, Tensor | None]]:
-    """Yield ``(rows, wg_chunk, weight_chunk)`` slices of about ``CHUNK`` elements.
-
-    The searches make ~10 elementwise passes per candidate; on chunks that stay in cache these
-    run several times faster than on whole-matrix temporaries.
-    """
+    """Yield ``(rows, wg_chunk, weight_chunk)`` slices of about ``CHUNK`` elements (cache-sized)."""
     per_row = max(1, wg[0].numel()) if wg.dim() > 1 else 1
     step = max(1, CHUNK // per_row)
     for i in range(0, wg.shape[0], step):

@@ -1,20 +1,11 @@
 """Exponential 4-bit codes: sign + 3-bit index on a geometric grid, decoded through a LUT.
 
 ``code = sign << 3 | m``; ``m = 0`` is zero and ``m = k + 1`` the magnitude ``s * r**k``
-(k = 0..6), so the 16 values of a group, ``[0, s, s*r, ..., s*r**6]`` followed by the same
-values negated, form its lookup table (code 8 is a second zero). Rounding is to the nearest
-level in the linear domain. A log grid spends its levels where bell-shaped weights are dense,
-near zero, at the price of a coarse top: it beats int4 on heavy-tailed (Laplace-like) rows.
-
-Fit: for every group at once, try a short list of ratios ``r`` and clipping ratios (the largest
-level is ``clip * max|w|``), and keep the pair with the lowest reconstruction error, optionally
-weighted per input column. Candidates are scored with the base as stored (fp16; the ratios are
-exact in fp16), so weights already on a grid re-quantize to themselves.
-
-Fake quantization (QAT): the learnable parameter is the base ``s`` (every level moves with it,
-``d W_hat / d s = W_hat / s``); the ratio ``r`` stays as fitted. That is a simplification (its
-gradient ``k * s * r**(k-1)`` would be easy to add) which keeps one trainable parameter per
-group, as for symmetric int formats.
+(k = 0..6), so a group's LUT is ``[0, s, s*r, ..., s*r**6]`` followed by the same values negated
+(code 8 is a second zero). Rounding is to the nearest level in the linear domain; the log grid
+puts its levels near zero, where bell-shaped weights are dense. Fit: a grid search over ratios
+and clipping ratios, scored with the base as stored (fp16). QAT trains the base ``s`` only
+(``d W_hat / d s = W_hat / s``); the ratio stays as fitted.
 """
 
 from __future__ import annotations
@@ -34,10 +25,8 @@ EXP_LEVELS = 8  # magnitudes per sign: zero + s * r**k, k = 0..6
 
 
 def exp_powers(ratio: Tensor) -> Tensor:
-    """(...,) ratios -> (..., 8) normalised magnitudes ``[0, 1, r, r**2, ..., r**6]``.
-
-    Built by repeated multiplication (exactly rounded, unlike ``pow``), so every caller gets
-    bit-identical levels whatever the tensor shape.
+    """(...,) ratios -> (..., 8) normalised magnitudes ``[0, 1, r, ..., r**6]``, by repeated
+    multiplication (exactly rounded, unlike ``pow``): bit-identical whatever the shape.
     """
     r = ratio.unsqueeze(-1).expand(*ratio.shape, EXP_LEVELS - 2)
     one = torch.ones_like(ratio).unsqueeze(-1)
@@ -91,14 +80,9 @@ class ExpCodec:
         return EXP_LEVELS - 1  # positive magnitude levels
 
     def fit(self, wg: Tensor, weight: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """Grid-search base ``s`` and ratio ``r`` per group (largest level = clip * max|w|).
+        """Grid-search base ``s`` and ratio ``r`` per group (..., G); top level = clip * max|w|.
 
-        Args:
-            wg: Weights, groups along the last dim: (..., G).
-            weight: Optional non-negative error weights broadcastable to ``wg``.
-
-        Returns:
-            ``(base, ratio)``, each of shape ``wg.shape[:-1]``, fp16-representable float32.
+        Returns ``(base, ratio)`` of shape ``wg.shape[:-1]``, fp16-representable float32.
         """
         a = wg.abs()
         amax = a.amax(-1)
@@ -116,9 +100,8 @@ class ExpCodec:
                     x = torch.div(ach, s_)
                     mag, step = torch.zeros_like(x), torch.empty_like(x)
                     for j, bound in enumerate(bounds):
-                        # step = [x > bound] * level, exactly, with float ops only (boolean
-                        # masks are several times slower on CPU); bounds ascend, so the running
-                        # max is levels[#bounds below x], the level encode picks.
+                        # step = [x > bound] * level with float ops (faster than masks);
+                        # bounds ascend, so the running max is the level encode picks.
                         torch.sub(x, bound, out=step).clamp_(0, 1).ceil_().mul_(levels[j + 1])
                         torch.maximum(mag, step, out=mag)
                     mag.mul_(s_).sub_(ach).square_()

@@ -1,18 +1,11 @@
 """Integer codes: uniform quantization with a per-group scale and zero point (GPTQ/AWQ style).
 
-A weight maps to the unsigned code ``c = clamp(round(w / s) + z, 0, 2**b - 1)`` and back to
-``(c - z) * s``. Asymmetric formats fit the zero point ``z`` per group (the "dynamic origin")
-and store it as a b-bit code value; symmetric ones fix ``z = 2**(b-1)`` (the origin), so the
-signed code ``c - z`` spans ``[-2**(b-1), 2**(b-1) - 1]``.
-
-Fit: min-max, or, against an importance weighting, the clipping ratio that minimises the
-weighted reconstruction error ``sum_j h_j (w_j - q_j)^2``, searched for every group at once.
-Candidates are scored with the scale *as stored* (fp16, rounded toward zero so that the largest
-magnitude always lands on the extreme code): weights already on a grid then re-quantize to
-themselves, because the candidate that reproduces the grid has error exactly zero.
-
-Fake quantization (QAT) follows LSQ (Esser et al., ICLR 2020) on float weights and
-EfficientQAT's step-size training on frozen codes; see ``pipeline.quant.fakequant``.
+``c = clamp(round(w / s) + z, 0, 2**b - 1)``, decoded as ``(c - z) * s``. Asymmetric formats fit
+``z`` per group and store it as a b-bit code; symmetric ones fix ``z = 2**(b-1)``, so ``c - z``
+spans ``[-2**(b-1), 2**(b-1) - 1]``. Fit: min-max, or with an importance weighting the clipping
+ratio minimising ``sum_j h_j (w_j - q_j)^2``. Candidates are scored with the scale as stored
+(fp16, rounded toward zero so the largest magnitude lands on the extreme code), so weights
+already on a grid re-quantize to themselves (that candidate has error exactly zero).
 """
 
 from __future__ import annotations
@@ -69,22 +62,14 @@ class IntCodec:
         return self.origin - 1 if self.symmetric else self.maxq
 
     def fit(self, wg: Tensor, weight: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """Scale and zero per group: min-max, or with ``weight`` the clipping that minimises
-        the weighted error.
+        """Scale and zero per group (..., G): min-max, or with ``weight`` the clipping that
+        minimises the weighted error.
 
-        Args:
-            wg: Weights, groups along the last dim: (..., G).
-            weight: Optional non-negative error weights broadcastable to ``wg``.
-
-        Returns:
-            ``(scale, zero)``, each of shape ``wg.shape[:-1]``: fp16-representable float32
-            scales and integer-valued float32 zero points (the origin for symmetric formats).
+        Returns ``(scale, zero)`` of shape ``wg.shape[:-1]``: fp16-representable float32 scales and
+        integer-valued float32 zero points (the origin for symmetric formats).
         """
         half, maxq = float(self.origin), self.maxq
-        # Clipping search only against an importance weighting: unweighted, the weight-MSE
-        # optimum clips the largest weights, which matter most; on the bootstrap target it
-        # raised RTN int3g128 perplexity from 189.58 (min-max) to 190.24 and GPTQ int2g64 from
-        # 189.77 to 190.51.
+        # Unweighted, the weight-MSE optimum clips the largest weights, which matter most.
         clips = INT_CLIPS if weight is not None else (1.0,)
         xmin = wg.amin(-1).clamp_max(0)  # the grid always contains 0
         xmax = wg.amax(-1).clamp_min(0)
@@ -148,12 +133,7 @@ class IntCodec:
         return None
 
     def signed(self, codes: Tensor, scale: Tensor, zero: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """Ascend convention ``W = (q - offset) * scale`` with q signed: exact re-centering.
-
-        Returns:
-            ``(q, scale, offset)``: q int8 in ``[-2**(b-1), 2**(b-1) - 1]``; scale and offset
-            float32 of the shape of ``scale``.
-        """
+        """Ascend convention ``W = (q - offset) * scale``, q signed int8: an exact re-centering."""
         q = (codes.to(torch.int16) - self.origin).to(torch.int8)
         offset = (zero - self.origin).expand(scale.shape).float().contiguous()
         return q, scale, offset
