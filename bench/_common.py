@@ -289,15 +289,29 @@ def report_goals(
     return 1 if missed else 0
 
 
-def table(title: str, rows: Sequence[Any], columns: Sequence[str] | None = None) -> dict:
-    """A result table: ``rows`` as dicts (``columns`` in order; default the first row's keys) or
-    as the markdown lines a bench prints (``| a | b |``; header, rule, then rows)."""
-    if rows and isinstance(rows[0], str):
-        cells = [[c.strip() for c in line.strip().strip("|").split("|")] for line in rows]
-        columns, body = cells[0], [r for r in cells[1:] if not set("".join(r)) <= set("-: ")]
-        return {"title": title, "columns": columns, "rows": body}
+def result_table(title: str, rows: Sequence[dict], columns: Sequence[str] | None = None) -> dict:
+    """A result table: ``rows`` as dicts, ``columns`` in order (default: the first row's keys)."""
     columns = list(columns or (rows[0] if rows else ()))
     return {"title": title, "columns": columns, "rows": [[r.get(c) for c in columns] for r in rows]}
+
+
+def parsed_tables(title: str, lines: str | Sequence[str]) -> list[dict]:
+    """The markdown tables a bench printed (``| a | b |`` lines; any other line ends one) as
+    result tables, titled ``title``, ``title (2)``, ..."""
+    lines = lines.splitlines() if isinstance(lines, str) else lines
+    blocks: list[list[list[str]]] = [[]]
+    for line in lines:
+        if line.strip().startswith("|"):
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            if not all(c and set(c) <= set("-:") for c in cells):  # not the header's rule
+                blocks[-1].append(cells)
+        elif blocks[-1]:
+            blocks.append([])
+    blocks = [b for b in blocks if b]
+    return [
+        {"title": title if i == 0 else f"{title} ({i + 1})", "columns": b[0], "rows": b[1:]}
+        for i, b in enumerate(blocks)
+    ]
 
 
 def _commit() -> tuple[str | None, bool]:
@@ -315,17 +329,18 @@ def _commit() -> tuple[str | None, bool]:
 
 def write_result(
     out: str | Path, bench: str, tables: Sequence[dict], goals: Sequence[dict[str, Any]] = (),
-    skip: Sequence[str] = (),
+    skip: Sequence[str] = (), notes: Sequence[str] = (),
 ) -> Path:  # fmt: skip
     """Write ``out/result.json``: what ``python -m bench.render`` turns into docs/benchmarks.md.
 
     Args:
         out: The bench's output folder (``--out``).
         bench: The bench's module name under ``bench/`` (``packing``).
-        tables: Rows of :func:`table`.
+        tables: Rows of :func:`result_table` or :func:`parsed_tables` (empty ones left out).
         goals: Rows of :func:`goal` and :func:`unmeasured` (verdicts as ``report_goals`` gives
             them, ``skip`` applied).
         skip: The ``--skip-goal`` texts.
+        notes: Lines that say what the tables were measured on (model shape, ISA, settings).
     """
     import torch
 
@@ -339,7 +354,8 @@ def write_result(
         "dirty": dirty,
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": cpu_summary() | {"torch": torch.__version__, "load_avg": os.getloadavg()[0]},
-        "tables": list(tables),
+        "notes": list(notes),
+        "tables": [t for t in tables if t["rows"]],
         "goals": _skipped(goals, skip),
     }
     path = Path(out) / "result.json"

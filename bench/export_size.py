@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from bench._common import table, write_result
+from bench._common import parsed_tables, write_result
 
 RECIPES = ("int2g64", "int3g128", "int4g128", "int4g128-sym", "int8", "exp4g128")
 
@@ -181,7 +181,7 @@ def main() -> None:
                 )
     metrics.update({"fp16_mb": fp_mb, "fp_tok_s": fp_rate[0], "fp_cpu_tok_s": fp_rate[1]})
     title = f"hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}"
-    write_result(args.out, "export_size", [table(title, lines)])
+    write_result(args.out, "export_size", parsed_tables(title, lines))
     if args.mlflow:
         import mlflow
 

@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from bench._common import table, write_result
+from bench._common import parsed_tables, write_result
 from pipeline.quant import HessianAccumulator, gptq_quantize, pack_bits, quantize_rtn, unpack_bits
 from pipeline.quant.codec import to_groups
 
@@ -150,7 +150,7 @@ def main() -> None:
         ("exp4 vs int4 (synthetic weights)", fidelity_table(1024, args.size)),
     ):
         print(f"### {title}\n" + "\n".join(rows) + "\n")
-        tables.append(table(title, rows))
+        tables += parsed_tables(title, rows)
         metrics.update(m)
     write_result(args.out, "packing", tables)
     if args.mlflow:
