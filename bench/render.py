@@ -110,9 +110,7 @@ def _cpu(result: dict, flags: tuple[str, ...] | None = None) -> str:
 
 
 def _table(columns: list[str], rows: list[list]) -> str:
-    def cell(v: Any) -> Any:  # 4 significant digits: result.json keeps every digit
-        if isinstance(v, float):
-            return f"{v:.4g}"
+    def cell(v: Any) -> Any:
         return v.replace("|", "\\|") if isinstance(v, str) else v
 
     return markdown_table([dict(zip(columns, map(cell, r))) for r in rows], columns)
