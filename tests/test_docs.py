@@ -49,6 +49,8 @@ def test_every_bench_has_one_section():
     doc = (REPO / render.DOC).read_text()
     sections = re.findall(r"^## `bench/(\w+)\.py`$", doc, re.M)
     assert sections == render.benches()
+    results = {p.name for p in (REPO / render.RESULTS).iterdir() if p.is_dir()}
+    assert results <= set(sections), f"results of no bench: {results - set(sections)}"
 
 
 def test_a_result_renders_its_command_commit_machine_tables_and_goals(tmp_path, monkeypatch):
