@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import argparse
 import csv
+import datetime
 import json
 import os
+import shlex
 import subprocess
 import sys
 import threading
@@ -248,6 +250,14 @@ def add_goal_args(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
 
 
+def _skipped(goals: Sequence[dict[str, Any]], skip: Sequence[str]) -> list[dict[str, Any]]:
+    """Goals with each one a ``--skip-goal`` text matches marked skipped (its verdict kept)."""
+    return [
+        {**g, "verdict": f"skipped ({g['verdict']})"} if any(s in g["goal"] for s in skip) else g
+        for g in goals
+    ]
+
+
 def report_goals(
     goals: list[dict[str, Any]], out: Path | None = None, skip: Sequence[str] = ()
 ) -> int:
@@ -262,10 +272,7 @@ def report_goals(
     if not goals:
         print("no goal could be checked: the rows it compares are missing")
         return 1
-    goals = [
-        {**g, "verdict": f"skipped ({g['verdict']})"} if any(s in g["goal"] for s in skip) else g
-        for g in goals
-    ]
+    goals = _skipped(goals, skip)
     for text in skip:
         if not any(text in g["goal"] for g in goals):
             print(f"--skip-goal {text!r} matches no goal")
@@ -280,6 +287,82 @@ def report_goals(
     else:
         print(f"every goal checked met ({skipped} skipped)" if skipped else "every goal met")
     return 1 if missed else 0
+
+
+def result_table(title: str, rows: Sequence[dict], columns: Sequence[str] | None = None) -> dict:
+    """A result table: ``rows`` as dicts, ``columns`` in order (default: the first row's keys)."""
+    columns = list(columns or (rows[0] if rows else ()))
+    return {"title": title, "columns": columns, "rows": [[r.get(c) for c in columns] for r in rows]}
+
+
+def parsed_tables(title: str, lines: str | Sequence[str]) -> list[dict]:
+    """The markdown tables a bench printed (``| a | b |`` lines; any other line ends one) as
+    result tables, titled ``title``, ``title (2)``, ..."""
+    lines = lines.splitlines() if isinstance(lines, str) else lines
+    blocks: list[list[list[str]]] = [[]]
+    for line in lines:
+        if line.strip().startswith("|"):
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            if not all(c and set(c) <= set("-:") for c in cells):  # not the header's rule
+                blocks[-1].append(cells)
+        elif blocks[-1]:
+            blocks.append([])
+    blocks = [b for b in blocks if b]
+    return [
+        {"title": title if i == 0 else f"{title} ({i + 1})", "columns": b[0], "rows": b[1:]}
+        for i, b in enumerate(blocks)
+    ]
+
+
+def _commit() -> tuple[str | None, bool]:
+    """HEAD's full hash and whether tracked files differ from it (None outside a checkout)."""
+    try:
+        git = ["git", "-C", str(REPO)]
+        head = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True,
+                              timeout=10, check=True).stdout.strip()  # fmt: skip
+        status = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"],
+                                capture_output=True, text=True, timeout=10).stdout  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return None, False
+    return head, bool(status.strip())
+
+
+def write_result(
+    out: str | Path, bench: str, tables: Sequence[dict], goals: Sequence[dict[str, Any]] = (),
+    skip: Sequence[str] = (), notes: Sequence[str] = (),
+) -> Path:  # fmt: skip
+    """Write ``out/result.json``: what ``python -m bench.render`` turns into docs/benchmarks.md.
+
+    Args:
+        out: The bench's output folder (``--out``).
+        bench: The bench's module name under ``bench/`` (``packing``).
+        tables: Rows of :func:`result_table` or :func:`parsed_tables` (empty ones left out).
+        goals: Rows of :func:`goal` and :func:`unmeasured` (verdicts as ``report_goals`` gives
+            them, ``skip`` applied).
+        skip: The ``--skip-goal`` texts.
+        notes: Lines that say what the tables were measured on (model shape, ISA, settings).
+    """
+    import torch
+
+    from pipeline.hardware import cpu_summary
+
+    commit, dirty = _commit()
+    result = {
+        "bench": bench,
+        "command": shlex.join(["python", "-m", f"bench.{bench}", *sys.argv[1:]]),
+        "commit": commit,
+        "dirty": dirty,
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "machine": cpu_summary() | {"torch": torch.__version__, "load_avg": os.getloadavg()[0]},
+        "notes": list(notes),
+        "tables": [t for t in tables if t["rows"]],
+        "goals": _skipped(goals, skip),
+    }
+    path = Path(out) / "result.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1, default=str) + "\n")
+    print(f"result: {path}", file=sys.stderr)
+    return path
 
 
 def bootstrapped(root: Path, base: Sequence[str]) -> tuple[Path, Any, Path, Any]:

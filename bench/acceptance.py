@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from bench._common import add_goal_args, goal, report_goals, unmeasured
+from bench._common import add_goal_args, goal, parsed_tables, report_goals, unmeasured, write_result
 from pipeline import runmodels
 from pipeline.config import DataConfig, ModelConfig
 from pipeline.data.text import load_splits
@@ -242,6 +242,8 @@ def main() -> int:
                     )
             mlflow.log_artifacts(str(args.out))
     goals = acceptance_goals(table, trained_on) + speed_goals(speed, pairs)
+    tables = parsed_tables("acceptance", text) + parsed_tables("speed", speed_text)
+    write_result(args.out, "acceptance", tables, goals, args.skip_goal)
     return report_goals(goals, args.out, args.skip_goal)
 
 

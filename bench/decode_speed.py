@@ -89,8 +89,10 @@ from bench._common import (
     machine,
     markdown_table,
     report_goals,
+    result_table,
     unmeasured,
     write_csv,
+    write_result,
 )
 from pipeline.runtime import cpu_ext, float_rows
 
@@ -506,6 +508,11 @@ def report(
         args.mlflow, "lowbit-bench", "decode_speed", rows, "row", vars(args),
         [out / "decode_speed.md", out / "decode_speed.json"],
     )  # fmt: skip
+    tables = [result_table("decode speed", rows, COLUMNS),
+              result_table(f"crossover ({args.crossover_layers} layers)", cross, CROSS_COLUMNS),
+              result_table("speculative decoding", spec, SPEC_COLUMNS)]  # fmt: skip
+    notes = parts[0].splitlines()[1:]  # the machine line is the result's own
+    write_result(out, "decode_speed", tables, goals, args.skip_goal, notes)
     return report_goals(goals, out, args.skip_goal)
 
 

@@ -36,7 +36,9 @@ from bench._common import (
     markdown_table,
     quantize_uniform,
     report_goals,
+    result_table,
     unmeasured,
+    write_result,
 )
 
 GOALS = {  # name: (low, high) bounds the measured value must lie within
@@ -158,7 +160,9 @@ def main() -> int:
     (out / "default_model.json").write_text(
         json.dumps({"overrides": base, "protocol": test.describe(), **values}, indent=1)
     )
-    return report_goals(default_model_goals(values), out, args.skip_goal)
+    goals, tables = default_model_goals(values), [result_table(test.label(), rows)]
+    write_result(out, "default_model", tables, goals, args.skip_goal, [f"overrides: {base}"])
+    return report_goals(goals, out, args.skip_goal)
 
 
 if __name__ == "__main__":

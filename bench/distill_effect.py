@@ -36,8 +36,10 @@ from bench._common import (
     goal,
     low_bit_model,
     report_goals,
+    result_table,
     seed_run,
     unmeasured,
+    write_result,
 )
 
 RECIPES = {
@@ -91,6 +93,7 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=None, help="torch threads (1 on a busy host)")
     p.add_argument("--recipes", default=",".join(RECIPES))
     p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--out", type=Path, default=None, help="folder for result.json (--root)")
     add_goal_args(p)
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
@@ -137,6 +140,9 @@ def main() -> int:
             f"{gap:14.1%} {seconds:8.1f}"
         )
     goals = recovery_goals(rows, args.recipes.split(","))
+    cols = ("recipe", "variant", "ppl quantized", "ppl distilled", "gap recovered", "seconds")
+    table = result_table(f"test split, FP ppl {ppl_fp:.3f}", [dict(zip(cols, r)) for r in rows])
+    write_result(args.out or args.root, "distill_effect", [table], goals, args.skip_goal)
     return report_goals(goals, args.root, args.skip_goal)
 
 

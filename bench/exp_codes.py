@@ -40,8 +40,10 @@ from bench._common import (
     low_bit_model,
     markdown_table,
     report_goals,
+    result_table,
     seed_run,
     unmeasured,
+    write_result,
 )
 
 EXP = "exp"  # format-name prefix of the exponential family
@@ -124,6 +126,7 @@ def main() -> int:
     p.add_argument("overrides", nargs="*", help="config overrides (e.g. another model shape)")
     p.add_argument("--root", type=Path, default=Path("outputs/exp_codes"))
     p.add_argument("--budgets", default="3.0,2.5", help="quant.budget_bits values")
+    p.add_argument("--out", type=Path, default=None, help="folder for result.json (--root)")
     add_goal_args(p)
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
@@ -178,7 +181,11 @@ def main() -> int:
         f"\nmean level use, every quantized linear: int4g128 {use[0]:.1%} distinct / "
         f"{use[1]:.1%} effective; exp4g128 {use[2]:.1%} / {use[3]:.1%}"
     )
-    return report_goals(exp_goals(ppls, args.budgets.split(",")), args.root, args.skip_goal)
+    goals = exp_goals(ppls, args.budgets.split(","))
+    tables = [result_table(f"test split, FP ppl {ppl_fp:.3f}", rows),
+              result_table("per linear (levels: distinct, 2^H)", per_layer, cols)]  # fmt: skip
+    write_result(args.out or args.root, "exp_codes", tables, goals, args.skip_goal)
+    return report_goals(goals, args.root, args.skip_goal)
 
 
 if __name__ == "__main__":

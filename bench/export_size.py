@@ -15,7 +15,8 @@ loaded with ``pipeline.runtime``. Columns:
   ``--threads 1`` for that).
 
 Usage: python -m bench.export_size [--hidden 512] [--layers 4] [--tokens 32] [--threads N]
-                                   [--recipes int4g128,int2g64,...] [--mlflow URI]
+                                   [--recipes int4g128,int2g64,...] [--out bench-out/export_size]
+                                   [--mlflow URI]
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from bench._common import parsed_tables, write_result
 
 RECIPES = ("int2g64", "int3g128", "int4g128", "int4g128-sym", "int8", "exp4g128")
 
@@ -114,6 +117,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--recipes", default=",".join(RECIPES))
+    ap.add_argument("--out", default="bench-out/export_size", help="folder for result.json")
     ap.add_argument("--mlflow", default=None, help="tracking URI to log the table's numbers to")
     args = ap.parse_args()
     if args.threads:
@@ -135,11 +139,12 @@ def main() -> None:
             f"{n_params / 1e6:.1f}M params; FP16 checkpoint {fp_mb:.2f} MB; "
             f"threads {torch.get_num_threads()}\n"
         )
-        print(
+        lines = [
             "| recipe | format | artifact MB | fp16 MB | ratio | bits/w | tok/s | FP tok/s "
-            "| cpu tok/s | FP cpu tok/s |"
-        )
-        print("|---|---|---|---|---|---|---|---|---|---|")
+            "| cpu tok/s | FP cpu tok/s |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        print("\n".join(lines))
         for fmt in args.recipes.split(","):
             qdir = quantize_dir(model, fp16, fmt, root / f"q-{fmt}")
             for target in ("lowbit", "ascend"):
@@ -148,22 +153,23 @@ def main() -> None:
                 try:
                     manifest = export_artifact(qdir, art, opts)
                 except ExportError as e:
-                    print(
+                    lines.append(
                         f"| {fmt} | {target} | refused: {str(e).split(':')[1][:60]}... "
                         "| | | | | | | |"
                     )
+                    print(lines[-1])
                     continue
                 mb = dir_bytes(art) / 1e6
                 rate = decode_rate(
                     load(art, "torch", draft=None).model, prompt, args.tokens, args.repeats
                 )
                 bits = linear_bits(manifest)
-                print(
+                lines.append(
                     f"| {fmt} | {target} | {mb:.2f} | {fp_mb:.2f} | {fp_mb / mb:.2f}x "
                     f"| {bits:.2f} | {rate[0]:.1f} | {fp_rate[0]:.1f} | {rate[1]:.1f} "
-                    f"| {fp_rate[1]:.1f} |",
-                    flush=True,
+                    f"| {fp_rate[1]:.1f} |"
                 )
+                print(lines[-1], flush=True)
                 key = f"{fmt}_{target}"
                 metrics.update(
                     {
@@ -174,6 +180,8 @@ def main() -> None:
                     }
                 )
     metrics.update({"fp16_mb": fp_mb, "fp_tok_s": fp_rate[0], "fp_cpu_tok_s": fp_rate[1]})
+    title = f"hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}"
+    write_result(args.out, "export_size", parsed_tables(title, lines))
     if args.mlflow:
         import mlflow
 

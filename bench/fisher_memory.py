@@ -26,7 +26,15 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench._common import REPO, add_goal_args, goal, report_goals, unmeasured
+from bench._common import (
+    REPO,
+    add_goal_args,
+    goal,
+    parsed_tables,
+    report_goals,
+    unmeasured,
+    write_result,
+)
 
 MIB = 2**20
 FLAT = 1.1  # the deepest model's streamed peak / the shallowest's
@@ -95,6 +103,7 @@ def main() -> int | None:
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--segment-size", type=int, default=2)
     p.add_argument("--modes", default="stream,loaded")
+    p.add_argument("--out", default="bench-out/fisher_memory", help="folder for result.json")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--mode", help=argparse.SUPPRESS)
     p.add_argument("--src", help=argparse.SUPPRESS)
@@ -107,9 +116,10 @@ def main() -> int | None:
     from pipeline.models.synthetic import write_synthetic_checkpoint
 
     size = f"hidden {args.hidden}, intermediate {args.intermediate}, vocab {args.vocab}"
-    print(f"{size}, calib {args.samples}x{args.seq_len}, segment_size {args.segment_size}\n")
-    print("| layers | checkpoint MiB (fp16) | mode | peak MiB | peak - base MiB | seconds |")
-    print("|---:|---:|---|---:|---:|---:|")
+    setting = f"{size}, calib {args.samples}x{args.seq_len}, segment_size {args.segment_size}"
+    lines = ["| layers | checkpoint MiB (fp16) | mode | peak MiB | peak - base MiB | seconds |",
+             "|---:|---:|---|---:|---:|---:|"]  # fmt: skip
+    print(setting + "\n\n" + "\n".join(lines))
     stream_peaks: dict[int, float] = {}
     with tempfile.TemporaryDirectory(prefix="lowbit-fisher-") as root:
         for layers in [int(x) for x in args.layers.split(",")]:
@@ -132,9 +142,12 @@ def main() -> int | None:
                 grown = r["peak_mib"] - r["base_mib"]
                 if mode == "stream":
                     stream_peaks[layers] = r["peak_mib"]
-                print(f"| {layers} | {ckpt_mib:.0f} | {mode} | {r['peak_mib']:.0f} | "
-                      f"{grown:.0f} | {r['seconds']:.1f} |", flush=True)  # fmt: skip
-    return report_goals(flat_goals(stream_peaks), skip=args.skip_goal)
+                lines.append(f"| {layers} | {ckpt_mib:.0f} | {mode} | {r['peak_mib']:.0f} | "
+                             f"{grown:.0f} | {r['seconds']:.1f} |")  # fmt: skip
+                print(lines[-1], flush=True)
+    goals = flat_goals(stream_peaks)
+    write_result(args.out, "fisher_memory", parsed_tables(setting, lines), goals, args.skip_goal)
+    return report_goals(goals, skip=args.skip_goal)
 
 
 if __name__ == "__main__":

@@ -36,8 +36,10 @@ from bench._common import (
     machine,
     markdown_table,
     report_goals,
+    result_table,
     unmeasured,
     write_csv,
+    write_result,
 )
 from pipeline.runtime import cpu_ext, float_rows
 
@@ -108,7 +110,9 @@ def main() -> int:
     print(text)
     (out / "float_rows.md").write_text(text + "\n")
     write_csv(out / "float_rows.csv", rows, ("isa", *COLUMNS))
-    return report_goals(routed_goals(rows), out, args.skip_goal)
+    goals, notes = routed_goals(rows), text.split("\n\n")[0].splitlines()[1:]
+    write_result(out, "float_rows", [result_table("", rows, COLUMNS)], goals, args.skip_goal, notes)
+    return report_goals(goals, out, args.skip_goal)
 
 
 if __name__ == "__main__":

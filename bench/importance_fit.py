@@ -29,7 +29,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench._common import add_goal_args, compose, goal, report_goals, unmeasured
+from bench._common import (
+    add_goal_args,
+    compose,
+    goal,
+    parsed_tables,
+    report_goals,
+    unmeasured,
+    write_result,
+)
 from pipeline.analysis.importance import (
     combine,
     fit_importance,
@@ -80,6 +88,7 @@ def main() -> int:
     ap.add_argument("--splits", type=int, default=50, help="random fit/held-out splits")
     ap.add_argument("--blocks-only", action="store_true", help="decoder-block linears only")
     ap.add_argument("--json", help="also write every measurement to this file")
+    ap.add_argument("--out", default="bench-out/importance_fit", help="folder for result.json")
     add_goal_args(ap)
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -114,14 +123,14 @@ def main() -> int:
         cells = [rho[f] for f in cands] + [float(np.mean([rho[f] for f in cands]))]
         return f"| {label} | " + " | ".join(f"{c:.3f}" for c in cells) + " |"
 
-    head = "| score | " + " | ".join(cands) + " | mean |\n|---|" + "---|" * (len(cands) + 1)
-    print(f"\n### Held-out Spearman ρ vs measured KL, the stage's split ({k} fit layers, "
-          f"{len(names) - len(stage_fit)} held out)\n\n{head}")  # fmt: skip
-    for key in keys:
-        print(row(key, results[0][0][key]))
+    head = ["| score | " + " | ".join(cands) + " | mean |", "|---|" + "---|" * (len(cands) + 1)]
+    stage_rows = [*head, *(row(key, results[0][0][key]) for key in keys)]
+    stage_title = (f"Held-out Spearman ρ vs measured KL, the stage's split ({k} fit layers, "
+                   f"{len(names) - len(stage_fit)} held out)")  # fmt: skip
+    print(f"\n### {stage_title}\n\n" + "\n".join(stage_rows))
     print(f"\nweights {results[0][1]}")
-    print(f"\n### Held-out Spearman ρ, mean ± std over {args.splits} random {k}-layer fits\n")
-    print(head)
+    random_title = f"Held-out Spearman ρ, mean ± std over {args.splits} random {k}-layer fits"
+    random_rows = list(head)
     for key in keys:
         per = [{f: r[0][key][f] for f in cands} for r in results[1:]]
         mean = {f: float(np.mean([p[f] for p in per])) for f in cands}
@@ -129,7 +138,8 @@ def main() -> int:
         means = [float(np.mean([p[f] for f in cands])) for p in per]
         cells = [f"{mean[f]:.3f} ± {sd[f]:.3f}" for f in cands]
         cells.append(f"{np.mean(means):.3f} ± {np.std(means):.3f}")
-        print(f"| {key} | " + " | ".join(cells) + " |")
+        random_rows.append(f"| {key} | " + " | ".join(cells) + " |")
+    print(f"\n### {random_title}\n\n" + "\n".join(random_rows))
     best_single = [max(float(np.mean([r[0][m][f] for f in cands])) for m in METHODS)
                    for r in results[1:]]  # fmt: skip
     comb = [float(np.mean([r[0]["combined"][f] for f in cands])) for r in results[1:]]
@@ -144,7 +154,11 @@ def main() -> int:
              "results": results}, indent=1))  # fmt: skip
     # The goal: on the stage's own split, the combined score ranks the held-out layers at least
     # as well as the best single estimator (mean ρ over the formats).
-    return report_goals(fit_goals(results[0][0], cands), skip=args.skip_goal)
+    goals = fit_goals(results[0][0], cands)
+    tables = parsed_tables(stage_title, stage_rows) + parsed_tables(random_title, random_rows)
+    notes = [f"weights on the stage's split: {results[0][1]}", took]
+    write_result(args.out, "importance_fit", tables, goals, args.skip_goal, notes)
+    return report_goals(goals, skip=args.skip_goal)
 
 
 if __name__ == "__main__":

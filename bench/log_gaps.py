@@ -22,7 +22,15 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
-from bench._common import add_goal_args, goal, markdown_table, report_goals, unmeasured
+from bench._common import (
+    add_goal_args,
+    goal,
+    markdown_table,
+    report_goals,
+    result_table,
+    unmeasured,
+    write_result,
+)
 
 STAMP = re.compile(r"^\[(\d{4}-\d{2}-\d{2})[ T](\d{2}:\d{2}:\d{2})(?:[,.](\d+))?\]")
 COLUMNS = ("gap s", "after line", "next line")
@@ -85,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--top", type=int, default=5, help="gaps to list")
     p.add_argument("--max-gap", type=float, default=60.0, help="the goal, in seconds")
     p.add_argument("--context", type=int, default=2, help="lines shown either side of a gap")
+    p.add_argument("--out", type=Path, default=None, help="folder for result.json (none: no file)")
     add_goal_args(p)
     args = p.parse_args(argv)
 
@@ -113,7 +122,11 @@ def main(argv: list[str] | None = None) -> int:
         for i in range(start, end):
             mark = ">" if i in (g.before, g.after) else " "
             print(f"{mark} {i + 1:6d}  {_short(lines[i])}")
-    return report_goals(gap_goals(found, args.max_gap), skip=args.skip_goal)
+    goals = gap_goals(found, args.max_gap)
+    if args.out:
+        write_result(args.out, "log_gaps", [result_table(str(path), rows, COLUMNS)], goals,
+                     args.skip_goal)  # fmt: skip
+    return report_goals(goals, skip=args.skip_goal)
 
 
 if __name__ == "__main__":

@@ -37,8 +37,10 @@ from bench._common import (
     low_bit_model,
     markdown_table,
     report_goals,
+    result_table,
     seed_run,
     unmeasured,
+    write_result,
 )
 
 STAGES = ("sensitivity", "allocate", "quantize")
@@ -100,6 +102,7 @@ def main() -> int:
     p.add_argument("--budget", type=float, default=2.5, help="quant.budget_bits")
     p.add_argument("--caps", default="0.01", help="quant.outlier_cap values, comma-separated")
     p.add_argument("--threads", type=int, default=None, help="torch threads (1 on a busy host)")
+    p.add_argument("--out", type=Path, default=None, help="folder for result.json (--root)")
     add_goal_args(p)
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
@@ -131,7 +134,10 @@ def main() -> int:
 
     print(f"\nbudget {args.budget} bits; eval windows {tuple(win.shape)} (test split)")
     print(markdown_table(rows, list(rows[0])))
-    return report_goals(outlier_goals(rows, args.budget, caps), args.root, args.skip_goal)
+    goals, title = outlier_goals(rows, args.budget, caps), f"budget {args.budget} bits, test split"
+    tables = [result_table(title, rows)]
+    write_result(args.out or args.root, "outliers", tables, goals, args.skip_goal)
+    return report_goals(goals, args.root, args.skip_goal)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ Tables (markdown):
    variance, fraction of the grid's distinct values a group actually uses, code entropy.
 
 Usage: python -m bench.packing [--size 4096] [--repeats 10] [--threads N] [--cpu-time]
-                               [--mlflow URI]
+                               [--out bench-out/packing] [--mlflow URI]
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import time
 
 import torch
 
+from bench._common import parsed_tables, write_result
 from pipeline.quant import HessianAccumulator, gptq_quantize, pack_bits, quantize_rtn, unpack_bits
 from pipeline.quant.codec import to_groups
 
@@ -133,6 +134,7 @@ def main() -> None:
         action="store_true",
         help="time packing with process CPU time (with --threads 1: immune to other load)",
     )
+    ap.add_argument("--out", default="bench-out/packing", help="folder for result.json")
     ap.add_argument("--mlflow", default=None, help="tracking URI to log the numbers to")
     args = ap.parse_args()
     if args.threads:
@@ -141,13 +143,16 @@ def main() -> None:
     metrics: dict[str, float] = {}
     timer = "process CPU time" if args.cpu_time else "wall clock"
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.size}, {timer}\n")
+    tables = []
     for title, (rows, m) in (
         ("Packing", packing_table(args.size, args.repeats, clock)),
         ("Quantization time", quantize_table(args.size)),
         ("exp4 vs int4 (synthetic weights)", fidelity_table(1024, args.size)),
     ):
         print(f"### {title}\n" + "\n".join(rows) + "\n")
+        tables += parsed_tables(title, rows)
         metrics.update(m)
+    write_result(args.out, "packing", tables)
     if args.mlflow:
         import mlflow
 

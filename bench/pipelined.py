@@ -41,7 +41,16 @@ from pathlib import Path
 
 import torch
 
-from bench._common import add_goal_args, goal, machine, markdown_table, report_goals, unmeasured
+from bench._common import (
+    add_goal_args,
+    goal,
+    machine,
+    markdown_table,
+    report_goals,
+    result_table,
+    unmeasured,
+    write_result,
+)
 from pipeline.models.hf import load_causal_lm
 from pipeline.models.synthetic import write_synthetic_checkpoint
 from pipeline.speculative.decoding import plain_generate, speculative_generate
@@ -207,7 +216,13 @@ def main() -> int:
     (args.out / "pipelined.json").write_text(
         json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}, indent=1)
     )
-    return report_goals(overlap_goals(rows, shapes), args.out, args.skip_goal)
+    goals = overlap_goals(rows, shapes)
+    notes = [f"gamma={args.gamma} prompts={args.prompts} new_tokens={args.new_tokens} "
+             f"prompt_len={args.prompt_len} tail_scale={args.tail_scale} "
+             f"threads={torch.get_num_threads()}"]  # fmt: skip
+    tables = [result_table("", rows, COLUMNS)]
+    write_result(args.out, "pipelined", tables, goals, args.skip_goal, notes)
+    return report_goals(goals, args.out, args.skip_goal)
 
 
 if __name__ == "__main__":

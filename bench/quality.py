@@ -49,10 +49,12 @@ from bench._common import (
     markdown_table,
     quantize_uniform,
     report_goals,
+    result_table,
     rss_mib,
     run_child,
     unmeasured,
     write_csv,
+    write_result,
 )
 
 COLUMNS = ("row", "ppl", "ratio_to_fp", "bits_per_weight", "quant_seconds", "peak_rss_mib")
@@ -298,7 +300,9 @@ def main() -> int:
         # reported, not a goal: the goal is the plan after distillation
         print(f"stretch: lowbit mixed@2.5 before distillation {before:.6g} vs int3g128 "
               f"{uniform:.6g}: {'met' if before <= uniform else 'missed'}")  # fmt: skip
-    return report_goals(quality_goals(rows, args.formats.split(",")), out, args.skip_goal)
+    goals, title = quality_goals(rows, args.formats.split(",")), f"test split {tuple(win.shape)}"
+    write_result(out, "quality", [result_table(title, rows, COLUMNS)], goals, args.skip_goal)
+    return report_goals(goals, out, args.skip_goal)
 
 
 def quality_goals(rows: list[dict], formats: list[str]) -> list[dict]:

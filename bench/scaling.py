@@ -104,9 +104,11 @@ from bench._common import (
     machine,
     markdown_table,
     quantize_uniform,
+    result_table,
     rss_mib,
     run_child,
     write_csv,
+    write_result,
 )
 
 GIB, MIB = 2**30, 2**20
@@ -502,6 +504,11 @@ def report(rows: list[dict], args: argparse.Namespace) -> None:
         + [{**r, "label": f"{r['stage']}@{r['model']}/gpu"} for r in gpu]
     )
     log_mlflow(args.tracking_uri, "lowbit-bench", "scaling", labelled, "label", vars(args), files)
+    write_result(out, "scaling", [
+        result_table("measured", rows, cols), result_table("fits", fits, fcols),
+        result_table("projection to one node, CPU like this one", cpu, pcols),
+        result_table(f"GPU projection at {args.gpu_tflops:g} TFLOP/s (not measured)", gpu, gcols),
+    ])  # fmt: skip
 
 
 def fit(rows: list[dict], time_basis: str) -> list[dict]:

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 from scipy.stats import spearmanr
 
-from bench._common import compose
+from bench._common import compose, result_table, write_result
 from pipeline import runmodels, workflow
 from pipeline.analysis import Capture
 from pipeline.analysis.sensitivity import METHODS, analyze, scored_modules
@@ -142,6 +142,7 @@ def main() -> None:
     ap.add_argument("--methods", default=",".join([*METHODS, "fisher:model"]))
     ap.add_argument("--no-gptq", action="store_true")
     ap.add_argument("--json", help="also write every measurement and table to this file")
+    ap.add_argument("--out", default="bench-out/sensitivity_check", help="folder for result.json")
     args = ap.parse_args()
     torch.manual_seed(0)
     run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix="lowbit-sens-"))
@@ -199,6 +200,9 @@ def main() -> None:
             print(f"| {m} | " + " | ".join(f"{x:.3f}" for x in r) + f" | {seconds[m]:.0f} |")
         # How reproducible the measurement itself is: a ceiling for any predictor.
         ceil = rho(truths["ΔL calib"], truths["ΔL eval"], subset)
+        results["rho"][f"(ΔL calib as the predictor of ΔL eval) / {subset_name}"] = dict(
+            zip(cols, ceil)
+        )
         print("| (ΔL calib as the predictor of ΔL eval) | " + " | ".join(f"{x:.3f}" for x in ceil)
               + " |" * (len(cols) - 1) + " |")  # fmt: skip
 
@@ -236,6 +240,17 @@ def main() -> None:
     if args.json:
         dump = {"measured": measured, "predicted": reports, **results}
         Path(args.json).write_text(json.dumps(dump, indent=1))
+    tables = [
+        result_table(f"Spearman ρ, predicted (calibration windows) vs measured, {subset}",
+                     [{"predictor": key.rsplit(" / ", 1)[0], **rhos}
+                      for key, rhos in results["rho"].items() if key.endswith(f" / {subset}")],
+                     ["predictor", *cols])
+        for subset in ("every scored layer", "decoder-block linears")
+    ]  # fmt: skip
+    title = f"eval windows: perplexity and KL(FP ‖ Q) per token (FP ppl {fp_ppl:.3f})"
+    tables.append(result_table(title, results["plans"], ["plan", "avg_bits", *heads]))
+    notes = [f"target {target}: calib {tuple(calib.shape)}, eval {tuple(evalw.shape)}"]
+    write_result(args.out, "sensitivity_check", tables, notes=notes)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench._common import REPO, quantize_uniform
+from bench._common import REPO, quantize_uniform, result_table, write_result
 
 GIB = 2**30
 
@@ -115,6 +115,7 @@ def main() -> None:
         help="scratch directory, kept (a checkpoint already in DIR/ckpt is reused); "
         "default: a temporary directory, removed",
     )
+    p.add_argument("--out", default="bench-out/streaming_memory", help="folder for result.json")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--mode", default="stream", help=argparse.SUPPRESS)
     p.add_argument("--src", help=argparse.SUPPRESS)
@@ -150,19 +151,24 @@ def main() -> None:
     finally:
         if args.dir is None:
             shutil.rmtree(root, ignore_errors=True)
-    print(f"\nmethod={args.method} format={args.format} calib={args.samples}x{args.seq_len} "
-          f"segment_size={args.segment_size} compute={args.dtype} "
-          f"mmap_threshold_mb={args.mmap_threshold_mb}")  # fmt: skip
+    setting = (f"method={args.method} format={args.format} calib={args.samples}x{args.seq_len} "
+               f"segment_size={args.segment_size} compute={args.dtype} "
+               f"mmap_threshold_mb={args.mmap_threshold_mb}")  # fmt: skip
+    print("\n" + setting)
     head = ("mode", "ckpt GiB", "segment GiB", "cache GiB", "base GiB", "peak GiB",
             "peak/ckpt", "(peak-base)/(2seg+cache)", "seconds")  # fmt: skip
     print(" | ".join(head))
+    cells = []
     for r in rows:
         budget = 2 * r["segment_gb"] + r["cache_gb"]
-        print(" | ".join([
+        cells.append([
             r["mode"], f"{ckpt_gb:.2f}", f"{r['segment_gb']:.3f}", f"{r['cache_gb']:.3f}",
             f"{r['baseline_gb']:.3f}", f"{r['peak_gb']:.3f}", f"{r['peak_gb'] / ckpt_gb:.3f}",
             f"{(r['peak_gb'] - r['baseline_gb']) / budget:.2f}", f"{r['seconds']:.0f}",
-        ]))  # fmt: skip
+        ])  # fmt: skip
+        print(" | ".join(cells[-1]))
+    table = result_table(setting, [dict(zip(head, c)) for c in cells])
+    write_result(args.out, "streaming_memory", [table])
 
 
 if __name__ == "__main__":

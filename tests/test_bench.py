@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -61,10 +62,13 @@ def test_every_library_import_resolves(name):
 def test_streaming_memory_quantizes_a_tiny_checkpoint(tmp_path):
     cmd = [sys.executable, "-m", "bench.streaming_memory", "--gb", "0.002", "--hidden", "128",
            "--intermediate", "384", "--vocab", "512", "--samples", "2", "--seq-len", "16",
-           "--dir", str(tmp_path)]  # fmt: skip
+           "--dir", str(tmp_path), "--out", str(tmp_path / "out")]  # fmt: skip
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [line.split(" | ") for line in proc.stdout.splitlines()]
     rows = [r for r in rows if r[0] in ("stream", "full")]  # mode, ckpt, seg, cache, base, peak
     assert [r[0] for r in rows] == ["stream", "full"]
     assert all(float(r[5]) >= float(r[4]) > 0 for r in rows)
+    result = json.loads((tmp_path / "out" / "result.json").read_text())
+    assert result["bench"] == "streaming_memory" and "--gb 0.002" in result["command"]
+    assert [r[0] for r in result["tables"][0]["rows"]] == ["stream", "full"]
