@@ -109,7 +109,7 @@ def parse(node: Any, schema: type[T], prefix: str) -> T:
             if no_default and f.default_factory is dataclasses.MISSING:
                 raise ConfigError(key, f"is required (set it on the command line: {key}=...)")
             continue
-        kwargs[name] = _coerce(data[name], hints[name], key)
+        kwargs[name] = _coerce(_over_default(data[name], f), hints[name], key)
     obj = schema(**kwargs)
     check = getattr(obj, "check", None)
     if check is not None:
@@ -485,6 +485,15 @@ def stage_defaults(schema: type) -> dict[str, Any]:
     node = dataclasses.asdict(schema())
     old = getattr(schema, "RENAMED", {})
     return node | {k: renamed_marker(new) for k, new in old.items() if k not in node}
+
+
+def _over_default(value: Any, f: dataclasses.Field) -> Any:
+    """A nested section's keys over this field's own default (`train`: the stage's schedule)."""
+    if isinstance(value, dict) and f.default_factory is not dataclasses.MISSING:
+        default = f.default_factory()
+        if dataclasses.is_dataclass(default):
+            return dataclasses.asdict(default) | value
+    return value
 
 
 def renamed(data: dict, old_names: dict[str, str], prefix: str) -> dict:

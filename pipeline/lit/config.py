@@ -18,7 +18,7 @@ class TrainConfig:
 
     # Plain types only (str, not Literal): Hydra's ConfigStore takes it as a structured config.
 
-    steps: int = 300  # optimizer steps
+    steps: int = 300
     batch: int = 8  # per rank
     lr: float = 1e-3
     schedule: str = "cosine"  # cosine (decay to a tenth) | constant
@@ -26,7 +26,7 @@ class TrainConfig:
     val_every: int = 50  # validate (and keep best.ckpt) every N steps, and at the last step
     checkpoint_every: int | None = None  # resume checkpoint; null: a tenth of `steps`
     patience: int | None = None  # stop after N checks without a better score; null: never
-    grad_clip: float = 1.0  # gradient-norm clipping
+    grad_clip: float = 1.0
     nan_guard: bool = True  # skip a non-finite step, restore the last good state, halve the lr
     quant_grad_scale: str = "bits"  # scale/zero gradient factor: 2^-bits | LSQ's | none
 

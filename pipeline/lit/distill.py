@@ -286,8 +286,7 @@ class DistillModule(L.LightningModule):
 
 
 class DistillData(WindowData):
-    """Step-indexed random training windows of the train split (`pipeline.lit.lm.RandomWindows`:
-    a resumed run reads the batches the uninterrupted one would have), and optionally fixed
+    """Step-indexed training windows (`pipeline.lit.lm.RandomWindows`) and, optionally, fixed
     validation windows `val` (W, T), scored whole on every rank."""
 
     def __init__(

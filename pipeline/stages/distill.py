@@ -43,14 +43,12 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class DistillConfig(DistillHParams):
-    """Precision-aware distillation (QAT): FP teacher -> fake-quant student initialised from
-    quantize; the training settings are DistillHParams' (`train`: the shared schedule)."""
+    """`stage.distill`: the training's settings (DistillHParams) and the stage's own."""
 
     seq_len: int | None = None  # null: data.seq_len
     # w_l of the matching term: error (the quantize stage's per-layer errors) | uniform
     layer_weights: Literal["error", "uniform"] = "error"
-    # Spread evenly over the validation split; compared on the same windows, so 128 keep the
-    # checkpoint-vs-checkpoint noise well under the student-teacher gap.
+    # Same windows for every check: 128 keep checkpoint-to-checkpoint noise under the gap.
     val_windows: int = 128
 
     RENAMED = RENAMED | {

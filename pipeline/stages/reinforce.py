@@ -46,8 +46,7 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class ReinforceConfig(ReinforceHParams):
-    """Acceptance-rate reinforcement of the draft against the run's final target; the training
-    settings are ReinforceHParams' (`train`: the shared schedule)."""
+    """`stage.reinforce`: the training's settings (ReinforceHParams) and the stage's own."""
 
     scenarios: list[str] = field(default_factory=lambda: list(SCENARIOS))
     train_prompts: int = 64  # prompts per scenario from the train split

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import subprocess
+from dataclasses import replace
 
 import pytest
 from hydra.core.config_store import ConfigStore
@@ -121,3 +122,10 @@ def test_the_cli_accepts_old_names_and_names_the_new_key(tmp_path, old_experimen
 def test_a_bad_value_names_its_key(changes, key):
     with pytest.raises(ConfigError, match=rf"stage\.x\.train\.{key}"):
         parse(changes, TrainConfig, "stage.x.train")
+
+
+def test_a_partial_train_section_keeps_the_stage_defaults():
+    from pipeline.stages.distill import DistillConfig
+
+    parsed = parse({"train": {"steps": 5}, "clip_norm": 2.0}, DistillConfig, "stage.distill")
+    assert parsed.train == replace(DistillConfig().train, steps=5, grad_clip=2.0)
