@@ -48,10 +48,10 @@ RECIPES = {
 }
 VARIANTS = {
     "default": [],
-    "scales": ["stage.distill.train=[scales]"],  # step sizes and zero points only
-    "no-float": ["stage.distill.train=[scales,norms]"],  # embeddings and lm_head frozen
-    "lsq": ["stage.distill.grad_scale=lsq"],
-    "none": ["stage.distill.grad_scale=none"],
+    "scales": ["stage.distill.trainable=[scales]"],  # step sizes and zero points only
+    "no-float": ["stage.distill.trainable=[scales,norms]"],  # embeddings and lm_head frozen
+    "lsq": ["stage.distill.train.quant_grad_scale=lsq"],
+    "none": ["stage.distill.train.quant_grad_scale=none"],
     "beta=1": ["stage.distill.beta=1"],  # KL and attention matching weighted equally
     "beta=0": ["stage.distill.beta=0"],  # logits KL only
     # Layer weights from the current per-layer distances every 25 steps (12 times in 300).
@@ -88,8 +88,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("overrides", nargs="*", help="config overrides, e.g. experiment=smoke")
     p.add_argument("--root", type=Path, default=Path("outputs/distill_effect"))
-    p.add_argument("--steps", type=int, default=None, help="stage.distill.max_steps")
-    p.add_argument("--lr", type=float, default=None, help="stage.distill.lr")
+    p.add_argument("--steps", type=int, default=None, help="stage.distill.train.steps")
+    p.add_argument("--lr", type=float, default=None, help="stage.distill.train.lr")
     p.add_argument("--threads", type=int, default=None, help="torch threads (1 on a busy host)")
     p.add_argument("--recipes", default=",".join(RECIPES))
     p.add_argument("--variants", default=",".join(VARIANTS))
@@ -107,8 +107,8 @@ def main() -> int:
     from pipeline.models.quantized import load_quantized
 
     base = ["tracking=none", *args.overrides]
-    distill = [f"stage.distill.max_steps={args.steps}"] if args.steps else []
-    distill += [f"stage.distill.lr={args.lr}"] if args.lr else []
+    distill = [f"stage.distill.train.steps={args.steps}"] if args.steps else []
+    distill += [f"stage.distill.train.lr={args.lr}"] if args.lr else []
     boot, _, target, win = bootstrapped(args.root, base)
     ppl_fp = perplexity(load_causal_lm(target), win)
 

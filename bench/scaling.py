@@ -259,14 +259,13 @@ def _distill_step(src: str, plan: dict[str, str], calib, work: Path):
 
     from pipeline.config import QuantConfig
     from pipeline.lit.distill import DistillHParams, DistillModule, load_pair
-    from pipeline.stages import distill
 
-    p = distill.CONFIG()
+    p = DistillHParams()
     model_dir = work / "student"
     quantize_uniform(src, model_dir, plan, calib, quant=QuantConfig(method="rtn"),
                      batch_size=len(calib), work_dir=work / "w")  # fmt: skip
     # Student and teacher as the distill stage sets them up, for one step without warm-up.
-    hp = DistillHParams.of(replace(p, max_steps=1, warmup_steps=0))
+    hp = replace(p, train=replace(p.train, steps=1, warmup=0))
     student, teacher, groups = load_pair(model_dir, Path(src), hp, allow_bin=False)
     layers = student.config.num_hidden_layers
     module = DistillModule(student, teacher, hp, torch.full((layers,), 1.0 / layers), groups)
@@ -276,7 +275,7 @@ def _distill_step(src: str, plan: dict[str, str], calib, work: Path):
 
     def step() -> None:
         module.losses(calib)["total"].backward()
-        torch.nn.utils.clip_grad_norm_(trained, p.clip_norm)  # what the trainer's clipping does
+        torch.nn.utils.clip_grad_norm_(trained, p.train.grad_clip)  # the trainer's clipping
         opt.step()
         opt.zero_grad()
 

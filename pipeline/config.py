@@ -10,6 +10,7 @@ what is allowed.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import re
 import types
 import typing
@@ -22,6 +23,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from pipeline.errors import ConfigError
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 def to_plain(node: Any) -> Any:
@@ -93,6 +95,7 @@ def parse(node: Any, schema: type[T], prefix: str) -> T:
         data = {}
     if not isinstance(data, dict):
         raise ConfigError(prefix, f"must be a mapping, got {data!r}")
+    data = renamed(data, getattr(schema, "RENAMED", {}), prefix)
     fields = {f.name: f for f in dataclasses.fields(schema)}
     for key in data:
         if key not in fields:
@@ -106,7 +109,7 @@ def parse(node: Any, schema: type[T], prefix: str) -> T:
             if no_default and f.default_factory is dataclasses.MISSING:
                 raise ConfigError(key, f"is required (set it on the command line: {key}=...)")
             continue
-        kwargs[name] = _coerce(data[name], hints[name], key)
+        kwargs[name] = _coerce(_over_default(data[name], f), hints[name], key)
     obj = schema(**kwargs)
     check = getattr(obj, "check", None)
     if check is not None:
@@ -449,7 +452,7 @@ def defaults_node(stage_schemas: dict[str, type]) -> dict[str, Any]:
     one-line ConfigError naming the key.
     """
     node: dict[str, Any] = {k: _defaults(schema) for k, schema in SHARED.items()}
-    node["stage"] = {name: dataclasses.asdict(schema()) for name, schema in stage_schemas.items()}
+    node["stage"] = {name: stage_defaults(schema) for name, schema in stage_schemas.items()}
     node["stages"] = list(stage_schemas)
     return node
 
@@ -468,3 +471,42 @@ def quant_cfg(cfg: DictConfig) -> QuantConfig:
 
 def tracking_cfg(cfg: DictConfig) -> TrackingConfig:
     return parse(cfg.tracking, TrackingConfig, "tracking")
+
+
+# ---------------------------------------------------------------- renamed keys
+# A schema's RENAMED ({old key: new dotted key}) keeps old names working for one release. Hydra
+# refuses a command-line key missing from the defaults, so each old key is there with a marker.
+def renamed_marker(new: str) -> str:
+    return f"(renamed: {new})"
+
+
+def stage_defaults(schema: type) -> dict[str, Any]:
+    """A stage's defaults, plus a marker under each old key name (never a field's own name)."""
+    node = dataclasses.asdict(schema())
+    old = getattr(schema, "RENAMED", {})
+    return node | {k: renamed_marker(new) for k, new in old.items() if k not in node}
+
+
+def _over_default(value: Any, f: dataclasses.Field) -> Any:
+    """A nested section's keys over this field's own default (`train`: the stage's schedule)."""
+    if isinstance(value, dict) and f.default_factory is not dataclasses.MISSING:
+        default = f.default_factory()
+        if dataclasses.is_dataclass(default):
+            return dataclasses.asdict(default) | value
+    return value
+
+
+def renamed(data: dict, old_names: dict[str, str], prefix: str) -> dict:
+    """`data` with each old key's value moved to its new key, with a one-line notice."""
+    data = dict(data)
+    for old, new in old_names.items():
+        if old not in data or data[old] == renamed_marker(new):
+            data.pop(old, None)
+            continue
+        log.warning("%s.%s is deprecated: use %s.%s", prefix, old, prefix, new)
+        *path, last = new.split(".")
+        node = data
+        for part in path:  # copy each level: `data` may share nodes with its caller
+            node[part] = node = dict(node.get(part) or {})
+        node[last] = data.pop(old)
+    return data

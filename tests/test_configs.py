@@ -113,7 +113,7 @@ def test_stage_defaults_live_in_the_dataclasses_only():
 @pytest.mark.parametrize(
     ("overrides", "key", "value"),
     [
-        (["stage.distill.max_steps=5"], "stage.distill.max_steps", 5),
+        (["stage.distill.train.steps=5"], "stage.distill.train.steps", 5),
         (["quant=w2g64"], "quant.candidates", ["int2g64"]),
         (["quant=w2g64"], "quant.budget_bits", None),
         (["experiment=smoke"], "model.draft.hidden", 64),
@@ -188,12 +188,12 @@ def test_cli_rejects_bad_value_in_seconds_with_one_line(tmp_path):
 
 def test_cli_prints_the_composed_config_without_running(tmp_path):
     proc = subprocess.run(
-        lowbit_cmd("--cfg", "job", "quant=w2g64", "stage.distill.max_steps=5"),
+        lowbit_cmd("--cfg", "job", "quant=w2g64", "stage.distill.train.steps=5"),
         capture_output=True,
         text=True,
         cwd=tmp_path,
         timeout=CLI_TIMEOUT,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "max_steps: 5" in proc.stdout and "- int2g64" in proc.stdout
+    assert "steps: 5" in proc.stdout and "- int2g64" in proc.stdout
     assert "running" not in proc.stdout + proc.stderr

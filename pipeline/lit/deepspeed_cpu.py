@@ -1,15 +1,9 @@
-"""Lightning's DeepSpeedStrategy, made to run on any accelerator DeepSpeed supports (CPU too).
+"""Lightning's DeepSpeedStrategy on any accelerator DeepSpeed supports (CPU too).
 
-Lightning refuses DeepSpeed unless the accelerator is CUDA, although DeepSpeed itself runs ZeRO
-1-3 on CPU over gloo (and on Ascend NPUs over HCCL). Three things stand in the way, each undone
-here: the CUDA check in `setup_environment`, the device-index validation in `setup_distributed`
-(a CPU device has no index) and `device_rank=root_device.index` in `_setup_model_and_optimizer`
-(None on CPU; the local rank is what DeepSpeed needs). On CUDA the behaviour is Lightning's own.
-Running the real engine on CPU is what lets CI test ZeRO-2/3 sharding, checkpoints and their
-consolidation without a GPU.
-
-The trainer's `gradient_clip_val` (set by the training stage from its validated config) takes
-precedence over a `gradient_clipping` in the JSON, so one setting controls clipping everywhere.
+Lightning refuses DeepSpeed off CUDA although DeepSpeed runs ZeRO 1-3 on CPU over gloo; the three
+CUDA-only steps are undone here (on CUDA the behaviour is Lightning's own), so CI tests ZeRO
+sharding, checkpoints and consolidation without a GPU. The trainer's `gradient_clip_val` wins
+over the JSON's `gradient_clipping`: one setting controls clipping everywhere.
 """
 
 from __future__ import annotations
@@ -93,12 +87,5 @@ def load_config(config_path: Path | str) -> dict:
 
 
 def make_deepspeed_strategy(config_path: Path | str, **kwargs) -> AnyDeviceDeepSpeedStrategy:
-    """The DeepSpeed strategy for `trainer.strategy=deepspeed` with the JSON at `config_path`.
-
-    Args:
-        config_path: a DeepSpeed config (ZeRO stage, buckets, offload, ...). Optimizer and scheduler
-            come from the LightningModule, so the JSON should not define them.
-        **kwargs: further DeepSpeedStrategy arguments (`process_group_backend`,
-            `exclude_frozen_parameters`, ...).
-    """
+    """The DeepSpeed strategy for `trainer.strategy=deepspeed` with the JSON at `config_path`."""
     return AnyDeviceDeepSpeedStrategy(config=load_config(config_path), **kwargs)

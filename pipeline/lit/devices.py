@@ -37,11 +37,7 @@ def torch_npu_problem() -> str | None:
 
 
 def visible_npus(env: str = ASCEND_VISIBLE_DEVICES) -> int:
-    """NPUs this process may use: torch.npu's count, capped by the entries of `env` when set.
-
-    The cap matters when torch_npu initialised before the variable was set: the runtime then
-    still reports every NPU, but the ranks started from here see only the listed ones.
-    """
+    """NPUs this process may use: torch.npu's count, capped by the entries of `env` when set."""
     if torch_npu_problem():
         return 0
     try:
@@ -70,10 +66,7 @@ def device_list(devices: Any) -> list[int] | None:
 
 
 def ddp_with_backend(strategy: Any, backend: str, ddp_cls: type | None = None) -> Any:
-    """A DDP-family strategy name ("ddp", "ddp_spawn", ...) as a `ddp_cls` object on `backend`.
-
-    Other strategies (objects, "auto", FSDP, ...) are returned unchanged.
-    """
+    """A DDP-family strategy name ("ddp", "ddp_spawn", ...) as a `ddp_cls` object on `backend`."""
     from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 
     if isinstance(strategy, str) and strategy in StrategyRegistry:

@@ -1,106 +1,93 @@
 """Precision-aware distillation: a fake-quant student learns from its frozen FP teacher.
 
-The student is the quantized model with every quantized linear a FakeQuantLinear (straight-
-through estimator); the teacher is the FP model. Both see the same windows; the loss is
-`pipeline.lit.losses.distill_loss` (α·KL at temperature τ + β·Σ_l w_l·d_l, plus
-ce·CE on the windows' own tokens when `ce` > 0). What trains is a
-choice (EfficientQAT trains step sizes alone end to end, at a fraction of the memory; on the
-default model that recovered a quarter of a 2-bit gap, and re-fitting the float-kept layers most
-of the rest, docs/benchmarks.md): `scales` (scale/zero of every quantized linear, codes
-frozen), `weights` (also the latent weights, codes re-derived by rounding), `norms` (also the
-RMSNorm gains) and `float` (also the layers the quantizer kept in float, `quant.keep_float`:
-embeddings and lm_head, which stay float in every export, so the model can re-fit its output
-layer to the quantized body).
-
-The teacher is a registered submodule so that DeepSpeed ZeRO-3 shards it like the student (a
-70B teacher does not fit one device); it stays frozen and in eval mode, and its tensors are
-dropped from Lightning checkpoints (it is reloaded from the FP checkpoint on resume).
-
-Validation (Lightning's loop, every `val_check_interval` steps and at the last step): the
-student's mean next-token NLL on fixed held-out windows of the validation split, plus the
-teacher's NLL and KL(teacher ‖ student) from the same two forwards. Every rank scores every
-window (the loader is not sharded), so the number is exact and identical on all ranks and ZeRO-3
-ranks run the same forwards. The first validation is Lightning's sanity check, run on all
-windows before the first step: that is the input model's score (`val_input`), measured by the
-same code, strategy and precision as the checkpoints it is compared with, and kept in every
-checkpoint so a resumed run still knows it.
-
-Layer weights w_l of the matching term start from the quantize stage's errors (or uniform). With
-`reweight_every` = N they follow the training instead: every N optimizer steps they become the
-normalised current per-layer distances d_l of the batch that step trained on (the same d_l the
-loss multiplies by w_l, so no extra forward), summed over ranks first so that every rank holds
-the same weights. The idea: the layers training has not yet repaired keep the matching term's
-attention, the repaired ones release it to the KL term. The trade-off: one batch is a noisy
-measure, and d_l of a deep layer includes the error it inherits from the layers below it. The
-weights are then a persistent buffer (in every checkpoint, so a resumed run continues with the
-weights the killed one had) and their history is kept in the checkpoint like the validations.
+The loss is `pipeline.lit.losses.distill_loss`; what trains is `trainable` (`pipeline.lit.qat`).
+The teacher is a registered submodule so that ZeRO-3 shards it like the student; it stays frozen
+and out of checkpoints (reloaded on resume). Validation scores every window on every rank, so
+the number is exact and identical everywhere. With `reweight_every` = N the layer weights become
+every N steps the normalised per-layer distances of that step's batch, summed over ranks; they
+are then a persistent buffer, so a resumed run continues with them.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import lightning as L
 import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, IterableDataset
 
-from pipeline.errors import LowbitError
-from pipeline.lit.lm import WindowData, cosine_with_warmup
+from pipeline.config import positive
+from pipeline.errors import ConfigError, LowbitError
+from pipeline.lit.config import TrainConfig
+from pipeline.lit.lm import WindowData, scheduled
 from pipeline.lit.losses import distill_loss, normalised
-from pipeline.lit.qat import keep_full_precision, prepare_qat
+from pipeline.lit.qat import keep_full_precision, prepare_qat, train_sets_problem
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 @dataclass(frozen=True)
 class DistillHParams:
-    """What the training side reads of the parsed `stage.distill` config (`DistillHParams.of`)."""
+    """What the training reads of `stage.distill` (the stage's DistillConfig extends it)."""
 
-    max_steps: int
-    lr: float
-    weight_lr: float
-    float_lr: float
-    warmup_steps: int
-    weight_decay: float
-    alpha: float
-    beta: float
-    temperature: float
-    match: str  # attention | hidden | both
-    train: Sequence[str]
-    grad_scale: str
-    fp32_modules: Sequence[str]
-    teacher_dtype: str  # float32 | bfloat16
-    reweight_every: int | None = None  # optimizer steps between layer reweightings; None: static
-    ce: float = 0.0  # weight of the student's cross-entropy on the windows' tokens
-
-    @classmethod
-    def of(cls, cfg) -> DistillHParams:
-        """The fields of `cfg` (the stage's DistillConfig) that carry these names."""
-        return cls(**{f.name: getattr(cfg, f.name) for f in fields(cls)})
+    train: TrainConfig = field(default_factory=lambda: TrainConfig(lr=2e-3, warmup=30))
+    weight_lr: float = 1e-5  # latent weights, when `weights` trains (train.lr: scales, norms)
+    float_lr: float = 2e-3  # embeddings and lm_head, when `float` trains
+    weight_decay: float = 0.0
+    # `weights` made the default target worse at every lr tried (docs/benchmarks.md).
+    trainable: list[str] = field(default_factory=lambda: ["scales", "norms", "float"])
+    alpha: float = 1.0  # weight of KL(p_teacher || p_student) at temperature tau
+    beta: float = 0.1  # weight of the per-layer matching term (0 disables it)
+    temperature: float = 1.0  # tau
+    # Off: CE on the training tokens continues pre-training instead of recovering quant error.
+    ce: float = 0.0
+    match: Literal["attention", "hidden", "both"] = "attention"
+    reweight_every: int | None = None  # optimizer steps between layer reweightings; null: static
+    teacher_dtype: Literal["float32", "bfloat16"] = "float32"
+    fp32_modules: list[str] = field(default_factory=lambda: ["lm_head", "norm"])  # under bf16
 
     @property
     def eager_attention(self) -> bool:
         """Attention maps are matched: both models need eager attention to return them."""
         return self.beta > 0 and self.match != "hidden"
 
+    def check(self, prefix: str) -> None:
+        positive(prefix, weight_lr=self.weight_lr, float_lr=self.float_lr)
+        positive(prefix, temperature=self.temperature, reweight_every=self.reweight_every)
+        if self.reweight_every is not None and self.beta == 0:
+            raise ConfigError(
+                f"{prefix}.reweight_every",
+                f"={self.reweight_every} with beta=0",
+                "beta > 0 (the weights scale the matching term), or reweight_every=null",
+            )
+        problem = train_sets_problem(list(self.trainable))
+        if problem:
+            raise ConfigError(f"{prefix}.trainable", f"is {list(self.trainable)}", problem)
+        terms = {"alpha": self.alpha, "beta": self.beta, "ce": self.ce}
+        negative = [k for k, v in terms.items() if v < 0]
+        if negative or not any(terms.values()):
+            key = (negative or ["alpha"])[0]  # the negative weight, else the KL's
+            raise ConfigError(
+                f"{prefix}.{key}",
+                f"is {terms[key]} (alpha={self.alpha}, beta={self.beta}, ce={self.ce})",
+                "all three >= 0 and not all 0",
+            )
+        if self.weight_decay < 0:
+            raise ConfigError(f"{prefix}.weight_decay", f"must be >= 0, got {self.weight_decay}")
 
-# ------------------------------------------------------------------ the two models
+
 def load_student(model_dir: Path, hp: DistillHParams):
-    """The fake-quant student: exact quantize-stage weights, trainable sets, gradient scales.
-
-    Returns:
-        (student, {trainable set: its parameters}, see `pipeline.lit.qat.prepare_qat`).
-    """
+    """The fake-quant student: exact quantize-stage weights, trainable sets, gradient scales."""
     from pipeline.models.quantized import load_quantized, quantized_modules
 
-    student = load_quantized(model_dir, learn_weights="weights" in hp.train)
+    student = load_quantized(model_dir, learn_weights="weights" in hp.trainable)
     if not quantized_modules(student):
         raise LowbitError(f"{model_dir} has no quantized linear: nothing to distill")
-    groups = prepare_qat(student, hp.train, hp.grad_scale)
+    groups = prepare_qat(student, hp.trainable, hp.train.quant_grad_scale)
     keep_full_precision(student, hp.fp32_modules)
     if hp.eager_attention:
         student.set_attn_implementation("eager")
@@ -108,11 +95,7 @@ def load_student(model_dir: Path, hp: DistillHParams):
 
 
 def load_pair(model_dir: Path, target_dir: Path, hp: DistillHParams, allow_bin: bool):
-    """The student (`load_student`) and its frozen FP teacher, in `hp.teacher_dtype`.
-
-    Returns:
-        (student, teacher, {trainable set: the student's parameters}).
-    """
+    """The student (`load_student`) and its frozen FP teacher, in `hp.teacher_dtype`."""
     from pipeline.models.hf import load_causal_lm
 
     student, groups = load_student(model_dir, hp)
@@ -128,17 +111,8 @@ def load_pair(model_dir: Path, target_dir: Path, hp: DistillHParams, allow_bin: 
     return student, teacher, groups
 
 
-# ------------------------------------------------------------------ validation
 def heldout_sums(teacher_logits: Tensor, student_logits: Tensor, ids: Tensor) -> Tensor:
-    """Summed student NLL, teacher NLL and KL(teacher ‖ student) over next-token positions.
-
-    Args:
-        teacher_logits, student_logits: (B, T, V).
-        ids: (B, T) the windows both models read.
-
-    Returns:
-        (3,) float64 sums over the B·(T−1) scored positions.
-    """
+    """Summed student NLL, teacher NLL and KL(teacher ‖ student) over next-token positions."""
     target = ids[:, 1:, None]  # (B, T-1, 1)
     log_t = teacher_logits[:, :-1].float().log_softmax(-1)  # (B, T-1, V)
     log_s = student_logits[:, :-1].float().log_softmax(-1)
@@ -149,11 +123,7 @@ def heldout_sums(teacher_logits: Tensor, student_logits: Tensor, ids: Tensor) ->
 
 
 class HeldoutBatches(IterableDataset):
-    """Fixed batches of held-out windows (W, T), the same on every rank.
-
-    An IterableDataset, so Lightning does not give it a DistributedSampler: every rank scores
-    every window (exact, no padding duplicates, equal forwards on every ZeRO-3 rank).
-    """
+    """Fixed batches of held-out windows (W, T); iterable, so unsharded: every rank scores all."""
 
     def __init__(self, windows: Tensor, batch_size: int) -> None:
         self.windows, self.batch_size = windows, batch_size
@@ -163,7 +133,6 @@ class HeldoutBatches(IterableDataset):
             yield self.windows[i : i + self.batch_size]
 
 
-# ------------------------------------------------------------------ Lightning
 class DistillModule(L.LightningModule):
     """Teacher → fake-quant student distillation (see the module docstring)."""
 
@@ -185,8 +154,7 @@ class DistillModule(L.LightningModule):
         )
         self._layer_err: Tensor | None = None  # (L,) d_l summed over this step's micro-batches
         self.layer_w_history: list[dict] = []  # {"step", "weights"} at each reweighting
-        # Checkpoints hold the student only; under DeepSpeed the frozen teacher and codes are
-        # also left out of them (pipeline.lit.fit).
+        # Checkpoints hold the student only (under DeepSpeed, without the frozen codes either).
         self.strict_loading = False
         # Validation results: the input model's (the sanity check, step 0) and one per check.
         self.val_input: dict[str, float] | None = None
@@ -243,8 +211,7 @@ class DistillModule(L.LightningModule):
         return terms["total"]
 
     def on_before_optimizer_step(self, optimizer) -> None:
-        # Once per optimizer step, after backward (the loss's graph no longer holds layer_w) and
-        # before any checkpoint of this step is written.
+        # After backward (the graph no longer holds layer_w), before this step's checkpoint.
         err, self._layer_err = self._layer_err, None
         if err is None or (self.global_step + 1) % self.hp.reweight_every:
             return
@@ -257,8 +224,7 @@ class DistillModule(L.LightningModule):
             )
 
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
-        # Stopping at max_steps through `should_stop` makes Lightning validate the last step too,
-        # whatever val_check_interval: the final weights are always a candidate.
+        # `should_stop` at max_steps makes Lightning validate the last step: always a candidate.
         if 0 < self.trainer.max_steps <= self.global_step:
             self.trainer.should_stop = True
 
@@ -289,9 +255,9 @@ class DistillModule(L.LightningModule):
     def configure_optimizers(self):
         hp = self.hp
         spec = [
-            ("scales", hp.lr, 0.0),
+            ("scales", hp.train.lr, 0.0),
             ("weights", hp.weight_lr, hp.weight_decay),
-            ("norms", hp.lr, 0.0),
+            ("norms", hp.train.lr, 0.0),
             ("float", hp.float_lr, hp.weight_decay),
         ]
         param_groups = [
@@ -301,10 +267,7 @@ class DistillModule(L.LightningModule):
         ]
         # torch's AdamW, not DeepSpeed's fused one: no extension build, same on every strategy.
         opt = torch.optim.AdamW(param_groups, betas=(0.9, 0.95), eps=1e-8)
-        sched = torch.optim.lr_scheduler.LambdaLR(
-            opt, lambda step: cosine_with_warmup(step, hp.warmup_steps, hp.max_steps)
-        )
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+        return scheduled(opt, hp.train)
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         state = checkpoint.get("state_dict")
@@ -323,8 +286,7 @@ class DistillModule(L.LightningModule):
 
 
 class DistillData(WindowData):
-    """Step-indexed random training windows of the train split (`pipeline.lit.lm.RandomWindows`:
-    a resumed run reads the batches the uninterrupted one would have), and optionally fixed
+    """Step-indexed training windows (`pipeline.lit.lm.RandomWindows`) and, optionally, fixed
     validation windows `val` (W, T), scored whole on every rank."""
 
     def __init__(

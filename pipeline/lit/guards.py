@@ -1,17 +1,9 @@
-"""Training hygiene for long QAT and reinforce runs: a NaN/Inf guard, and lowering the lr.
+"""NaN/Inf guard for long low-bit trainings: roll back a non-finite step and halve the lr.
 
-Low-bit training diverges now and then (a scale collapsing to 0, an exploding KL on a rare
-token, bf16 overflow). The guard keeps an in-memory copy of the last good training state and,
-when a step produced a non-finite loss or non-finite parameters, puts that copy back (so the bad
-step never happened), then halves the learning rate so the same batch region is crossed more
-gently. The check runs after the optimizer step, which works identically for plain optimizers,
-DDP and DeepSpeed ZeRO (whose engine steps on its own and cannot be told to skip): the restored
-state covers the module's trainable tensors, the optimizer's own parameters (ZeRO's flat fp32
-partitions) and its moments. The decision is reduced over ranks so every rank rolls back
-together. The cost is one copy of the trainable state (small for scale-only training).
-
-Checkpoints (where, when, what a resume needs) are `pipeline.lit.resume`'s; the choice of the
-best validated one and reading back its trained tensors are `pipeline.lit.fit`'s.
+The check runs after the optimizer step, which works alike for plain optimizers, DDP and ZeRO
+(whose engine cannot be told to skip): the restored copy covers the trainable tensors, the
+optimizer's own parameters (ZeRO's flat fp32 partitions) and its moments; the decision is
+reduced over ranks so every rank rolls back together.
 """
 
 from __future__ import annotations
@@ -54,25 +46,16 @@ def scale_lr(trainer, factor: float) -> None:
 
 
 class NanGuard(L.Callback):
-    """Skip a non-finite step: restore the last good state and halve the learning rate.
-
-    Logs `guard/skipped` (steps rolled back so far) and `guard/lr_scale` (product of halvings).
-
-    Args:
-        factor: learning-rate factor after each skipped step.
-        max_skips: skipped steps after which training stops with an error.
-        lr_key: the config key of the learning rate, named in that error.
-    """
+    """Skip a non-finite step: restore the last good state and halve the learning rate."""
 
     def __init__(
-        self, factor: float = 0.5, max_skips: int = 20, lr_key: str = "stage.distill.lr"
+        self, factor: float = 0.5, max_skips: int = 20, lr_key: str = "stage.distill.train.lr"
     ) -> None:
         self.factor, self.max_skips, self.lr_key = factor, max_skips, lr_key
         self.skipped = 0
         self.lr_scale = 1.0
         self._snapshot: dict | None = None
 
-    # -------------------------------------------------------------- state capture
     def _tensors(self, trainer, module) -> tuple[list[Tensor], list[torch.optim.Optimizer]]:
         params = [_local(p) for p in module.parameters() if p.requires_grad]
         opts = [_base_optimizer(o) for o in trainer.optimizers]
@@ -107,7 +90,6 @@ class NanGuard(L.Callback):
         self.lr_scale *= self.factor
         scale_lr(trainer, self.factor)
 
-    # -------------------------------------------------------------- hooks
     def on_train_start(self, trainer, pl_module) -> None:
         self._save(trainer, pl_module)
 

@@ -1,14 +1,8 @@
-"""Causal-LM pre-training (the bootstrap stage's target and draft), and step-indexed batches.
+"""Causal-LM pre-training (the bootstrap stage's models), step-indexed batches, lr schedules.
 
-Training batches are indexed by the step that trains on them: batch k is a pure function of
-(seed, rank, k), drawn from its own seeded generator, never from the global RNG, and the stream
-is endless, so `max_steps` alone sets the training length whatever the corpus size. A run
-resumed from a checkpoint at step k therefore sees exactly the batches k, k+1, ... that the
-uninterrupted run saw: the loader is built by `LightningDataModule.train_dataloader`, which
-Lightning calls after it restored the checkpoint, and starts at the restored step
-(`next_batch`). A loader that counts what it yielded (`state_dict`) would not do: Lightning's
-fetcher reads one batch ahead, so that count is one past the trained step when a checkpoint is
-written.
+Batch k is a pure function of (seed, rank, k), so a run resumed at step k reads the batches k,
+k+1, ... of the uninterrupted run: the loader starts at the restored step (`next_batch`), not at
+a yielded count, which Lightning's one-batch-ahead fetcher would put one past the trained step.
 """
 
 from __future__ import annotations
@@ -23,6 +17,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from pipeline.errors import LowbitError
+from pipeline.lit.config import TrainConfig
 
 
 def next_batch(trainer) -> int:
@@ -36,22 +31,13 @@ def batch_rows(batch: Callable[[int], torch.Tensor], start: int) -> Iterator[tor
 
 
 def step_loader(ds: IterableDataset, batch_size: int) -> DataLoader:
-    """A loader that groups the rows of a step-indexed dataset back into its batches.
-
-    The datasets yield rows rather than whole batches so that the loader has a batch size, which
-    DeepSpeed reads from it (`batch_sampler.batch_size`).
-    """
+    """A loader that groups the rows of a step-indexed dataset back into its batches."""
     return DataLoader(ds, batch_size=batch_size, num_workers=0)
 
 
 class RandomWindows(IterableDataset):
-    """Endless batches of windows of `seq_len` tokens at random offsets of a token stream.
-
-    Batch k draws `batch_size * world_size` offsets from a generator seeded with (seed, k), the
-    same on every rank, and rank r takes rows r*B..(r+1)*B of it (the rank's share of one global
-    batch, as a DistributedSampler would give). Iteration yields the rows of batches `start`,
-    `start` + 1, ... (`step_loader` groups them back).
-    """
+    """Endless batches of windows of `seq_len` tokens at random offsets of a token stream; batch
+    k is a function of (seed, k), each rank taking its share of that global batch."""
 
     def __init__(
         self,
@@ -72,7 +58,7 @@ class RandomWindows(IterableDataset):
         self.seed, self.rank, self.world_size, self.start = seed, rank, world_size, start
 
     def batch(self, k: int) -> torch.Tensor:
-        """Batch k of this rank. # (B, T)"""
+        """Batch k of this rank, (B, T)."""
         b, high = self.batch_size, self.stream.numel() - self.seq_len + 1
         starts = np.random.default_rng([self.seed, k]).integers(0, high, b * self.world_size)
         mine = torch.from_numpy(starts[self.rank * b : (self.rank + 1) * b])  # (B,)
@@ -109,6 +95,19 @@ def cosine_with_warmup(step: int, warmup: int, total: int, floor: float = 0.1) -
         return (step + 1) / warmup
     progress = min(1.0, (step - warmup) / max(1, total - warmup))
     return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def lr_factor(step: int, train: TrainConfig) -> float:
+    """LR multiplier of `train.schedule` at `step`: linear warm-up, then cosine decay or flat."""
+    if train.schedule == "constant":
+        return min(1.0, (step + 1) / train.warmup) if train.warmup else 1.0
+    return cosine_with_warmup(step, train.warmup, train.steps)
+
+
+def scheduled(opt: torch.optim.Optimizer, train: TrainConfig) -> dict:
+    """Lightning's optimizer config: `opt` with `train`'s learning-rate schedule, per step."""
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_factor(step, train))
+    return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
 class CausalLM(L.LightningModule):

@@ -1,27 +1,13 @@
-"""The losses of the two training stages: distillation (QAT) and on-policy acceptance training.
+"""The two training stages' losses, pure tensor math (the LightningModules wrap them).
 
-Both are pure functions of tensors and models' outputs (no Lightning, no config); the
-LightningModules of :mod:`pipeline.lit.distill` and :mod:`pipeline.lit.reinforce` wrap them.
+Distillation (Hinton et al. 2015; OneBit): τ²·KL(p_teacher ‖ p_student) at temperature τ (τ² keeps
+the gradient's size whatever τ; forward KL is mode-covering, as perplexity is) plus β·Σ_l w_l·d_l,
+d_l the layer's attention-map distance or relative hidden-state error, w_l larger where the
+quantizer hurt more. Dense layer-local gradients, at the price of tying the student to the
+teacher's internal solution; β sets how hard.
 
-**Distillation: a quantized student mimics its FP teacher.**
-Logits: KL(p_teacher ‖ p_student) at temperature τ, multiplied by τ² so that its gradient keeps
-the same magnitude whatever τ (Hinton et al. 2015). Forward KL is mode-covering: the student is
-pushed to put mass wherever the teacher does, which is what perplexity measures.
-
-Intermediate matching (OneBit, NeurIPS 2024, uses logits + hidden states + attention): per decoder
-layer l the squared distance between teacher and student attention probabilities
-‖A_t^l − A_s^l‖² (summed over keys, averaged over batch, heads and queries), or the relative
-squared error of the layer's output hidden state. Layers are weighted by w_l, larger where the
-quantizer hurt more: w_l ∝ the mean relative output error of layer l's quantized linears, as
-measured by the quantize stage. The trade-off: matching intermediate maps gives dense,
-layer-local gradients (fast recovery of badly quantized layers) at the price of constraining
-the student to the teacher's internal solution, which at 2 bits may not be reachable; β sets how
-hard that constraint is.
-
-**Reinforce: the draft learns to be accepted by its target.**
-Each step the draft proposes gamma tokens after a batch of contexts; the frozen target verifies
-them exactly as speculative decoding would (:func:`pipeline.speculative.rollout.draft_rollout`). The
-loss (terms from :mod:`pipeline.speculative.rewards`) is
+Reinforce: the draft proposes gamma tokens, the frozen target verifies them as speculative
+decoding would (:func:`pipeline.speculative.rollout.draft_rollout`), and the loss is
 
     pg_weight * -(A * sum_k log q_T(x_k))             A = R - moving baseline,
   + tvd_weight * TVD(p, q) on the verified positions   (= 1 - expected acceptance there),
@@ -29,19 +15,10 @@ loss (terms from :mod:`pipeline.speculative.rewards`) is
   + kl_weight * KL(q || q_start)                        (anchor to the starting draft),
 
 with R = w_a * accepted / gamma + w_t * (accepted + 1) / ((gamma * c + 1) * (gamma + 1)).
-Verified positions are the accepted ones plus the first rejection: position k is verified with
-probability prod_{j<k} beta_j, so averaging the TVD gradient over them is an unbiased estimate
-of sum_k P(reach k) * grad beta_k, the direct (pathwise) part of the gradient of the expected
-accepted length; the policy-gradient term carries the part through the sampled tokens. Tokens
-after the first rejection influence no reward and are left out of both terms (pure variance).
-
-Trade-off: the TVD term alone is on-policy distillation (DistillSpec); the reward adds what it
-cannot see (acceptance compounding along the block, the draft's cost), at the price of a noisy
-gradient, hence the baseline and the small default weight of the KL anchor. The on-policy terms
-see at most gamma positions per context; the context term is DistillSpec's fixed-data half: the
-same TVD on K random positions of the scenario text itself, teacher-forced, whose target logits
-come from the verification forward (no extra target pass). It gives the small draft K/gamma
-times more signal per step, on the text it will be asked to continue.
+Position k is verified with probability prod_{j<k} beta_j, so the TVD averaged over verified
+positions is an unbiased estimate of the pathwise gradient of the expected accepted length; the
+policy gradient carries the part through the sampled tokens. Tokens after the first rejection
+influence no reward and are left out (pure variance).
 """
 
 from __future__ import annotations
@@ -64,25 +41,14 @@ from pipeline.speculative.rewards import (
 )
 from pipeline.speculative.rollout import draft_rollout
 
-# Decoder-layer index inside a linear's name: Llama/Mistral/Qwen "model.layers.3.self_attn.q_proj",
-# GPT-2/Falcon "transformer.h.3.attn.c_attn", T5-like "block.3".
+# Decoder-layer index in a linear's name: "model.layers.3.…", "transformer.h.3.…", "block.3".
 _LAYER_RE = re.compile(r"(?:^|\.)(?:layers|h|blocks|block)\.(\d+)\.")
 
 
-# ------------------------------------------------------------------ distillation
 def kl_divergence(
     teacher_logits: Tensor, student_logits: Tensor, temperature: float = 1.0
 ) -> Tensor:
-    """τ²·KL(softmax(t/τ) ‖ softmax(s/τ)), averaged over tokens.
-
-    Args:
-        teacher_logits: (B, T, V) teacher logits (no gradient needed).
-        student_logits: (B, T, V) student logits.
-        temperature: τ > 0.
-
-    Returns:
-        Scalar float32 loss.
-    """
+    """τ²·KL(softmax(t/τ) ‖ softmax(s/τ)), averaged over tokens."""
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     log_t = F.log_softmax(teacher_logits.float() / temperature, dim=-1)  # (B, T, V)
@@ -92,15 +58,7 @@ def kl_divergence(
 
 
 def attention_distances(teacher: Sequence[Tensor], student: Sequence[Tensor]) -> Tensor:
-    """Per-layer ‖A_t − A_s‖² of attention probabilities.
-
-    Args:
-        teacher: L tensors (B, H, T, T) of attention probabilities.
-        student: the student's, same shapes.
-
-    Returns:
-        (L,) float32: squared distance summed over keys, averaged over batch, heads, queries.
-    """
+    """Per-layer ‖A_t − A_s‖² of attention probabilities."""
     _same_length(teacher, student, "attention maps")
     return torch.stack(
         [(a_t.float() - a_s.float()).square().sum(-1).mean() for a_t, a_s in zip(teacher, student)]
@@ -108,18 +66,7 @@ def attention_distances(teacher: Sequence[Tensor], student: Sequence[Tensor]) ->
 
 
 def hidden_distances(teacher: Sequence[Tensor], student: Sequence[Tensor]) -> Tensor:
-    """Per-layer relative squared error ‖h_t − h_s‖² / ‖h_t‖² of decoder-layer outputs.
-
-    The relative form keeps layers comparable: residual-stream norms grow with depth.
-
-    Args:
-        teacher: L tensors (B, T, C), the outputs of decoder layers 1..L (HF's `hidden_states`
-            without the embedding output at index 0).
-        student: the student's, same shapes.
-
-    Returns:
-        (L,) float32, each averaged over tokens.
-    """
+    """Per-layer relative squared error ‖h_t − h_s‖² / ‖h_t‖² of decoder-layer outputs."""
     _same_length(teacher, student, "hidden states")
     out = []
     for h_t, h_s in zip(teacher, student):
@@ -141,16 +88,7 @@ def layer_of(name: str) -> int | None:
 
 
 def layer_weights(errors: Mapping[str, float], num_layers: int) -> Tensor:
-    """w_l ∝ mean quantization error of the linears of decoder layer l, normalised to Σ w_l = 1.
-
-    Args:
-        errors: {linear name: relative output error} (quant_report.json's rel_output_error).
-        num_layers: L, the number of decoder layers.
-
-    Returns:
-        (L,) float32 weights. Layers without a quantized linear get 0; when no layer has a positive
-        error (nothing measured, or everything exact) the weights are uniform.
-    """
+    """w_l ∝ mean quantization error of the linears of decoder layer l, normalised to Σ w_l = 1."""
     total = torch.zeros(num_layers)
     count = torch.zeros(num_layers)
     for name, err in errors.items():
@@ -166,10 +104,7 @@ def layer_weights(errors: Mapping[str, float], num_layers: int) -> Tensor:
 
 def normalised(errors: Tensor) -> Tensor:
     """Per-layer errors (L,) -> weights w_l = e_l / Σ e, uniform when no error is positive.
-
-    Every layer weighting (the quantize stage's errors, the reweighted current ones) goes through
-    here, so Σ w_l = 1 and the matching term keeps its scale whichever weights it uses.
-    """
+    Every weighting goes through here, so the matching term keeps its scale."""
     errors = errors.detach().float()
     if not errors.sum() > 0:
         return torch.full_like(errors, 1.0 / errors.numel())
@@ -190,24 +125,7 @@ def distill_loss(
     ce: float = 0.0,
     ids: Tensor | None = None,
 ) -> dict[str, Tensor]:
-    """α·KL + β·Σ_l w_l·d_l + ce·CE, with d_l from attention maps and/or hidden states.
-
-    Args:
-        teacher_logits, student_logits: (B, T, V).
-        weights: (L,) per-layer weights (see `layer_weights`).
-        alpha, beta: term weights; a term whose weight is 0 is not computed.
-        temperature: τ of the KL term.
-        teacher_attn, student_attn: L attention maps (B, H, T, T) each, or None.
-        teacher_hidden, student_hidden: L decoder-layer outputs (B, T, C) each, or None.
-        ce: weight of the student's next-token cross-entropy on ``ids`` (0: not computed).
-        ids: (B, T) the token windows both models read; needed when ``ce`` > 0.
-
-    Returns:
-        {"kl", "ce", "attn", "hidden", "total"}: scalar tensors (unused terms are 0); "total"
-        carries the gradient. "layers": (L,) detached d_l (attention plus hidden distance of each
-        layer, the quantities the weights multiply; zeros when β = 0), the current per-layer
-        error.
-    """
+    """α·KL + β·Σ_l w_l·d_l + ce·CE, with d_l from attention maps and/or hidden states."""
     zero = student_logits.new_zeros((), dtype=torch.float32)
     weights = weights.to(zero.device)
     kl = kl_divergence(teacher_logits, student_logits, temperature) if alpha else zero
@@ -233,7 +151,6 @@ def distill_loss(
     }
 
 
-# ------------------------------------------------------------------ reinforce
 @dataclass(frozen=True)
 class LossWeights:
     """The weights of the reinforce loss's terms and of the reward's two parts."""
@@ -275,16 +192,7 @@ def reinforce_loss(
     generator: torch.Generator | None = None,
     context_positions: int = 0,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """One on-policy round on ``contexts`` (B, T) and the loss of the module docstring.
-
-    Args:
-        advantages: rewards (B,) -> advantages (B,), e.g. ``MovingAverageBaseline.advantages``.
-        context_positions: K, the context positions (drawn from ``generator``, the same for
-            every row) of the context TVD term; used when ``weights.context_tvd`` > 0.
-
-    Returns:
-        (loss with gradient into ``draft``, detached statistics for logging).
-    """
+    """One on-policy round on ``contexts`` (B, T) and the loss of the module docstring."""
     t = contexts.shape[1]
     rows = None  # (K,) context positions of the context term, each predicting the next token
     if weights.context_tvd > 0 and context_positions > 0 and t > 1:

@@ -1,21 +1,9 @@
-"""Ascend NPUs as a Lightning accelerator, through torch_npu (Ascend's PyTorch plug-in on CANN).
+"""Ascend NPUs as a Lightning accelerator, through torch_npu (imported on first use).
 
-Lightning 2.6 ships no NPU accelerator and rejects `accelerator="npu"`; importing this module
-registers `NPUAccelerator` under that name in Lightning's AcceleratorRegistry. torch_npu, once
-imported, adds `torch.npu` (device_count, set_device, memory_stats, ...) and the `npu` device
-type. It is imported on first use, so this module loads on any machine.
-
-For an accelerator it does not know, Lightning falls back to CUDA or CPU in three places, each
-replaced by `npu_trainer_kwargs`:
-
-* `strategy: auto` on one device picks a SingleDeviceStrategy on *cpu*: here it is on `npu:i`.
-* DDPStrategy wraps the model on a `torch.cuda` side stream, which fails on torch_npu's CUDA-less
-  torch: `NPUDDPStrategy` wraps it without one.
-* `16-mixed`/`bf16-mixed` autocast on "cuda", which on an NPU machine (no CUDA) is silently
-  disabled, so training would run in fp32: here MixedPrecision autocasts on "npu".
-
-DDP uses the trainer's `dist_backend` (HCCL) as its process-group backend. Device counts honour
-ASCEND_RT_VISIBLE_DEVICES (see `pipeline.lit.devices.visible_npus`).
+Lightning 2.6 has no NPU accelerator and falls back to CUDA or CPU in three places, each replaced
+by `npu_trainer_kwargs`: the single-device strategy (cpu -> `npu:i`), DDP's CUDA side stream
+(`NPUDDPStrategy` wraps without one) and mixed-precision autocast on "cuda" (silently fp32 on an
+NPU machine: here autocast on "npu"). DDP uses the trainer's `dist_backend` (HCCL).
 """
 
 from __future__ import annotations
@@ -135,12 +123,7 @@ class NPUDDPStrategy(DDPStrategy):
 
 
 def npu_trainer_kwargs(kw: dict[str, Any], backend: str) -> dict[str, Any]:
-    """Trainer kwargs for `accelerator: npu` with Lightning's CUDA/CPU fallbacks replaced.
-
-    Args:
-        kw: Trainer kwargs (lowbit's own keys already removed).
-        backend: the process-group backend for DDP (`dist_backend`, HCCL).
-    """
+    """Trainer kwargs for `accelerator: npu` with Lightning's CUDA/CPU fallbacks replaced."""
     kw = dict(kw, accelerator=NPUAccelerator.name())
     strategy = kw.get("strategy", "auto")
     if strategy == "auto":

@@ -1,22 +1,10 @@
 """A training's progress in the log, and its expected duration from its first steps.
 
-Off a terminal Lightning's progress bar is off (`pipeline.lit.trainer.build_trainer`), and a
-training of many minutes would leave the log silent. `TrainingProgress` then logs, on rank 0,
-``distill: step 120/300 (40%), loss 2.31, 5.1k tokens/s, 1m05s elapsed, ETA 2m10s`` at most every
-`every_s` seconds (the format and clock of `pipeline.progress`), a validation's batches the same
-way, one line per validation with its scores, and a last line when training ends. The loss is the
-mean over the batches since the previous line; tokens/s counts every rank's batches and leaves
-validation time out.
-
-Once the first steps are timed it also logs the expected duration, on a terminal too (Lightning's
-bar over the stages' endless loaders shows no total): ``bootstrap target: 1500 steps, ~4m10s
-expected (0.17 s/step over steps 15-30)``, and at the end the time it took beside it. The rate
-is that of the second half of the steps timed so far (the first step, and the slower ones after
-it, pay for warm-up), and each validation ahead is counted at the time of the last one (the
-sanity check scores the whole validation set before step 1). The trade-off: an estimate after
-`ESTIMATE_S` seconds rather than a precise one later; steps whose cost varies (reinforce's
-scenarios take turns) need a few of them, hence also `ESTIMATE_STEPS`. On a shared machine the
-estimate is only as steady as the machine.
+Off a terminal Lightning's bar is off, so `TrainingProgress` logs on rank 0 a step line at most
+every `every_s` seconds (mean loss since the last line, tokens/s over every rank, ETA), one line
+per validation and a last line; on a terminal too, the expected duration once the first steps
+are timed. The rate is that of the second half of the timed steps (the first ones pay for
+warm-up); each validation ahead counts at the last one's time.
 """
 
 from __future__ import annotations
@@ -38,14 +26,7 @@ ESTIMATE_STEPS = 4  # ... and at least this many steps (or `every_s` seconds, wh
 
 
 class TrainingProgress(L.Callback):
-    """Log lines of a training's progress and its expected duration (module docstring).
-
-    Args:
-        name: What the lines call the training, e.g. ``"distill"``, ``"bootstrap target"``.
-        lines: Periodic progress lines (False where Lightning's bar shows progress).
-        every_s: Seconds between two progress lines.
-        estimate_s, estimate_steps: How much of the training is timed before the estimate.
-    """
+    """Log lines of a training's progress and its expected duration (module docstring)."""
 
     def __init__(
         self,
@@ -64,7 +45,6 @@ class TrainingProgress(L.Callback):
         self._val_last_s: float | None = None  # the last validation's duration
         self._val_total_s = 0.0  # validation time since training started
 
-    # ------------------------------------------------------------------ training
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.start = self.last = time.monotonic()
         self.first_step = trainer.global_step  # > 0 when resumed
@@ -99,8 +79,7 @@ class TrainingProgress(L.Callback):
     def _estimate(self, trainer: L.Trainer, now: float, step: int) -> None:
         t0 = self.timed[0][0]
         spent = now - t0
-        # The rate of the second half of the timed steps: slower first steps (allocations,
-        # kernel choices) fall in the first half.
+        # The second half's rate: slower first steps (allocations, kernel choices) fall before.
         t_mid, step_mid, val_mid = next(r for r in self.timed if r[0] >= t0 + spent / 2)
         steps = step - step_mid
         ready = spent >= self.estimate_s and steps >= self.estimate_steps
@@ -138,7 +117,6 @@ class TrainingProgress(L.Callback):
         against = f" (expected ~{clock(self.expected)})" if self.expected is not None else ""
         log.info("%s: %d steps done in %s%s", self.name, steps, took, against)
 
-    # ------------------------------------------------------------------ validation
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._val_start = time.monotonic()
         self._val_batches = 0

@@ -1,15 +1,10 @@
 """Quantization-aware training set-up, shared by the two training stages (distill, reinforce).
 
-A model to train is loaded from an HF directory or from a lowbit quantized one, whose quantized
-linears come back as FakeQuantLinear layers that reproduce their codes, scales and zeros exactly
-(straight-through estimator). `prepare_qat` then chooses what trains, as EfficientQAT does: the
-step sizes and zero points (`scales`, codes frozen) and optionally the latent weights
-(`weights`, codes re-derived by rounding), the RMSNorm gains (`norms`) and the layers the
-quantizer kept in float (`float`: embeddings and lm_head), and gives every quantized linear the
-gradient factor of its scale and zero (`grad_scale`: 2^-bits, LSQ's 1/sqrt(N·Q_P), or none), so
-that step sizes of very different magnitudes learn at comparable rates.
-
-`keep_full_precision` keeps chosen modules (lm_head, the norms) out of bf16 autocast.
+`prepare_qat` chooses what trains, as EfficientQAT does: step sizes and zero points (`scales`,
+codes frozen), optionally latent weights, norm gains and the float-kept layers; each quantized
+linear's scale/zero gradient gets a factor (2^-bits, LSQ's 1/sqrt(N·Q_P), or none) so step sizes
+of very different magnitudes learn at comparable rates. `keep_full_precision` keeps chosen
+modules out of bf16 autocast.
 """
 
 from __future__ import annotations
@@ -35,18 +30,7 @@ def train_sets_problem(train: Sequence[str]) -> str | None:
 def prepare_qat(
     model: nn.Module, train: Sequence[str], grad_scale: str
 ) -> dict[str, list[nn.Parameter]]:
-    """Freeze `model` except its `train` sets, and set each quantized linear's gradient factor.
-
-    Args:
-        model: a model whose quantized linears are FakeQuantLinear layers (in place).
-        train: the trainable sets, from TRAINABLE; `scales` is required.
-        grad_scale: the scale/zero gradient factor: bits, lsq or none
-            (`pipeline.quant.fakequant.grad_scale_factor`).
-
-    Returns:
-        {set: its parameters}, every set of TRAINABLE (empty when not trained): the optimizer's
-        parameter groups.
-    """
+    """Freeze `model` except its `train` sets, and set each quantized linear's gradient factor."""
     problem = train_sets_problem(train)
     if problem:
         raise ValueError(f"train={list(train)}: {problem}")
@@ -95,13 +79,8 @@ def _fp32_forward(forward, module: nn.Module):
 
 
 def keep_full_precision(model: nn.Module, patterns: Sequence[str]) -> list[str]:
-    """Run modules matching `patterns` outside autocast, in their parameters' dtype.
-
-    A pattern matches a module when it is a substring of the module's own name (`norm` matches
-    `input_layernorm` and `model.norm`) or an fnmatch pattern of its full name. Under bf16
-    autocast this keeps e.g. the lm_head's logits (the KL's input) and the norms in fp32.
-    Returns the matched names (children of a matched module are covered by it).
-    """
+    """Run modules matching `patterns` (a substring of the module's own name, or an fnmatch of
+    its full name) outside autocast, in their parameters' dtype; returns the matched names."""
     matched: list[str] = []
     for name, module in model.named_modules():
         if not name or any(name.startswith(m + ".") for m in matched):

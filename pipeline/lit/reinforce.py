@@ -1,36 +1,18 @@
 """On-policy acceptance training of the draft: the reinforce stage's LightningModule and data.
 
-Each step the draft proposes gamma tokens after a batch of scenario contexts, sampling at the
-scheduled temperature T = T0 * (1 + 0.1 * cos(step / 1000)); the frozen target verifies them
-exactly as speculative decoding would, and the draft learns from
-:func:`pipeline.lit.losses.reinforce_loss` (policy gradient on the speculative reward, TVD on
-the verified and on context positions, KL anchor to the starting draft; the trade-offs are
-described there).
-
-Dynamic strategy: each step's on-policy acceptance (the mean over ranks) feeds a sliding-window
-monitor (:class:`pipeline.speculative.monitor.AcceptanceMonitor`, logged as ``alpha_window``);
-when acceptance falls by more than ``lr_drop_threshold`` over the window, the learning rate is
-multiplied by ``lr_drop_factor`` for the rest of the run (``monitor/lr_scale``). Non-finite steps
-are the NaN/Inf guard's (:class:`pipeline.lit.guards.NanGuard`, a callback the stage adds).
-
-A quantized draft (FakeQuantLinear layers) trains only its step sizes and zero points
-(`pipeline.lit.qat.prepare_qat` with `scales`, as the distill stage does), a float draft every
-weight (`load_draft`); the target and the reference draft are frozen and kept out of
-checkpoints.
-
-Validation (Lightning's loop, every `val_check_interval` steps and at the last step): the
-teacher-forced expected acceptance alpha = mean over positions of sum_x min(p, q) = 1 - TVD(p, q)
-of the draft against the target on fixed held-out prompts, averaged per scenario and then over
-the scenarios (``val/alpha``, larger is better). It is deterministic (no sampling), so two
-checkpoints are compared on exactly the same positions. Every rank scores every prompt. The
-first validation is Lightning's sanity check before the first step: the starting draft's score
-(``val_input``), kept in the checkpoints so a resumed run still knows it.
+The draft proposes gamma tokens at temperature T = T0 * (1 + 0.1 * cos(step / 1000)), the frozen
+target verifies them, and the draft learns from :func:`pipeline.lit.losses.reinforce_loss`; a
+windowed acceptance monitor lowers the lr when acceptance falls. A quantized draft trains only
+its step sizes and zero points. Validation: teacher-forced alpha = mean sum_x min(p, q) per
+scenario, then averaged (deterministic, so checkpoints are compared on the same positions).
 """
 
 from __future__ import annotations
 
 import copy
 import logging
+import shutil
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import lightning as L
@@ -38,11 +20,21 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
+from pipeline.config import positive
+from pipeline.errors import ConfigError
+from pipeline.lit.config import TrainConfig
+from pipeline.lit.fit import best_weights
 from pipeline.lit.guards import scale_lr
-from pipeline.lit.lm import batch_rows, cosine_with_warmup, next_batch, step_loader
+from pipeline.lit.lm import batch_rows, next_batch, scheduled, step_loader
 from pipeline.lit.losses import LossWeights, reinforce_loss
 from pipeline.lit.qat import prepare_qat
-from pipeline.models.quantized import load_model
+from pipeline.models.hf import save_hf
+from pipeline.models.quantized import (
+    is_quantized_dir,
+    load_model,
+    read_quant_meta,
+    save_quantized_model,
+)
 from pipeline.quant.fakequant import FakeQuantLinear
 from pipeline.speculative.cost import measure_cost_ratio
 from pipeline.speculative.metrics import expected_acceptance
@@ -53,21 +45,61 @@ from pipeline.speculative.schedule import draft_temperature
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class ReinforceHParams:
+    """What the training reads of `stage.reinforce` (the stage's ReinforceConfig extends it)."""
+
+    train: TrainConfig = field(default_factory=lambda: TrainConfig(lr=3e-3, warmup=10))
+    gamma: int = 4  # draft tokens proposed per context
+    temperature: float = 1.0  # decoding temperature the acceptance is trained and measured at
+    draft_t0: float = 1.0  # T0 of the draft sampling schedule
+    w_acceptance: float = 0.7
+    w_throughput: float = 0.3
+    baseline_momentum: float = 0.9
+    pg_weight: float = 0.1
+    tvd_weight: float = 1.0
+    kl_weight: float = 0.05  # anchor to the starting draft
+    context_tvd_weight: float = 4.0  # DistillSpec's fixed-data term on context positions
+    context_positions: int = 64
+    # c = draft/target step time of the reward; null: measured once (kept for a resume).
+    cost_ratio: float | None = None
+    # Window of the acceptance monitor; its halves hold equal batches of each scenario.
+    monitor_window: int = 64
+    lr_drop_threshold: float | None = 0.05  # null: monitor only
+    lr_drop_factor: float = 0.5
+
+    @property
+    def loss_weights(self) -> LossWeights:
+        return LossWeights(
+            pg=self.pg_weight,
+            tvd=self.tvd_weight,
+            kl=self.kl_weight,
+            w_acceptance=self.w_acceptance,
+            w_throughput=self.w_throughput,
+            context_tvd=self.context_tvd_weight,
+        )
+
+    def check(self, prefix: str) -> None:
+        positive(prefix, gamma=self.gamma, temperature=self.temperature, draft_t0=self.draft_t0)
+        positive(prefix, cost_ratio=self.cost_ratio)
+        weights = ("w_acceptance", "w_throughput", "pg_weight", "tvd_weight", "kl_weight")
+        for key in (*weights, "context_tvd_weight", "context_positions"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"{prefix}.{key}", f"must be >= 0, got {getattr(self, key)}")
+        ranges = (
+            ("monitor_window", self.monitor_window >= 2, ">= 2"),
+            ("lr_drop_threshold", (self.lr_drop_threshold or 0) >= 0, ">= 0, or null"),
+            ("lr_drop_factor", 0 < self.lr_drop_factor <= 1, "0 < lr_drop_factor <= 1"),
+            ("baseline_momentum", 0 <= self.baseline_momentum < 1, "0 <= baseline_momentum < 1"),
+        )
+        for key, ok, allowed in ranges:
+            if not ok:
+                raise ConfigError(f"{prefix}.{key}", f"is {getattr(self, key)}", allowed)
+
+
 class ScenarioBatches(IterableDataset):
-    """Endless batches of equal-length contexts, one scenario per batch in turn.
-
-    Batch k is a pure function of (seed, rank, k). Iteration yields the rows of batches
-    ``start``, ``start`` + 1, ... (``step_loader`` groups them back), so a resumed run, whose
-    loader starts at its restored step (:class:`ReinforceData`), sees the batches it would have
-    seen. Contexts are prompt prefixes cut at a random point of the prompt's second half, so a
-    few prompts give many contexts; ``long`` prompts stay whole so their contexts stay long.
-
-    Args:
-        prompts: {scenario: (N, L) token ids}.
-        batch_size: contexts per batch.
-        seed, rank: the randomness of this rank's stream.
-        start: index of the first batch.
-    """
+    """Endless batches of equal-length contexts, one scenario per batch in turn; batch k is a
+    pure function of (seed, rank, k), so a resumed run reads the batches it would have read."""
 
     def __init__(
         self,
@@ -96,10 +128,7 @@ class ScenarioBatches(IterableDataset):
 
 
 class ScenarioPrompts(IterableDataset):
-    """Fixed validation batches ``(scenario, (B, L) token ids)``, every prompt once, in order.
-
-    An IterableDataset, so Lightning does not shard it: every rank scores every prompt.
-    """
+    """Fixed validation batches ``(scenario, (B, L) ids)``; iterable, so every rank scores all."""
 
     def __init__(self, prompts: dict[str, torch.Tensor], batch_size: int):
         self.prompts = {k: torch.as_tensor(v, dtype=torch.long) for k, v in prompts.items()}
@@ -149,46 +178,44 @@ def load_draft(path: Path, allow_bin: bool, grad_scale: str) -> torch.nn.Module:
     return draft
 
 
+def result_draft(fit, draft_dir: Path, allow_bin: bool, grad_scale: str) -> torch.nn.Module:
+    """A fresh copy of the starting draft: kept as is, or given the best checkpoint's tensors
+    (whatever the strategy did to the trained module, e.g. ZeRO-3 partitions)."""
+    if not fit.kept:
+        return best_weights(fit, "draft.", lambda: load_draft(draft_dir, allow_bin, grad_scale))
+    log.warning(
+        "reinforce: no checkpoint beat the starting draft on the validation split (best "
+        "teacher-forced alpha %.4f at step %d vs %.4f before training): keeping it unchanged",
+        fit.chosen["alpha"],
+        fit.chosen["step"],
+        fit.before["alpha"],
+    )
+    return load_model(draft_dir, allow_bin)
+
+
+def save_draft(draft, draft_dir: Path, out: Path, kept: bool, tokenizer) -> None:
+    """`draft/`: the input byte for byte when kept, else in the input's representation."""
+    if kept and is_quantized_dir(draft_dir):
+        shutil.copytree(draft_dir, out)
+    elif is_quantized_dir(draft_dir):
+        save_quantized_model(draft.cpu(), out, draft_dir, read_quant_meta(draft_dir)["method"])
+    else:
+        save_hf(draft.cpu(), tokenizer, out)
+
+
 class DraftReinforce(L.LightningModule):
-    """The draft under on-policy acceptance training (see the module docstring).
+    """The draft under on-policy acceptance training (see the module docstring)."""
 
-    ``cost_ratio`` None measures c = draft/target step time when training starts.
-    ``lr_drop_threshold`` None only monitors the windowed acceptance.
-    Only ``draft`` is a registered submodule: the target and the frozen reference copy are held
-    outside the module tree, so DDP neither broadcasts nor checkpoints them.
-    """
-
-    def __init__(
-        self,
-        draft,
-        target,
-        *,
-        gamma: int,
-        temperature: float,
-        draft_t0: float,
-        cost_ratio: float | None,
-        weights: LossWeights,
-        lr: float,
-        warmup: int,
-        max_steps: int,
-        baseline_momentum: float,
-        monitor_window: int,
-        seed: int,
-        context_positions: int,
-        lr_drop_threshold: float | None = None,
-        lr_drop_factor: float = 0.5,
-    ):
+    def __init__(self, draft, target, hp: ReinforceHParams, seed: int):
         super().__init__()
-        self.draft = draft
+        self.draft, self.hp, self.seed = draft, hp, seed
         reference = copy.deepcopy(draft).eval().requires_grad_(False)
+        # Outside the module tree: DDP neither broadcasts nor checkpoints them.
         self._frozen = (target.eval().requires_grad_(False), reference)
-        self.gamma, self.temperature, self.draft_t0 = gamma, temperature, draft_t0
-        self.cost_ratio, self.weights, self.seed = cost_ratio, weights, seed
-        self.context_positions = context_positions
-        self.lr, self.warmup, self.max_steps = lr, warmup, max_steps
-        self.baseline = MovingAverageBaseline(baseline_momentum)
-        self.monitor = AcceptanceMonitor(monitor_window, lr_drop_threshold)
-        self.lr_drop_factor = lr_drop_factor
+        self.gamma, self.temperature, self.cost_ratio = hp.gamma, hp.temperature, hp.cost_ratio
+        self.weights = hp.loss_weights
+        self.baseline = MovingAverageBaseline(hp.baseline_momentum)
+        self.monitor = AcceptanceMonitor(hp.monitor_window, hp.lr_drop_threshold)
         self.lr_scale = 1.0  # product of the monitor's lr drops
         # Validation results: the starting draft's (sanity check, step 0) and one per check.
         self.val_input: dict[str, float] | None = None
@@ -200,8 +227,7 @@ class DraftReinforce(L.LightningModule):
         for model in self._frozen:
             model.to(self.device)
         if self.cost_ratio is None:
-            # Measured once, on the training device, by rank 0 for everyone; a resumed run
-            # restores it from the checkpoint, so the reward never changes meaning mid-run.
+            # Once, by rank 0 for all; restored on resume, so the reward keeps its meaning.
             c = (
                 measure_cost_ratio(self._frozen[0], self.draft, n_iters=30)
                 if self.global_rank == 0
@@ -229,16 +255,16 @@ class DraftReinforce(L.LightningModule):
             batch,
             gamma=self.gamma,
             temperature=self.temperature,
-            draft_temp=draft_temperature(step, self.draft_t0),
+            draft_temp=draft_temperature(step, self.hp.draft_t0),
             cost_ratio=self.cost_ratio,
             weights=self.weights,
             advantages=self._advantages,
-            context_positions=self.context_positions,
+            context_positions=self.hp.context_positions,
             generator=gen,
         )
         if self._monitor(stats["alpha"]):
-            self.lr_scale *= self.lr_drop_factor
-            scale_lr(self.trainer, self.lr_drop_factor)
+            self.lr_scale *= self.hp.lr_drop_factor
+            scale_lr(self.trainer, self.hp.lr_drop_factor)
             log.warning(
                 "reinforce: acceptance fell by more than %.3g over the last %d steps (step %d): "
                 "learning rate now %.3gx",
@@ -294,11 +320,8 @@ class DraftReinforce(L.LightningModule):
 
     def configure_optimizers(self):
         params = [p for p in self.draft.parameters() if p.requires_grad]
-        opt = torch.optim.AdamW(params, lr=self.lr, weight_decay=0.0, betas=(0.9, 0.95))
-        sched = torch.optim.lr_scheduler.LambdaLR(
-            opt, lambda s: cosine_with_warmup(s, self.warmup, self.max_steps)
-        )
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+        opt = torch.optim.AdamW(params, lr=self.hp.train.lr, weight_decay=0.0, betas=(0.9, 0.95))
+        return scheduled(opt, self.hp.train)
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint["reinforce"] = {

@@ -1,22 +1,12 @@
-"""Exact resume of a training stage: checkpoints a rerun restarts from as if never killed.
+"""Exact resume of a training stage: a rerun from `last.ckpt` writes the bytes an uninterrupted
+run writes. That needs the same batches (indexed by step, `pipeline.lit.lm`), the same state
+(Lightning's checkpoint plus the global random streams, saved by `ResumeCheckpoint`), and
+checkpoints every `every` steps, at the last step and after each validation: never before a
+step's validation, since Lightning resumes a batch-end checkpoint past that validation.
 
-A rerun of a killed stage (same fingerprint, same work dir) resumes from `last.ckpt` and must end
-with the bytes an uninterrupted run writes. That takes three things:
-
-- the same batches: the stages' loaders index batches by step (`pipeline.lit.lm`);
-- the same state: Lightning's checkpoint (weights, optimizer, scheduler, loop counters, callback
-  and module state) plus the global random streams (torch CPU and CUDA, Python's `random`,
-  NumPy), which `ResumeCheckpoint` saves and puts back when training restarts;
-- checkpoints in the right place: every `every` steps (a tenth of the run by default, so a kill
-  loses at most ~10% of it), at the last step, and after each validation. A step that validates
-  is checkpointed after its validation, never before: Lightning resumes a checkpoint taken at the
-  end of a training batch past that batch's validation.
-
-`last.ckpt` is written to a temporary name and renamed, so a kill mid-write leaves the previous
-one. Everything in a checkpoint is a tensor or a plain Python value, so it loads with
-`torch.load(weights_only=True)` (`load_checkpoint`; `Trainer.fit(..., weights_only=True)`): a
-checkpoint is data, never code. Not under DeepSpeed: its sharded checkpoint directories are read
-by DeepSpeed itself, which unpickles them in full (trust them as the run's own files only).
+`last.ckpt` is written to a temporary name and renamed (a kill mid-write keeps the previous one),
+and holds only tensors and plain values, so it loads with `weights_only=True`: data, never code.
+DeepSpeed's sharded directories are read by DeepSpeed itself (trust them as the run's own only).
 """
 
 from __future__ import annotations
@@ -61,7 +51,6 @@ def load_checkpoint(path: Path | str) -> dict:
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
-# ------------------------------------------------------------------ random streams
 def rng_states() -> dict:
     """The global random streams of this process, as tensors and plain values."""
     np_state = np.random.get_state(legacy=False)
@@ -104,16 +93,8 @@ def _rank_and_world() -> tuple[int, int]:
     return 0, 1
 
 
-# ------------------------------------------------------------------ the resume checkpoint
 class ResumeCheckpoint(Checkpoint):
-    """`last.ckpt` in `dirpath`, the checkpoint a rerun resumes from (see the module docstring).
-
-    Args:
-        dirpath: the stage's checkpoint directory (in its work dir).
-        every: steps between checkpoints (`ckpt_interval`); None: after validations only.
-        val_every: the stage validates every `val_every` steps and at the last step (None: it
-            does not validate); those steps are checkpointed after their validation.
-    """
+    """`last.ckpt` in `dirpath`, the checkpoint a rerun resumes from (see the module docstring)."""
 
     def __init__(
         self, dirpath: Path | str, every: int | None, val_every: int | None = None
@@ -134,11 +115,9 @@ class ResumeCheckpoint(Checkpoint):
         self.resumed_step = checkpoint["global_step"]
 
     def on_train_start(self, trainer, pl_module) -> None:
-        # Lightning does not keep `should_stop`: without this a run killed after its early stop
-        # was checkpointed would train on.
+        # Lightning does not keep `should_stop`: a run killed after its early stop would train on.
         trainer.should_stop = trainer.should_stop or self._stopping
-        # The loaders were built and the sanity check ran (under its own RNG) before this hook:
-        # from here on the streams must be those of the checkpointed run.
+        # Loaders and sanity check ran before this hook; from here the streams are the run's.
         if self._rng is not None:
             set_rng_states(self._rng)
             self._rng = None
@@ -182,8 +161,7 @@ class ResumeCheckpoint(Checkpoint):
         self._stopping = bool(state_dict.get("stopping", False))
         every = state_dict.get("rng") or []
         rank, world = _rank_and_world()
-        # Another world size: the streams do not map onto the ranks, and the data shards differ
-        # too; the run continues, only not identically.
+        # Another world size: streams and shards do not map; the run continues, not identically.
         self._rng = every[rank] if len(every) == world else None
 
 
@@ -204,11 +182,7 @@ def best_and_last(
 ) -> tuple[L.Callback, list[L.Callback]]:
     """A training stage's checkpoints: `best.ckpt` by the validation `monitor`, `last.ckpt` to
     resume from (after each validation, and every `every` steps when given), both in work_dir;
-    and early stopping after `patience` checks (None: off).
-
-    Returns:
-        (the ModelCheckpoint, whose best_model_path the stage reads; every callback to pass).
-    """
+    and early stopping after `patience` checks (None: off)."""
     from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 
     dirpath = Path(work_dir) / CKPT_DIR
@@ -224,8 +198,7 @@ def best_and_last(
         auto_insert_metric_name=False,
         enable_version_counter=False,
     )
-    # After `best` in the list (Lightning keeps the order of checkpoint callbacks), so the
-    # `last.ckpt` of a validation step records that step's best.
+    # After `best` (Lightning keeps their order): a validation step's last.ckpt records its best.
     last = ResumeCheckpoint(dirpath, every, val_every)
     if patience is None:
         return best, [best, last]

@@ -1,25 +1,11 @@
 """Build a Lightning Trainer from the `trainer` config group, and check it fits the machine.
 
 The group holds Trainer keyword arguments plus a few lowbit keys that select a strategy object
-(e.g. `strategy: deepspeed` + `deepspeed_config`). Everything else passes through unchanged, so
-any Trainer argument can be overridden on the command line (`trainer.precision=bf16-mixed`).
-
-Who sets what: a key the user gives under `trainer.*` wins over a stage's default (e.g. bootstrap's
-`limit_val_batches: 0`). A key the stage must set itself (`max_steps` from its step count, its
-validation interval, its checkpoints) is refused, naming the stage key to set instead, rather than
-silently replaced (`Owned`, `refuse_owned`). Training stages also get Lightning's
-`LearningRateMonitor` whenever they log: the learning rate of every parameter group, by name.
-
-`check_trainer` runs before any rank starts. It compares the group with what the machine has
-(torch_npu and visible NPUs, CUDA, CPU cores) and fails in one line that names the key, instead
-of N ranks each failing deep in torch.distributed.
-
-Visible devices: `visible_devices_env` names the variable that masks the accelerator's devices
-(ASCEND_RT_VISIBLE_DEVICES, CANN's CUDA_VISIBLE_DEVICES). When `devices` lists device indices
-(`trainer.devices=[4,5,6,7]`), lowbit exports the variable with them, before torch_npu
-initialises, so every rank started afterwards inherits the mask, and trains on the visible
-devices 0..n-1. When the variable is already set, an integer `devices` counts only the devices
-it lists, and a list that differs from it is refused rather than guessed at.
+(`strategy: deepspeed` + `deepspeed_config`); the rest passes through. A `trainer.*` key wins over
+a stage's default, but one the stage must set itself is refused naming the stage key instead
+(`Owned`, `refuse_owned`). `check_trainer` runs before any rank starts, so a misfit is one line,
+not N ranks failing in torch.distributed. A `devices` list is exported to `visible_devices_env`
+before torch_npu initialises, so every later rank inherits the mask.
 """
 
 from __future__ import annotations
@@ -74,7 +60,7 @@ class Owned:
     """A Trainer argument a stage sets itself, and what a user sets instead of `trainer.<key>`."""
 
     value: Any
-    instead: str  # "set stage.distill.max_steps instead", or why there is nothing to set
+    instead: str  # "set stage.distill.train.steps instead", or why there is nothing to set
 
 
 def training_owned(stage: str) -> dict[str, str]:
@@ -89,13 +75,7 @@ def training_owned(stage: str) -> dict[str, str]:
 
 
 def refuse_owned(cfg: DictConfig | dict | None, stage: str, instead: Mapping[str, str]) -> None:
-    """Refuse a `trainer.<key>` that the stage sets itself (a key of `instead`).
-
-    Call it from the stage's `check` to fail before any compute; `build_trainer` calls it too.
-
-    Raises:
-        ConfigError: naming the first such key and the setting to use instead.
-    """
+    """Refuse a `trainer.<key>` that the stage sets itself (a key of `instead`)."""
     given = to_plain(cfg) or {}
     for key, fix in instead.items():
         if given.get(key) is not None:
@@ -114,11 +94,7 @@ def deepspeed_config_path(name: str) -> Path:
 
 
 def pin_visible_devices(trainer_cfg: DictConfig | dict) -> Any:
-    """Export `visible_devices_env` for a list of device indices; returns the devices to train on.
-
-    A list becomes its length (the devices 0..n-1 under the mask); anything else is returned
-    unchanged. Idempotent, so every rank may call it.
-    """
+    """Export `visible_devices_env` for a list of device indices; returns the devices to use."""
     plain = dict(to_plain(trainer_cfg) or {})
     devices = plain.get("devices", "auto")
     env = plain.get("visible_devices_env")
@@ -138,18 +114,7 @@ def pin_visible_devices(trainer_cfg: DictConfig | dict) -> Any:
 
 
 def check_trainer(trainer_cfg: DictConfig | dict | None) -> None:
-    """Refuse, in one line, a trainer group this machine cannot run. Call before starting ranks.
-
-    Checks that the accelerator and `dist_backend` exist here (torch_npu and a visible NPU for
-    `npu` and `hccl`; CUDA for `gpu`, `cuda` and `nccl`) and that `devices` asks for no more
-    than the machine has: visible NPUs, CUDA devices, or CPU cores for `cpu`, where each device
-    is one process and more processes than cores only time-slice. `auto` and -1 pass. A list of
-    devices is exported to `visible_devices_env` first (`pin_visible_devices`), so nothing may
-    initialise torch_npu before this runs. A missing group is a no-op.
-
-    Raises:
-        ConfigError: naming the key, what is missing, and the trainer that runs here.
-    """
+    """Refuse, in one line, a trainer group this machine cannot run. Call before starting ranks."""
     plain = dict(to_plain(trainer_cfg) or {})
     if not plain:
         return
@@ -241,25 +206,7 @@ def build_trainer(
     exclude_frozen_parameters: bool = False,
     **defaults,
 ):
-    """A Trainer for `cfg` (the trainer group), the stage's own arguments and its defaults.
-
-    `dist_backend` becomes the process-group backend of a DDP strategy named by string (and of
-    DeepSpeed); `accelerator: npu` also gets the NPU strategy and precision of `pipeline.lit.npu`.
-    With a logger, a `LearningRateMonitor` logs every parameter group's learning rate each step
-    (`lr-<Optimizer>/<group name>`; `lr-<Optimizer>` for a single group). A `TrainingProgress`
-    logs the expected duration, and progress lines where the bar is off (`pipeline.lit.progress`).
-
-    Args:
-        cfg: the trainer group.
-        stage: the stage's name, for the messages.
-        name: what the progress lines call this training (default: `stage`).
-        owned: Trainer arguments the stage sets itself (`Owned`); a `trainer.<key>` for one of
-            them is refused (`refuse_owned`).
-        exclude_frozen_parameters: leave frozen parameters out of DeepSpeed checkpoints (the
-            module reloads them itself and loads its checkpoints non-strictly).
-        **defaults: Trainer arguments the stage proposes; a `trainer.<key>` given (not null)
-            wins over them.
-    """
+    """A Trainer for `cfg` (the trainer group), the stage's own arguments and its defaults."""
     import lightning as L
 
     from pipeline.lit.progress import TrainingProgress
@@ -308,8 +255,7 @@ def build_trainer(
 def _lr_monitor():
     from lightning.pytorch.callbacks import LearningRateMonitor
 
-    # Every step, as the stages' schedules change the rate every step (Lightning still writes
-    # only every `log_every_n_steps`).
+    # Every step: the stages' schedules change the rate every step.
     return LearningRateMonitor(logging_interval="step")
 
 

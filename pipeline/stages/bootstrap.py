@@ -1,15 +1,9 @@
 """bootstrap: the embedded default models, trained here because nothing can be downloaded.
 
 A byte-level BPE tokenizer, a small Llama target and a smaller Llama draft are trained on the
-configured corpus (the built-in one by default) with Lightning. Skipped when the user points
-`model.target.path` at a real checkpoint.
-
-Resume: each model checkpoints into `<work dir>/<target|draft>/checkpoints/last.ckpt` every
-`ckpt_every` steps (null: a tenth of its steps) and at its last step, so a rerun after a kill
-trains only what was not done: a finished target is restored, not retrained, and a model killed
-mid-way continues from its last checkpoint with the batches and random streams of an
-uninterrupted run (`pipeline.lit.resume`), which it matches byte for byte. The tokenizer is
-retrained (a second; BPE training is deterministic).
+configured corpus; skipped when `model.target.path` is set. Each model checkpoints into its work
+dir every `checkpoint_every` steps, so a rerun after a kill trains only what was not done and
+matches an uninterrupted run byte for byte (`pipeline.lit.resume`).
 """
 
 from __future__ import annotations
@@ -51,12 +45,12 @@ class BootstrapConfig:
     batch_size: int = 16
     lr: float = 1e-2
     warmup_steps: int = 50
-    # auto: bf16-mixed where the device computes bf16 natively, else 32-true
-    # (pipeline.hardware); null = trainer.precision.
+    # auto: bf16-mixed where native, else 32-true (pipeline.hardware); null: trainer.precision.
     precision: str | None = "auto"
-    # Steps between resume checkpoints (work dir, each model); null: a tenth of max_steps /
-    # draft_max_steps, so a kill loses at most ~10% of a training.
-    ckpt_every: int | None = None
+    # Steps between resume checkpoints (work dir, each model); null: a tenth of its steps.
+    checkpoint_every: int | None = None
+
+    RENAMED = {"ckpt_every": "checkpoint_every"}  # old key names, accepted for one release
 
     def check(self, prefix: str) -> None:
         positive(
@@ -65,7 +59,7 @@ class BootstrapConfig:
             draft_max_steps=self.draft_max_steps,
             batch_size=self.batch_size,
             lr=self.lr,
-            ckpt_every=self.ckpt_every,
+            checkpoint_every=self.checkpoint_every,
         )
 
 
@@ -116,7 +110,7 @@ def _train(
     data = WindowData(corpus.stream("train"), corpus.data.seq_len, cfg.batch_size, run.seed)
     module = CausalLM(model, lr=cfg.lr, warmup=cfg.warmup_steps, max_steps=steps)
     resume = resume_from(work, io.dist)
-    checkpoints = ResumeCheckpoint(work / CKPT_DIR, ckpt_interval(cfg.ckpt_every, steps))
+    checkpoints = ResumeCheckpoint(work / CKPT_DIR, ckpt_interval(cfg.checkpoint_every, steps))
     owned = {
         "max_steps": steps,
         "default_root_dir": str(work),

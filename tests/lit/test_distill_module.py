@@ -9,6 +9,7 @@ import lightning as L
 import pytest
 import torch
 
+from pipeline.lit.config import TrainConfig
 from pipeline.lit.distill import DistillData, DistillHParams, DistillModule
 from pipeline.lit.guards import NanGuard
 from pipeline.lit.qat import apply_grad_scale, keep_full_precision, prepare_qat
@@ -45,21 +46,19 @@ def tiny_pair(seed: int = 0, fmt: str = "int2g32", learn_weights: bool = False):
     return teacher, student
 
 
-def hparams(**changes) -> DistillHParams:
+def hparams(steps=10, lr=1e-3, **changes) -> DistillHParams:
     """Settings of a short test run (every field is the stage config's to give)."""
+    train = TrainConfig(steps=steps, lr=lr, warmup=0, quant_grad_scale="none")
     base = dict(
-        max_steps=10,
-        lr=1e-3,
+        train=train,
         weight_lr=1e-3,
         float_lr=5e-4,
-        warmup_steps=0,
         weight_decay=0.0,
         alpha=1.0,
         beta=1.0,
         temperature=1.0,
         match="attention",
-        train=["scales"],
-        grad_scale="none",
+        trainable=["scales"],
         fp32_modules=[],
         teacher_dtype="float32",
     )
@@ -68,8 +67,8 @@ def hparams(**changes) -> DistillHParams:
 
 def make_module(cls=DistillModule, train=("scales",), lr=1e-3, max_steps=10, seed=0, **hp):
     teacher, student = tiny_pair(seed, learn_weights="weights" in train)
-    params = hparams(max_steps=max_steps, lr=lr, weight_lr=lr, train=list(train), **hp)
-    groups = prepare_qat(student, params.train, params.grad_scale)
+    params = hparams(steps=max_steps, lr=lr, weight_lr=lr, trainable=list(train), **hp)
+    groups = prepare_qat(student, params.trainable, params.train.quant_grad_scale)
     return cls(student, teacher, params, torch.tensor([0.5, 0.5]), groups)
 
 

@@ -4,6 +4,8 @@ DeepSpeed's frozen-parameter exclusion decided when the strategy is built."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from mlflow.tracking import MlflowClient
@@ -35,15 +37,12 @@ def fit(tmp_path, module, data=None, trainer_cfg=CPU, logger=False, **kw):
         "distill",
         module,
         data or DistillData(STREAM, SEQ, batch_size=2, seed=0, val=VAL),
+        replace(module.hp.train, steps=4, val_every=2, nan_guard=False),
         trainer_cfg=trainer_cfg,
         work_dir=tmp_path / "work",
         dist=Dist(),
         logger=logger,
         select=Selection("val/nll", "nll", larger_is_better=False),
-        max_steps=4,
-        val_every=2,
-        ckpt_every=None,
-        patience=None,
         **kw,
     )
 
@@ -75,9 +74,9 @@ def test_every_param_group_learning_rate_reaches_mlflow(tmp_path, stage_run):
 @pytest.mark.parametrize(
     "key, fix",
     [
-        ("max_steps", "stage.distill.max_steps"),
-        ("val_check_interval", "stage.distill.val_every"),
-        ("gradient_clip_val", "stage.distill.clip_norm"),
+        ("max_steps", "stage.distill.train.steps"),
+        ("val_check_interval", "stage.distill.train.val_every"),
+        ("gradient_clip_val", "stage.distill.train.grad_clip"),
     ],
 )
 def test_a_trainer_key_the_stage_sets_fails_naming_the_stage_key(tmp_path, key, fix):
@@ -86,14 +85,13 @@ def test_a_trainer_key_the_stage_sets_fails_naming_the_stage_key(tmp_path, key, 
             tmp_path,
             make_module(),
             trainer_cfg=CPU | {key: 3},
-            clip=("clip_norm", 1.0),
         )
     assert err.value.key == f"trainer.{key}" and fix in str(err.value)
     assert not (tmp_path / "work").exists()  # refused before anything ran
 
 
 def test_the_stage_check_refuses_schedule_keys_before_any_compute():
-    with pytest.raises(ConfigError, match="stage.reinforce.max_steps"):
+    with pytest.raises(ConfigError, match="stage.reinforce.train.steps"):
         check_fit_trainer("reinforce", CPU | {"max_steps": 10})
     assert check_fit_trainer("reinforce", CPU | {"precision": "bf16-mixed"})["precision"]
 

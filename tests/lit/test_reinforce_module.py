@@ -8,10 +8,16 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+from pipeline.lit.config import TrainConfig
 from pipeline.lit.lm import step_loader
 from pipeline.lit.losses import LossWeights, proposal_logits, reinforce_loss
 from pipeline.lit.qat import prepare_qat
-from pipeline.lit.reinforce import DraftReinforce, ReinforceData, ScenarioBatches
+from pipeline.lit.reinforce import (
+    DraftReinforce,
+    ReinforceData,
+    ReinforceHParams,
+    ScenarioBatches,
+)
 from pipeline.speculative.metrics import expected_acceptance
 from pipeline.speculative.rewards import MovingAverageBaseline
 from pipeline.speculative.rollout import draft_rollout
@@ -189,25 +195,11 @@ class _Record(L.Callback):
 
 
 def _fit(tmp_path, target, draft, steps, ckpt=None, callbacks=(), **kwargs):
-    module = DraftReinforce(
-        draft,
-        target,
-        **{
-            "gamma": 3,
-            "temperature": 1.0,
-            "draft_t0": 1.0,
-            "cost_ratio": None,
-            "weights": WEIGHTS,
-            "lr": 1e-3,
-            "warmup": 1,
-            "max_steps": 5,
-            "baseline_momentum": 0.9,
-            "monitor_window": 20,
-            "seed": 0,
-            "context_positions": 0,
-        }
-        | kwargs,
+    train = TrainConfig(lr=1e-3, warmup=kwargs.pop("warmup", 1), steps=kwargs.pop("lr_steps", 5))
+    hp = dict(
+        gamma=3, cost_ratio=None, monitor_window=20, context_positions=0, context_tvd_weight=0.0
     )
+    module = DraftReinforce(draft, target, ReinforceHParams(train=train, **(hp | kwargs)), seed=0)
     data = ReinforceData(_prompts(), None, 2, seed=0)
     record = _Record()
     trainer = L.Trainer(
@@ -291,7 +283,7 @@ def test_the_lr_is_lowered_when_windowed_acceptance_falls(tmp_path, target, monk
     alphas = [0.8] * 4 + ([0.6] * 4 if falling else [0.8] * 4)
     _scripted_loss(monkeypatch, alphas)
     kwargs = dict(cost_ratio=0.3, monitor_window=8, lr_drop_threshold=0.1, lr_drop_factor=0.5)
-    kwargs |= dict(warmup=0, max_steps=100)  # lr ~ constant over 8 steps: the ratio is clean
+    kwargs |= dict(warmup=0, lr_steps=100)  # lr ~ constant over 8 steps: the ratio is clean
     module, _ = _fit(tmp_path, target, _draft(target, 6), 8, **kwargs)
     assert module.monitor.drops == int(falling)
     assert module.lr_scale == (0.5 if falling else 1.0)
@@ -306,8 +298,8 @@ def test_a_nan_step_is_skipped_restored_and_halves_the_lr(tmp_path, target, monk
     from pipeline.lit.guards import NanGuard
 
     _scripted_loss(monkeypatch, nan_at=2)
-    guard = NanGuard(lr_key="stage.reinforce.lr")
-    kwargs = dict(cost_ratio=0.3, warmup=0, max_steps=100)
+    guard = NanGuard(lr_key="stage.reinforce.train.lr")
+    kwargs = dict(cost_ratio=0.3, warmup=0, lr_steps=100)
     module, _ = _fit(tmp_path, target, _draft(target, 7), 4, callbacks=[guard], **kwargs)
     assert guard.skipped == 1 and guard.lr_scale == 0.5
     assert all(torch.isfinite(p).all() for p in module.draft.parameters())

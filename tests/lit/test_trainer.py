@@ -25,11 +25,11 @@ def test_a_user_key_wins_over_the_stage_default():
 
 
 def test_a_key_the_stage_owns_is_refused_with_the_key_to_use():
-    owned = {"max_steps": Owned(7, "set stage.distill.max_steps instead")}
+    owned = {"max_steps": Owned(7, "set stage.distill.train.steps instead")}
     with pytest.raises(ConfigError) as err:
         build({"max_steps": 100}, stage="distill", owned=owned)
     assert err.value.key == "trainer.max_steps"
-    assert "distill stage" in str(err.value) and "stage.distill.max_steps" in str(err.value)
+    assert "distill stage" in str(err.value) and "stage.distill.train.steps" in str(err.value)
     assert build({}, stage="distill", owned=owned, max_steps=3).max_steps == 7  # owned, not 3
 
 

@@ -38,10 +38,10 @@ ZERO2 = pytest.param("deepspeed_zero2", marks=needs("deepspeed"))
 ZERO3 = pytest.param("deepspeed_zero3", marks=needs("deepspeed"))
 DETUNE = 0.5  # every step size of `detuned`: a power of 2, so x 1/DETUNE restores it exactly
 SMALL = (
-    "stage.distill.max_steps=4",
-    "stage.distill.batch_size=4",
-    "stage.distill.warmup_steps=1",
-    "stage.distill.ckpt_every=2",
+    "stage.distill.train.steps=4",
+    "stage.distill.train.batch=4",
+    "stage.distill.train.warmup=1",
+    "stage.distill.train.checkpoint_every=2",
     "stage.distill.val_windows=4",
 )
 
@@ -150,7 +150,7 @@ def test_end_to_end_bf16_with_attention_and_hidden_matching(detuned, tmp_path):
         "trainer.precision=bf16-mixed",
         "stage.distill.teacher_dtype=bfloat16",
         "stage.distill.match=both",
-        "stage.distill.val_every=3",
+        "stage.distill.train.val_every=3",
     )
     workflow.run(smoke_cfg(tmp_path, *args))
     metrics = check_output(tmp_path / "run", steps=4)
@@ -185,18 +185,20 @@ def test_end_to_end_bf16_with_attention_and_hidden_matching(detuned, tmp_path):
 @pytest.mark.parametrize(
     "override, key",
     [
-        ("stage.distill.clip_norm=0.5", "stage.distill.clip_norm"),
-        ("stage.distill.clip_norm=3.5", "stage.distill.clip_norm"),
-        ("stage.distill.train=[weights]", "stage.distill.train"),
-        ("stage.distill.train=[scales,embeddings]", "stage.distill.train"),
+        ("stage.distill.train.grad_clip=0.5", "stage.distill.train.grad_clip"),
+        ("stage.distill.train.grad_clip=3.5", "stage.distill.train.grad_clip"),
+        ("stage.distill.trainable=[weights]", "stage.distill.trainable"),
+        ("stage.distill.trainable=[scales,embeddings]", "stage.distill.trainable"),
         ("stage.distill.float_lr=0", "stage.distill.float_lr"),
-        ("stage.distill.grad_scale=sqrt", "stage.distill.grad_scale"),
+        ("stage.distill.train.quant_grad_scale=sqrt", "stage.distill.train.quant_grad_scale"),
         ("stage.distill.teacher_dtype=float8", "stage.distill.teacher_dtype"),
         ("stage.distill.match=logits", "stage.distill.match"),
         ("+stage.distill.lr_sched=linear", "stage.distill.lr_sched"),
         ("stage.distill.val_windows=0", "stage.distill.val_windows"),
-        ("stage.distill.val_every=0", "stage.distill.val_every"),
-        ("stage.distill.early_stop_patience=0", "stage.distill.early_stop_patience"),
+        ("stage.distill.train.val_every=0", "stage.distill.train.val_every"),
+        ("stage.distill.train.schedule=linear", "stage.distill.train.schedule"),
+        ("stage.distill.train.patience=0", "stage.distill.train.patience"),
+        ("stage.distill.clip_norm=0.5", "stage.distill.train.grad_clip"),
         ("stage.distill.reweight_every=0", "stage.distill.reweight_every"),
         ("stage.distill.ce=-1", "stage.distill.ce"),
         ("stage.distill.beta=-0.1", "stage.distill.beta"),
@@ -251,7 +253,7 @@ def test_rerun_after_a_kill_resumes_from_the_last_checkpoint(detuned, tmp_path, 
             raise RuntimeError("node lost")
         return original(self, batch, batch_idx)
 
-    args = distill_args(detuned, tmp_path, "stage.distill.val_every=2")
+    args = distill_args(detuned, tmp_path, "stage.distill.train.val_every=2")
     monkeypatch.setattr(DistillModule, "training_step", dies_at_step_3)
     with pytest.raises(Exception, match="node lost"):
         workflow.run(smoke_cfg(tmp_path, *args))
@@ -280,7 +282,7 @@ def test_no_checkpoint_better_than_the_input_keeps_it_byte_identical(
     ends it after 2 checks."""
     monkeypatch.setattr(DistillModule, "training_step", forced_steps(sharpen={0: 16.0}))
     args = distill_args(
-        detuned, tmp_path, "stage.distill.val_every=1", "stage.distill.early_stop_patience=1"
+        detuned, tmp_path, "stage.distill.train.val_every=1", "stage.distill.train.patience=1"
     )
     with caplog.at_level("WARNING", logger="pipeline"):
         metrics = workflow.run(smoke_cfg(tmp_path, *args))["distill"]["metrics"]
@@ -303,7 +305,7 @@ def test_the_result_is_the_best_checkpoint_not_the_last(quantized, detuned, tmp_
     first steps depend on the float kernels)."""
     forced = forced_steps(scales={0: 1 / DETUNE}, sharpen={2: 16.0})
     monkeypatch.setattr(DistillModule, "training_step", forced)
-    args = distill_args(detuned, tmp_path, "stage.distill.val_every=2")
+    args = distill_args(detuned, tmp_path, "stage.distill.train.val_every=2")
     cfg = smoke_cfg(tmp_path, *args)
     metrics = workflow.run(cfg)["distill"]["metrics"]
     report = json.loads((tmp_path / "run" / "distill" / "distill_report.json").read_text())
@@ -326,7 +328,7 @@ def two_ranks(detuned, tmp_path, trainer: str, *overrides: str) -> tuple[dict, d
         f"trainer={trainer}",
         f"run_dir={tmp_path / 'run'}",
         "experiment=smoke",
-        "stage.distill.max_steps=3",
+        "stage.distill.train.steps=3",
         *overrides,
     )
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}

@@ -11,6 +11,7 @@ from pipeline import workflow
 from pipeline.config import data_cfg
 from pipeline.data.text import load_splits
 from pipeline.errors import ConfigError
+from pipeline.lit import reinforce_report
 from pipeline.models.hf import load_causal_lm, load_tokenizer
 from pipeline.speculative.evaluation import heldout_scenarios
 from pipeline.speculative.metrics import teacher_forced_acceptance
@@ -21,14 +22,14 @@ from tests.stages.conftest import boot_cfg
 # Tiny sizes (long_len is far below 576 here: the smoke models only need the code path).
 STAGES = "stages=[bootstrap,reinforce]"
 TINY = (
-    "stage.reinforce.max_steps=4",
-    "stage.reinforce.batch_size=2",
+    "stage.reinforce.train.steps=4",
+    "stage.reinforce.train.batch=2",
     "stage.reinforce.train_prompts=4",
     "stage.reinforce.eval_prompts=2",
     "stage.reinforce.prompt_len=24",
     "stage.reinforce.long_len=80",
     "stage.reinforce.eval_new_tokens=6",
-    "stage.reinforce.val_every=2",
+    "stage.reinforce.train.val_every=2",
     "stage.reinforce.val_prompts=8",
     "trainer.enable_progress_bar=false",
 )
@@ -79,7 +80,7 @@ def _threads():
 
 
 def test_end_to_end_writes_a_better_draft_and_the_report(boot, tmp_path):
-    cfg = boot_cfg(boot, tmp_path, STAGES, *TINY, "stage.reinforce.val_every=3")
+    cfg = boot_cfg(boot, tmp_path, STAGES, *TINY, "stage.reinforce.train.val_every=3")
     done = workflow.run(cfg)["reinforce"]
     out = tmp_path / "run" / "reinforce"
     assert (out / "draft" / "model.safetensors").is_file()
@@ -110,14 +111,14 @@ def test_end_to_end_writes_a_better_draft_and_the_report(boot, tmp_path):
 def test_rerun_after_a_crash_resumes_from_the_checkpoint(boot, tmp_path, monkeypatch):
     cfg = boot_cfg(boot, tmp_path, STAGES, *TINY)
 
-    measure = reinforce._measure
+    measure = reinforce_report.measure
 
     def crash(cfg, seed, target_name, target, drafts, scenarios):
         if "draft_reinforced" in drafts:
             raise RuntimeError("killed after training")
         return measure(cfg, seed, target_name, target, drafts, scenarios)
 
-    monkeypatch.setattr(reinforce, "_measure", crash)
+    monkeypatch.setattr(reinforce_report, "measure", crash)
     with pytest.raises(Exception, match="killed"):
         workflow.run(cfg)
     work = next((tmp_path / "run" / ".work").glob("reinforce-*"))
@@ -187,7 +188,7 @@ def test_no_checkpoint_better_than_the_start_keeps_the_draft(boot, tmp_path, mon
     change nothing) hands on the starting draft unchanged, says so, and early stopping ends it
     after 2 checks."""
     force(monkeypatch, {0: -1.0})
-    overrides = ("stage.reinforce.val_every=1", "stage.reinforce.early_stop_patience=1")
+    overrides = ("stage.reinforce.train.val_every=1", "stage.reinforce.train.patience=1")
     cfg = boot_cfg(boot, tmp_path, STAGES, *TINY, *overrides)
     with caplog.at_level("WARNING", logger="pipeline"):
         metrics = workflow.run(cfg)["reinforce"]["metrics"]
@@ -208,7 +209,7 @@ def test_the_result_is_the_best_checkpoint_not_the_last(boot, tmp_path, monkeypa
     written draft is step 2's, the starting one. Forced steps, not trained ones, so the
     trajectory is the same on every CPU (a real one's first steps depend on the float kernels)."""
     force(monkeypatch, {0: -1.0, 2: 16.0}, at_start=-1.0)
-    cfg = boot_cfg(boot, tmp_path, STAGES, *TINY, "stage.reinforce.val_every=2")
+    cfg = boot_cfg(boot, tmp_path, STAGES, *TINY, "stage.reinforce.train.val_every=2")
     metrics = workflow.run(cfg)["reinforce"]["metrics"]
     report = json.loads((tmp_path / "run" / "reinforce" / "reinforce.json").read_text())
     val = report["validation"]
@@ -234,14 +235,14 @@ def test_no_draft_means_self_speculation_and_a_skip(boot, tmp_path):
     [
         ("stage.reinforce.scenarios=[long,poetry]", "scenarios"),
         ("stage.reinforce.baseline_momentum=1.0", "baseline_momentum"),
-        ("stage.reinforce.quant_grad_scale=fancy", "quant_grad_scale"),
+        ("stage.reinforce.train.quant_grad_scale=fancy", "train.quant_grad_scale"),
         ("stage.reinforce.tvd_weight=-1", "tvd_weight"),
         ("stage.reinforce.context_tvd_weight=-1", "context_tvd_weight"),
         ("stage.reinforce.context_positions=-4", "context_positions"),
         ("stage.reinforce.val_prompts=0", "val_prompts"),
-        ("stage.reinforce.val_every=0", "val_every"),
-        ("stage.reinforce.early_stop_patience=0", "early_stop_patience"),
-        ("stage.reinforce.grad_clip=0.5", "grad_clip"),
+        ("stage.reinforce.train.val_every=0", "train.val_every"),
+        ("stage.reinforce.train.patience=0", "train.patience"),
+        ("stage.reinforce.train.grad_clip=0.5", "train.grad_clip"),
         ("stage.reinforce.monitor_window=1", "monitor_window"),
         ("stage.reinforce.lr_drop_threshold=-0.1", "lr_drop_threshold"),
         ("stage.reinforce.lr_drop_factor=0", "lr_drop_factor"),
@@ -255,11 +256,13 @@ def test_check_names_the_bad_key(tmp_path, override, key):
 
 
 def test_a_clip_outside_1_to_3_is_refused_with_the_range(tmp_path):
-    cfg = smoke_cfg(tmp_path, "tracking=none", STAGES, "stage.reinforce.grad_clip=5")
-    with pytest.raises(ConfigError, match=r"stage.reinforce.grad_clip.*1.0 <= grad_clip <= 3.0"):
+    cfg = smoke_cfg(tmp_path, "tracking=none", STAGES, "stage.reinforce.train.grad_clip=5")
+    with pytest.raises(
+        ConfigError, match=r"stage.reinforce.train.grad_clip.*1.0 <= grad_clip <= 3.0"
+    ):
         workflow.check_stage(cfg, "reinforce")
     for ok in ("1.0", "3.0"):
-        cfg = smoke_cfg(tmp_path, "tracking=none", STAGES, f"stage.reinforce.grad_clip={ok}")
+        cfg = smoke_cfg(tmp_path, "tracking=none", STAGES, f"stage.reinforce.train.grad_clip={ok}")
         workflow.check_stage(cfg, "reinforce")
 
 
