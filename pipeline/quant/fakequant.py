@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from pipeline.quant.codec import to_groups
-from pipeline.quant.formats import Format, parse_format
+from pipeline.quant.formats import Format, as_format
 from pipeline.quant.qtensor import QTensor
 from pipeline.quant.rtn import quantize_rtn
 
@@ -78,7 +78,7 @@ def grad_scale_factor(mode: str, fmt: Format | str, numel: int) -> float:
     Returns:
         The factor to pass to ``FakeQuantLinear.set_grad_scale``.
     """
-    fmt = parse_format(fmt)
+    fmt = as_format(fmt)
     if mode == "none" or fmt.kind == "float":
         return 1.0
     if mode == "bits":

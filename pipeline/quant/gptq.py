@@ -42,7 +42,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from pipeline.quant.formats import Format, parse_format
+from pipeline.quant.formats import Format, as_format
 from pipeline.quant.qtensor import QTensor
 
 MAX_DAMP_TRIES = 6
@@ -134,7 +134,7 @@ def gptq_quantize(
     Returns:
         ``(qtensor, loss)`` with loss = 1/2 sum (w - q)^2 / [H^-1]_qq (see module docstring).
     """
-    fmt = parse_format(fmt)
+    fmt = as_format(fmt)
     n_out, n_in = w.shape
     if H.shape != (n_in, n_in):
         raise ValueError(f"Hessian shape {tuple(H.shape)} does not match weight in={n_in}")

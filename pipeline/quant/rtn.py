@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from pipeline.quant.codec import to_groups
-from pipeline.quant.formats import Format, parse_format
+from pipeline.quant.formats import Format, as_format
 from pipeline.quant.qtensor import QTensor
 
 
@@ -34,7 +34,7 @@ def quantize_rtn(
     Returns:
         The QTensor.
     """
-    fmt = parse_format(fmt)
+    fmt = as_format(fmt)
     if w.dim() != 2:
         raise ValueError(f"expected a 2-D weight (out, in), got shape {tuple(w.shape)}")
     if fmt.kind == "float":

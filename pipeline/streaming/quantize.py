@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -32,7 +33,7 @@ from pipeline.models.adapters import linear_names
 from pipeline.models.checkpoint import StreamingCheckpoint
 from pipeline.models.quantized import QuantizedWriter
 from pipeline.quant.allocate import kept_bits
-from pipeline.quant.formats import parse_format
+from pipeline.quant.formats import Format, as_format
 from pipeline.quant.qtensor import QTensor
 from pipeline.quant.sequential import QuantOptions, block_groups, quantize_block
 from pipeline.streaming.engine import Batches, BlockSource, BlockWalk, StreamOptions
@@ -125,7 +126,7 @@ class _QuantizeStep:
         return report
 
 
-def _check_plan(plan: dict[str, str], config: Any, keep: dict[str, list[int]]) -> None:
+def _check_plan(plan: dict[str, Format], config: Any, keep: dict[str, list[int]]) -> None:
     unknown = sorted(set(plan) - set(linear_names(config)))
     unknown += sorted(set(keep) - set(plan))  # kept columns of a layer that is not quantized
     if unknown:
@@ -133,15 +134,13 @@ def _check_plan(plan: dict[str, str], config: Any, keep: dict[str, list[int]]) -
             f"the quantization plan names layers the model does not have: "
             f"{unknown[:5]}; re-run allocate for this model"
         )
-    for f in set(plan.values()):
-        parse_format(f)
 
 
 @torch.no_grad()
 def quantize_checkpoint(
     ckpt: StreamingCheckpoint,
     out_dir: str | Path,
-    plan: dict[str, str],
+    plan: Mapping[str, Format | str],
     calib: Tensor,
     opts: QuantOptions,
     walk: StreamOptions,
@@ -155,7 +154,7 @@ def quantize_checkpoint(
     Args:
         ckpt: The FP checkpoint, opened with the compute dtype and device.
         out_dir: The quantized model directory to write (rank 0).
-        plan: ``{linear name: format}``; linears not listed stay float.
+        plan: ``{linear name: format}`` (``BitPlan.quantized()``); linears not listed stay float.
         calib: (N, T) token ids of all calibration windows (each rank takes its share).
         opts: Method and GPTQ settings (:func:`quant_options`).
         walk: Segment size, batch size, activation budget.
@@ -172,8 +171,10 @@ def quantize_checkpoint(
     dist = dist or Dist()
     raw = StreamingCheckpoint(ckpt.path, ckpt.allow_bin)  # float tensors in their stored dtype
     keep = {n: list(c) for n, c in (keep or {}).items() if len(c)}
+    plan = {n: as_format(f) for n, f in plan.items()}
     _check_plan(plan, ckpt.config, keep)
-    key = [str(ckpt.path.resolve()), plan, dataclasses.asdict(opts), str(ckpt.dtype)]
+    names = {n: f.name for n, f in plan.items()}
+    key = [str(ckpt.path.resolve()), names, dataclasses.asdict(opts), str(ckpt.dtype)]
     if keep:  # another set of kept columns is another result (none: the key as it always was)
         key.append(keep)
     work = WorkDir(work_dir, key)
@@ -194,19 +195,22 @@ def quantize_checkpoint(
             n_seg + 2,
             src_dir=ckpt.path,
             method=opts.method,
-            layers=plan,
+            layers=names,
             config_overrides=overrides,
             kept={n: len(c) for n, c in keep.items()},
         )
     dist.barrier()
-    return _summary(layers, opts.method, n_seg, result.resumed, dist, calib, time.time() - t_start)
+    seconds = time.time() - t_start
+    return _summary(layers, plan, opts.method, n_seg, result.resumed, dist, calib, seconds)
 
 
-def _summary(layers, method, n_seg, start, dist, calib, seconds) -> dict[str, Any]:
+def _summary(layers, plan, method, n_seg, start, dist, calib, seconds) -> dict[str, Any]:
+    """The quant report's fields (``QuantReport.from_dict``) plus the run facts."""
+    formats = {f.name: f for f in plan.values()}
     bits = numel = 0
     for r in layers.values():
         out_f, in_f = r["shape"]
-        bits += parse_format(r["format"]).bits_per_weight(in_f) * out_f * in_f
+        bits += formats[r["format"]].bits_per_weight(in_f) * out_f * in_f
         bits += kept_bits(out_f, r.get("kept_columns", 0))  # the fp16 side matrix
         numel += out_f * in_f
     errors = [r["rel_output_error"] for r in layers.values()]

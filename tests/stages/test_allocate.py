@@ -6,14 +6,15 @@ import itertools
 import json
 import math
 import random
+from types import SimpleNamespace
 
 import pytest
 
 from pipeline import workflow
 from pipeline.config import QuantConfig
 from pipeline.errors import ConfigError
-from pipeline.quant.allocate import layer_bits
-from pipeline.stages.allocate import make_plan
+from pipeline.quant.allocate import layer_bits, make_plan
+from pipeline.quant.plan import BitPlan
 from tests.conftest import make_cfg
 from tests.stages.conftest import boot_cfg
 
@@ -39,6 +40,13 @@ def instance(seed: int):
     return shapes, layers, fused
 
 
+def plan_of(shapes, layers, fused, q: QuantConfig) -> dict:
+    """make_plan on test layers ({name: {"dloss", ...}}) and a quant section, as a file dict."""
+    keys = ("dloss", "dloss_keep", "outlier_columns")
+    scores = {n: SimpleNamespace(**{k: la.get(k) for k in keys}) for n, la in layers.items()}
+    return make_plan(shapes, scores, fused, q.recipe).to_dict()
+
+
 def brute_force(shapes, layers, items, budget):
     n_q = sum(math.prod(shapes[n]) for it in items for n in it)
     best = None
@@ -54,7 +62,7 @@ def brute_force(shapes, layers, items, budget):
 def test_plan_is_optimal_with_fused_groups(seed):
     shapes, layers, fused = instance(seed)
     q = QuantConfig(candidates=CANDS, budget_bits=3.5, keep_float=["lm_head"])
-    plan = make_plan(shapes, layers, fused, q)
+    plan = plan_of(shapes, layers, fused, q)
     items = [*fused, ["model.layers.0.self_attn.o_proj"], ["model.layers.1.self_attn.o_proj"]]
     assert plan["predicted_dloss"] == pytest.approx(brute_force(shapes, layers, items, 3.5))
     for group in fused:  # one format per fused group
@@ -75,7 +83,7 @@ def test_keep_float_widens_to_the_group_and_fallback_takes_the_most_sensitive():
         float_fallback=1,
         keep_float=["lm_head", "layers.0.self_attn.k_proj"],
     )
-    plan = make_plan(shapes, layers, fused, q)
+    plan = plan_of(shapes, layers, fused, q)
     assert all(plan["layers"][n] == "float" for n in fused[0])  # k kept float -> q, v too
     assert plan["fallback"] == ["model.layers.1.self_attn.o_proj"]
     assert plan["layers"]["model.layers.1.self_attn.o_proj"] == "float"
@@ -89,12 +97,12 @@ def test_fallback_that_leaves_nothing_is_rejected():
     shapes, layers, fused = instance(0)
     q = QuantConfig(candidates=CANDS, budget_bits=4.0, float_fallback=4, keep_float=["lm_head"])
     with pytest.raises(ConfigError, match=r"quant\.float_fallback.*< 4"):
-        make_plan(shapes, layers, fused, q)
+        plan_of(shapes, layers, fused, q)
 
 
 def test_single_candidate_gives_a_uniform_plan_without_sensitivity():
     shapes, _, fused = instance(1)
-    plan = make_plan(shapes, {}, fused, QuantConfig(candidates=["int4g32"], keep_float=[]))
+    plan = plan_of(shapes, {}, fused, QuantConfig(candidates=["int4g32"], keep_float=[]))
     assert set(plan["layers"].values()) == {"int4g32"} and plan["predicted_dloss"] is None
 
 
@@ -102,7 +110,7 @@ def test_infeasible_budget_names_the_key_and_minimum():
     shapes, layers, fused = instance(2)
     q = QuantConfig(candidates=["int3g64", "int4g32"], budget_bits=2.0, keep_float=[])
     with pytest.raises(ConfigError, match=r"quant\.budget_bits.*minimum achievable: 3\.\d{4}"):
-        make_plan(shapes, layers, fused, q)
+        plan_of(shapes, layers, fused, q)
 
 
 @pytest.mark.parametrize(("budget", "fails"), [("2.1", True), ("2.2", False)])
@@ -144,7 +152,9 @@ def test_uniform_workflow_skips_sensitivity(boot, tmp_path):
     cfg = boot_cfg(boot, tmp_path, "stages=[bootstrap,sensitivity,allocate]", "quant=w4g128")
     done = workflow.run(cfg)
     assert "sensitivity" not in done
-    plan = json.loads((tmp_path / "run" / "allocate" / "bitplan.json").read_text())
-    formats = {f for n, f in plan["layers"].items() if not n.endswith(("lm_head", "embed_tokens"))}
+    plan = BitPlan.load(tmp_path / "run" / "allocate")
+    formats = {
+        f.name for n, f in plan.layers.items() if not n.endswith(("lm_head", "embed_tokens"))
+    }
     assert formats == {"int4g128"}
     assert (tmp_path / "run" / "allocate" / "bits_per_layer.png").stat().st_size > 0
