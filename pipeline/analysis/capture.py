@@ -1,17 +1,10 @@
-"""Forward hooks that summarise what each linear layer reads.
+"""Forward hooks that summarise what each linear layer reads (its input x, tokens × in).
 
-Two things are gathered from a linear's INPUT x (tokens × in_features) while calibration data
-flows through the model:
-
-* Outlier statistics. LLM activations carry a few channels with magnitudes 10-100× the rest
-  (Dettmers et al., LLM.int8(), 2022); they make per-tensor activation quantization and, through
-  GPTQ's Hessian, weight quantization harder. Per input channel the running absmax is kept; a
-  channel is an outlier by the robust MAD rule |a_c − median(a)| > 3.5 · 1.4826 · MAD(a)
-  (Iglewicz & Hoaglin's modified z-score; 1.4826 makes the MAD a σ estimate for Gaussian data).
-  Kurtosis (Pearson, 3 for a Gaussian) of all input values comes from running raw moments kept
-  in float64, so it is exact and can be summed across ranks.
-* Optionally H = 2/N Σ x xᵀ per distinct input (``HessianAccumulator``), for the GPTQ proxy.
-  Linears of a fused group read the same tensor and share one accumulator.
+* Outliers: per input channel the running absmax; a channel is an outlier by the MAD rule
+  |a_c − median(a)| > 3.5 · 1.4826 · MAD(a) (Iglewicz & Hoaglin's modified z-score), since a few
+  channels 10-100× the rest make quantization hard (LLM.int8()). Kurtosis from float64 raw
+  moments, exact and summable across ranks.
+* Optionally H = 2/N Σ xxᵀ per distinct input for the GPTQ proxy; a fused group shares one.
 """
 
 from __future__ import annotations
@@ -90,14 +83,8 @@ def outlier_columns(absmax: Tensor, cap: float) -> list[int]:
 
 
 class Capture:
-    """Hooks on ``modules`` ({name: nn.Linear}) collecting InputStats and optional Hessians.
-
-    Args:
-        modules: The linears to watch.
-        hessians: Also accumulate H = 2/N Σ x xᵀ per input.
-        shared: {name: name of the module whose input it shares} (fused groups); those reuse
-            the owner's statistics and accumulator instead of computing them again.
-    """
+    """Hooks on ``modules`` ({name: nn.Linear}) collecting InputStats and, with ``hessians``,
+    H = 2/N Σ xxᵀ; ``shared`` ({name: owner}, fused groups) reuse the owner's."""
 
     def __init__(
         self,

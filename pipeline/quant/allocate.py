@@ -1,23 +1,13 @@
-"""Per-layer bit allocation as an exact multiple-choice knapsack.
+"""Per-layer bit allocation as an exact multiple-choice knapsack (HAWQ-v2/v3 line).
 
-Mixed-precision allocation in the HAWQ-v2/v3 line (Dong et al., NeurIPS 2020; Yao et al., ICML
-2021): every item (a layer, or a fused group of layers that must share one format) picks one
-format; the predicted loss increases add up, and so do the storage costs. Minimising
-Σ_i v_i(j_i) subject to Σ_i c_i(j_i) ≤ C is a multiple-choice knapsack, solved here by dynamic
-programming over the capacity.
+Each item (a layer, or a fused group sharing one format) picks one format; min Σ_i v_i(j_i)
+s.t. Σ_i c_i(j_i) ≤ C is solved by DP over the capacity.
 
-Exactness. Costs are exact integers (storage bits, scales and zeros included). Each item's
-cheapest cost is subtracted first (every item then has a zero-cost choice and the capacity
-shrinks by their sum), and the reduced costs and capacity are divided by the gcd ``g`` of the
-reduced costs: every reachable total is a multiple of ``g``, so ``total ≤ C'`` iff
-``total / g ≤ floor(C' / g)`` and the DP over ``floor(C'/g)`` units is exact. When that is more
-than ``max_units`` units (very large models with coprime shapes), costs are rounded *up* to a
-coarser unit ``u`` and the capacity *down*; a DP solution then satisfies
-``Σ c ≤ Σ u·ceil(c/u) ≤ u·floor(C'/u) ≤ C'``, so the budget still holds exactly (the optimum may
-be missed by at most the rounding slack; ``Solution.exact`` says which case ran). The exact cost
-of the returned choice is checked against ``C`` in every case.
-
-Memory: one byte (or two, above 255 choices) per item and unit for the back-pointers.
+Exactness: costs are exact integer bits. Each item's cheapest cost is subtracted, and reduced
+costs and capacity divided by their gcd g: every reachable total is a multiple of g, so the DP
+over floor(C'/g) units is exact. Beyond ``max_units`` costs round *up* to a coarser unit u and
+the capacity *down*: Σ c ≤ Σ u·ceil(c/u) ≤ u·floor(C'/u) ≤ C', so the budget still holds
+(``Solution.exact`` says which case ran).
 """
 
 from __future__ import annotations
@@ -52,15 +42,8 @@ class InfeasibleBudgetError(ValueError):
 
 @dataclass(frozen=True)
 class Solution:
-    """Result of :func:`solve_mckp`.
-
-    Attributes:
-        choice: Index of the chosen option per item.
-        cost: Exact total cost (same units as the input costs).
-        value: Total value of the choice.
-        exact: True when the DP ran at the exact (gcd) resolution, so the value is optimal.
-        unit: Cost units per DP cell.
-    """
+    """The chosen option per item, its exact cost and value; ``exact``: the DP ran at the gcd
+    resolution, so the value is optimal; ``unit``: cost units per DP cell."""
 
     choice: list[int]
     cost: int
@@ -90,22 +73,9 @@ def solve_mckp(
     capacity: int,
     max_units: int = 1_000_000,
 ) -> Solution:
-    """Choose one option per item minimising the total value with total cost ≤ capacity.
-
-    Args:
-        costs: ``costs[i][j]`` non-negative integer cost of option j of item i.
-        values: ``values[i][j]`` finite value (e.g. predicted loss increase) of that option.
-        capacity: Integer capacity.
-        max_units: Largest number of DP cells; above it the DP runs at a coarser, still
-            budget-safe resolution (see the module docstring).
-
-    Returns:
-        The :class:`Solution`.
-
-    Raises:
-        InfeasibleBudgetError: The cheapest options together exceed the capacity.
-        ValueError: Malformed input (empty item, negative cost, non-finite value).
-    """
+    """One option per item minimising Σ ``values[i][j]`` (finite) with Σ ``costs[i][j]``
+    (non-negative ints) ≤ ``capacity``, over at most ``max_units`` DP cells; raises
+    InfeasibleBudgetError when the cheapest options exceed the capacity."""
     if len(costs) != len(values):
         raise ValueError(f"{len(costs)} cost rows but {len(values)} value rows")
     c = [np.asarray(row, dtype=object) for row in costs]  # Python ints: no overflow
@@ -183,9 +153,8 @@ def keep_float(name: str, patterns: Sequence[str]) -> bool:
 
 
 def items_of(names: list[str], fused: list[list[str]], floats: set[str]) -> list[list[str]]:
-    """Allocation items in model order: fused groups (when all present) and single layers.
-
-    A group with a float member turns float as a whole (``floats`` is updated)."""
+    """Items in model order: fused groups and single layers; a group with a float member turns
+    float whole (``floats`` is updated)."""
     group_of = {n: tuple(g) for g in fused if all(m in names for m in g) for n in g}
     items, seen = [], set()
     for n in names:
@@ -281,11 +250,8 @@ def make_plan(
     r: Recipe,
     max_units: int = 1_000_000,
 ) -> BitPlan:
-    """The bit plan of the layers ``shapes`` ({name: (out, in)}, model order) minimising ΔL.
-
-    ``scores`` are the sensitivity report's layers by name; empty for a single candidate
-    without fallback. ``fused`` groups share a format; ``max_units`` caps the DP resolution.
-    """
+    """The bit plan of ``shapes`` ({name: (out, in)}, model order) minimising Σ ΔL of
+    ``scores`` (by name; empty for a single candidate without fallback)."""
     names = list(shapes)
     floats = {n for n in names if keep_float(n, r.keep_float)}
     items = items_of(names, fused, floats)

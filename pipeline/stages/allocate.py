@@ -1,15 +1,9 @@
-"""allocate: one format per layer, minimising the predicted loss under the bit budget.
-
-Items are layers, or fused groups (q/k/v, gate/up) sharing one format. ``quant.keep_float``
-layers stay float (a group with such a member as a whole), and ``quant.float_fallback: k`` keeps
-the k most sensitive remaining items float too; float layers are outside the average. The rest
-solve, exactly (``pipeline.quant.allocate``),
+"""allocate: one format per layer (fused groups share one) minimising the predicted loss,
 
     min Σ_i ΔL_i(f_i)   s.t.   Σ_i bits_i(f_i) ≤ quant.budget_bits · Σ_i n_i
 
-with ``bits_i`` the exact storage of codes, scales and zeros, plus with
-``quant.outliers=keep_fp16`` the option "f + kept columns" (ΔL ``dloss_keep``, bits including the
-fp16 side matrix). A single candidate gives a uniform plan without sensitivity.
+exactly (``pipeline.quant.allocate``), bits including scales, zeros and kept fp16 columns;
+``quant.keep_float`` and ``quant.float_fallback`` layers stay float, outside the average.
 """
 
 from __future__ import annotations
@@ -38,11 +32,9 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class AllocateConfig:
-    """Multiple-choice knapsack: one format per layer (fused groups share one) under
-    quant.budget_bits."""
+    """Multiple-choice knapsack: one format per layer under quant.budget_bits."""
 
-    # DP cells at the exact bit unit; above it a coarser unit, still within the budget.
-    max_units: int = 1_000_000
+    max_units: int = 1_000_000  # DP cells; above, a coarser unit still within the budget
 
     def check(self, prefix: str) -> None:
         positive(prefix, max_units=self.max_units)
@@ -70,8 +62,7 @@ def check(cfg: AllocateConfig, run: RunConfig) -> None:
         return
     floats = {n for n in ls.shapes if keep_float(n, q.keep_float)}
     items = items_of(list(ls.shapes), ls.fused, floats)
-    # A mixed plan holds the layers sensitivity scored (vocabulary layers per its config), so
-    # with those in play the check is a lower bound only.
+    # vocabulary layers are planned only if sensitivity scores them: then a lower bound only
     uniform = len(q.candidates) == 1 and q.float_fallback == 0
     vocab_free = all(not n.endswith(("lm_head", "embed_tokens")) for it in items for n in it)
     exact = vocab_free or (uniform and ls.exact_vocab)

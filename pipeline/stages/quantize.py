@@ -1,9 +1,5 @@
-"""quantize: segment-wise streaming quantization (GPTQ or RTN) into the quantized model format.
-
-Wires the config to :func:`pipeline.streaming.quantize_checkpoint` (the algorithm, memory and
-resume): calibration windows from the train split, per-layer formats from the allocate stage's
-bit plan when it ran, else ``quant.candidates[0]`` everywhere. Writes ``model/`` and the quant
-report; finished segments wait in ``io.work_dir`` so a killed run resumes.
+"""quantize: segment-wise streaming quantization (GPTQ or RTN) with the bit plan's formats,
+or ``quant.candidates[0]`` everywhere without allocate (``streaming.quantize_checkpoint``).
 """
 
 from __future__ import annotations
@@ -39,8 +35,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 @dataclass(frozen=True)
 class QuantizeConfig:
-    """Segment-wise streaming quantization; the method, formats, segment size, activation budget
-    and calibration set are in the shared `quant` section (pipeline.config.QuantConfig)."""
+    """Streaming quantization; the recipe is the shared `quant` section."""
 
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # of the calibration passes
     device: str = "auto"  # auto (cuda when available) | cpu | cuda | cuda:N

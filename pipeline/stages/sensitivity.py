@@ -1,10 +1,7 @@
 """sensitivity: predicted loss increase ΔL of every layer in every candidate format.
 
-Estimators (``pipeline.analysis``): the diagonal empirical Fisher, Hutchinson's Hessian trace
-(HAWQ-v2) or the gradient-free GPTQ proxy H = 2XXᵀ, and ``importance=combined``, their mix fitted
-to measured KL. ``stream=true`` reads the checkpoint one segment at a time (targets bigger than
-memory; Hutchinson's double backward is not streamed). Every rank scores its shard of the
-calibration windows; sums are all-reduced, so the report does not depend on the number of ranks.
+Fisher, Hutchinson or the GPTQ proxy (``pipeline.analysis``), or their mix fitted to measured KL;
+``stream=true`` reads targets bigger than memory one segment at a time. Ranks split the windows.
 """
 
 from __future__ import annotations
@@ -30,7 +27,7 @@ from pipeline.stages import StageIO
 
 NEEDS: tuple[str, ...] = ("bootstrap",)
 USES: tuple[str, ...] = ()
-# quant by field: a new budget or method reuses the analysis (it depends on none of them)
+# quant by field: a new budget or method reuses the analysis
 SECTIONS: tuple[str, ...] = (
     "model",
     "data",
@@ -38,8 +35,8 @@ SECTIONS: tuple[str, ...] = (
     "quant.float_fallback",
     "quant.calib",
     "quant.activation_budget_gb",
-    "quant.segment_size",  # the streamed Fisher's unit of recomputation
-    "quant.outliers",  # keep_fp16: outlier columns and dloss_keep too
+    "quant.segment_size",
+    "quant.outliers",
     "quant.outlier_cap",
 )
 DISTRIBUTED = True
@@ -49,28 +46,19 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class SensitivityConfig:
-    """Per-layer predicted loss increase ΔL_l(f) for every format in quant.candidates, from
-    quant.calib.samples calibration windows, plus input-activation outlier statistics."""
+    """ΔL_l(f) for every format in quant.candidates, plus input outlier statistics."""
 
     method: Literal["fisher", "hutchinson", "gptq_proxy"] = "fisher"
-    # gptq_proxy only: full (Σ_rows δᵀHδ) | diag (Σ H_jj δ², per weight)
-    gptq_weighting: Literal["full", "diag"] = "full"
-    # fisher only: data (empirical Fisher) | model (sampled next tokens: true Fisher)
-    fisher_labels: Literal["data", "model"] = "data"
-    hutchinson_probes: int = 4  # hutchinson only: Rademacher probes per calibration sequence
-    # gptq_proxy and the streamed fisher's forward walk: sequences per forward (a backward
-    # takes one sequence: the Fisher squares each sequence's gradient)
-    batch_size: int = 8
-    include_lm_head: bool = True  # score lm_head (allocate may keep it float)
-    include_embeddings: bool = True  # score the embedding table (unless tied to lm_head)
-    device: Literal["auto", "cpu", "cuda"] = "auto"  # auto (cuda when present) | cpu | cuda
-    # single: ΔL of ``method`` | combined: every estimator, weights fitted to the KL measured
-    # with fit_layers layers quantized alone (pipeline.analysis.importance)
-    importance: Literal["single", "combined"] = "single"
-    fit_layers: int = 8  # combined only: layers measured for the fit, spread over the model
-    # fisher and gptq_proxy: segments of decoder blocks from the shards (targets bigger than
-    # memory)
-    stream: bool = False
+    gptq_weighting: Literal["full", "diag"] = "full"  # gptq_proxy: Σ_rows δᵀHδ | Σ H_jj δ²
+    fisher_labels: Literal["data", "model"] = "data"  # empirical | sampled (true) Fisher
+    hutchinson_probes: int = 4  # Rademacher probes per sequence
+    batch_size: int = 8  # sequences per forward (a Fisher backward takes one)
+    include_lm_head: bool = True
+    include_embeddings: bool = True  # unless tied to lm_head
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    importance: Literal["single", "combined"] = "single"  # combined: mix fitted to the KL
+    fit_layers: int = 8  # combined: layers measured for the fit
+    stream: bool = False  # fisher, gptq_proxy: segments from the shards (bigger than memory)
 
     def check(self, prefix: str) -> None:
         positive(prefix, hutchinson_probes=self.hutchinson_probes, batch_size=self.batch_size,
@@ -105,7 +93,6 @@ def check(cfg: SensitivityConfig, run: RunConfig) -> None:
 
 
 def keep_cap(run: RunConfig) -> float | None:
-    """The cap of kept columns to score, or None when no columns are kept."""
     return run.quant.outlier_cap if run.quant.outliers == "keep_fp16" else None
 
 
@@ -180,8 +167,7 @@ def write_plots(report: SensitivityReport, formats: tuple[Format, ...], out_dir:
                   out_dir / "sensitivity_heatmap.png",
                   f"predicted loss increase ({report.method})", "log10 ΔL")  # fmt: skip
 
-    # The most aggressive format of each layer is where layers differ most.
-    def cheapest(layer: LayerScore) -> str:
+    def cheapest(layer: LayerScore) -> str:  # where layers differ most
         return min(formats, key=lambda f: f.bits_per_weight(layer.shape[1])).name
 
     plots.bars([layer.dloss[cheapest(layer)] for layer in layers], names,

@@ -1,19 +1,11 @@
 """Segment-wise streaming quantization of a checkpoint (the quantize stage's core).
 
-The model is never materialised (DESIGN.md, "Segment-wise quantization"): the engine
-(:mod:`pipeline.streaming.engine`) walks the checkpoint segment by segment, and this step
-quantizes each block in GPTQ's sequential order (:func:`pipeline.quant.sequential.quantize_block`)
-on the inputs produced by the *already quantized* earlier blocks, so later layers compensate
-earlier rounding errors; each segment becomes one output shard of the quantized model directory
-(:class:`~pipeline.models.quantized.QuantizedWriter`: embeddings, one part per segment, the head).
-
-Durability: the work dir holds the committed segments (:class:`~pipeline.streaming.workdir.WorkDir`)
-and the finished shards (``parts/``); a killed run resumes after the last finished segment from
-the same activations, hence with the same codes. With several ranks the calibration windows are
-split across ranks, Hessians are all-reduced, every rank computes the same codes, rank 0 writes.
-
-Kept columns (``keep``, from the bit plan's ``outlier_columns``) are handed to each linear's
-quantizer, which stores them exactly in fp16 (``QTensor.keep_idx``/``keep_vals``).
+The engine walks the checkpoint segment by segment and each block is quantized in GPTQ's
+sequential order on the outputs of the *already quantized* blocks before it, so later layers
+compensate earlier rounding; each segment becomes one shard of the quantized model directory.
+A killed run resumes after the last committed segment from the same activations (same codes).
+With several ranks the windows are split, Hessians all-reduced, every rank computes the same
+codes and rank 0 writes. Kept columns (``keep``) are stored exactly in fp16 by the quantizer.
 """
 
 from __future__ import annotations
@@ -62,11 +54,8 @@ class _Head(nn.Module):
 
 
 class _QuantizeStep:
-    """Quantizes each block before its output pass; one output part per segment.
-
-    Part 0 holds the embeddings, part ``k + 1`` segment ``k``, part ``n_seg + 1`` the head.
-    Float tensors are copied from ``raw`` in their stored dtype (fp16 stays fp16).
-    """
+    """Quantizes each block before its output pass. Parts: 0 the embeddings, ``k + 1``
+    segment ``k``, ``n_seg + 1`` the head; float tensors keep their stored dtype."""
 
     def __init__(self, raw, plan, opts, reduce, writer: QuantizedWriter | None, n_seg: int, keep):
         self.raw, self.a, self.plan, self.opts, self.keep = raw, raw.adapter, plan, opts, keep
@@ -149,24 +138,10 @@ def quantize_checkpoint(
     dist: Dist | None = None,
     keep: dict[str, list[int]] | None = None,
 ) -> dict[str, Any]:
-    """Quantize a HF checkpoint segment by segment into a quantized model directory.
-
-    Args:
-        ckpt: The FP checkpoint, opened with the compute dtype and device.
-        out_dir: The quantized model directory to write (rank 0).
-        plan: ``{linear name: format}`` (``BitPlan.quantized()``); linears not listed stay float.
-        calib: (N, T) token ids of all calibration windows (each rank takes its share).
-        opts: Method and GPTQ settings (:func:`quant_options`).
-        walk: Segment size, batch size, activation budget.
-        work_dir: Persistent folder for committed segments (same path on every rank).
-        dist: Ranks; None = a single process.
-        keep: ``{linear name: input columns}`` kept exactly in fp16 (the bit plan's
-            ``outlier_columns``); None keeps none.
-
-    Returns:
-        The quant report: ``{"layers": {name: {format, shape, gptq_loss, rel_output_error,
-        seconds}}, "method", "segments", ...}``.
-    """
+    """Quantize ``ckpt`` into the model directory ``out_dir`` (rank 0 writes) with ``plan``
+    ``{linear: format}`` (unlisted: float) on ``calib`` (N, T); ``work_dir`` (same path on
+    every rank) holds committed segments; ``keep`` {linear: columns} are kept in fp16.
+    Returns ``QuantReport``'s fields plus the run facts (seconds, resumed segments)."""
     t_start = time.time()
     dist = dist or Dist()
     raw = StreamingCheckpoint(ckpt.path, ckpt.allow_bin)  # float tensors in their stored dtype
