@@ -25,12 +25,13 @@ def save(path: Path, schema: str, version: int, data: dict[str, Any]) -> None:
 
 
 def load(path: Path, schema: str, version: int, writer: str, build: Callable[[dict], T]) -> T:
-    """``build`` of the file's fields; a file without a version is version 1 (written before
-    versions were recorded), a newer or foreign one is refused."""
+    """``build`` of the file's fields; no version means 1 (older files), newer ones are refused."""
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError) as err:
         raise LowbitError(f"cannot read {path} ({err}); rerun the {writer} stage") from None
+    if not isinstance(data, dict):
+        raise LowbitError(f"{path} is malformed (not a JSON object); rerun the {writer} stage")
     found, v = data.pop("schema", schema), data.pop("schema_version", 1)
     if found != schema:
         raise LowbitError(f"{path} is a {found} file, not {schema}; rerun the {writer} stage")

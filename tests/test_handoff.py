@@ -5,6 +5,11 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
+from pipeline import handoff
+from pipeline.errors import LowbitError
+
 ROOT = Path(__file__).resolve().parents[1]
 # file -> the module of the type that writes and reads it
 OWNERS = {
@@ -47,3 +52,10 @@ def test_only_the_owner_names_its_file():
     assert found <= PENDING, f"read these through their owner's type: {sorted(found - PENDING)}"
     for name, owner in OWNERS.items():
         assert any(name in s for s in code_strings(ROOT / owner)), f"{owner} names no {name}"
+
+
+@pytest.mark.parametrize("text", ["[1, 2]", "{not json"])
+def test_a_file_that_is_no_json_object_names_the_stage_to_rerun(tmp_path, text):
+    (tmp_path / "x.json").write_text(text)
+    with pytest.raises(LowbitError, match="rerun the quantize stage"):
+        handoff.load(tmp_path / "x.json", "lowbit.x", 1, "quantize", dict)

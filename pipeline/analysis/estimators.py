@@ -1,18 +1,10 @@
 """Curvature estimates that turn a weight perturbation into a predicted loss increase.
 
-Around trained weights (gradient ≈ 0) ΔL ≈ ½ δᵀHδ for δ = Q(w) − w. Three approximations of H:
-
-* ``fisher_diagonal``: the diagonal empirical Fisher F_ii = E[g_i²] (EWC 2017; SqueezeLLM 2024),
-  one backward per sequence, its summed-loss gradient squared over its token count (per-token
-  units). ``labels="model"`` samples the next tokens from the model: the true Fisher, the
-  second-order expansion of KL(p_w ‖ p_{w+δ}). Cheap, noisy, diagonal only.
-* ``hutchinson_trace``: Tr(H_l) by E_v[vᵀHv] with Rademacher v and exact Hessian-vector products
-  (HAWQ-v2, Dong et al. 2020): the true Hessian, summarised as its mean eigenvalue Tr/n.
-* ``forward_pass`` + ``Capture(hessians=True)``: GPTQ's H = 2/N Σ xxᵀ of each linear's input
-  (Frantar et al. 2023): gradient-free, the layer's output error rather than the loss.
-
-Each rank works on ``dist.shard`` of the sequences and sums are all-reduced (N ranks give the
-single-process result); accumulation is float32/float64 whatever the model's dtype.
+Around trained weights (gradient ≈ 0) ΔL ≈ ½ δᵀHδ for δ = Q(w) − w, with H approximated by
+the diagonal empirical Fisher E[g_i²] (EWC; SqueezeLLM; ``labels="model"``: the true Fisher),
+Hutchinson's Tr(H_l)/n from Hessian-vector products (HAWQ-v2), or GPTQ's input Hessian
+H = 2/N Σ xxᵀ (gradient-free: the layer's output error, not the loss). Ranks split the
+sequences and sums are all-reduced; accumulation is float32/float64.
 """
 
 from __future__ import annotations
@@ -64,9 +56,7 @@ def fisher_diagonal(
     labels: str = "data",
     seed: int = 0,
 ) -> dict[str, Tensor]:
-    """{name: F} (float32, shaped like the parameter, mean over the S windows (S, T)).
-
-    ``labels="model"`` samples labels from a generator seeded by (seed, s): rank-independent."""
+    """{name: F} (float32, shaped like the parameter, mean over the S windows (S, T))."""
     names, tensors = list(params), list(params.values())
     fisher = [torch.zeros_like(p, dtype=torch.float32) for p in tensors]
     tokens = windows.shape[1] - 1

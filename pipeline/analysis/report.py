@@ -1,8 +1,5 @@
-"""The sensitivity report (``sensitivity.json``): ΔL per layer and format, input outliers.
-
-The estimators build it as a plain dict (the same fields); this type is what the file holds and
-what every reader gets.
-"""
+"""The sensitivity report (``sensitivity.json``): ΔL per layer and format, input outliers;
+the estimators build its fields as a dict, readers get this type."""
 
 from __future__ import annotations
 
@@ -16,9 +13,7 @@ from pipeline import handoff
 
 @dataclass(frozen=True)
 class LayerScore:
-    """One scored tensor. ``weight_kurtosis`` says how heavy-tailed its weights are (where
-    exponential codes beat uniform ones); ``outliers`` holds its input's MAD outlier share,
-    kurtosis and max/median channel absmax (None for an embedding)."""
+    """One scored tensor; ``outliers``: its input's MAD outlier share, kurtosis, max/median."""
 
     name: str
     shape: tuple[int, int]

@@ -1,20 +1,12 @@
 """The diagonal empirical Fisher of a checkpoint bigger than memory, segment by segment.
 
-Activation checkpointing (Chen et al. 2016) applied to ``estimators.fisher_diagonal``:
-
-1. Forward walk (no gradients): keep every segment's input (N, T, C) and the last output, and
-   gather the linears' input statistics.
-2. Head: per sequence, final norm, lm_head and loss; the output gradient goes to a gradient
-   cache, lm_head's squared gradient to its Fisher.
-3. Reverse walk, last segment first: recompute each sequence's forward from the kept input with
-   autograd, back-propagate the cached gradient, accumulate squared weight gradients, write the
-   input gradient back for the segment below; score and free the segment's linears.
-4. Embeddings: the bottom gradient is scattered to the sequence's token rows.
-
-Each sequence's gradients are the loaded model's (same operations, same inputs), so the estimate
-is equal up to float rounding; a table tied to lm_head gets both uses' gradients summed (the head
-is recomputed at the bottom). Memory: one segment, one sequence's graph, one segment's Fisher and
-the boundary caches (spilled to disk beyond ``act_budget_gb``): depth costs disk, not RAM.
+Activation checkpointing (Chen et al. 2016) applied to ``estimators.fisher_diagonal``: a forward
+walk keeps every segment's input; per sequence the head's loss gradient is cached; a reverse
+walk, last segment first, recomputes each sequence's forward from the kept input, back-propagates
+the cached gradient, accumulates squared weight gradients and passes the input gradient down;
+the embeddings get the bottom gradient by token. Same operations on the same inputs, so the
+estimate equals the loaded one up to rounding. Memory: one segment and the boundary caches
+(spilled to disk beyond ``act_budget_gb``): depth costs disk, not RAM.
 """
 
 from __future__ import annotations

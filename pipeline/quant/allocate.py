@@ -62,8 +62,7 @@ def layer_bits(fmt: Format | str, shape: Sequence[int]) -> int:
 
 
 def kept_bits(out_features: int, columns: int) -> int:
-    """Exact storage of ``columns`` kept input columns of an (out, in) weight, in bits: the fp16
-    side matrix (out × k) and the int32 column indices (``QTensor.keep_idx``/``keep_vals``)."""
+    """Bits of ``columns`` kept inputs: fp16 side matrix (out × k) and int32 indices."""
     return columns * (16 * int(out_features) + 32)
 
 
@@ -142,8 +141,7 @@ class Scored(Protocol):
 
 
 def keep_float(name: str, patterns: Sequence[str]) -> bool:
-    """Whether ``name`` matches a keep_float entry: a glob, or a run of dotted components
-    (``lm_head``, ``embed_tokens``, ``mlp.down_proj``, ``model.layers.0``)."""
+    """Whether ``name`` matches a glob or a run of dotted components (``mlp.down_proj``)."""
     for pat in patterns:
         if any(ch in pat for ch in "*?[") and fnmatch(name, pat):
             return True
@@ -219,8 +217,7 @@ class _Costs:
         return sum(layer_bits(f, self.shapes[n]) + (self.side(n) if keep else 0) for n in it)
 
     def options(self, it: list[str]) -> list[tuple[Format, bool]]:
-        """The candidates, and with kept columns each quantized one plus the item's columns
-        where every layer of the item has some."""
+        """The candidates, plus each quantized one with kept columns where all layers have some."""
         plain = [(f, False) for f in self.r.formats]
         if not self.r.keep_columns or not all(self.scores[n].outlier_columns for n in it):
             return plain

@@ -138,10 +138,8 @@ def quantize_checkpoint(
     dist: Dist | None = None,
     keep: dict[str, list[int]] | None = None,
 ) -> dict[str, Any]:
-    """Quantize ``ckpt`` into the model directory ``out_dir`` (rank 0 writes) with ``plan``
-    ``{linear: format}`` (unlisted: float) on ``calib`` (N, T); ``work_dir`` (same path on
-    every rank) holds committed segments; ``keep`` {linear: columns} are kept in fp16.
-    Returns ``QuantReport``'s fields plus the run facts (seconds, resumed segments)."""
+    """Quantize ``ckpt`` into ``out_dir`` with ``plan`` {linear: format} (unlisted: float) on
+    ``calib`` (N, T); returns ``QuantReport``'s fields plus the run facts."""
     t_start = time.time()
     dist = dist or Dist()
     raw = StreamingCheckpoint(ckpt.path, ckpt.allow_bin)  # float tensors in their stored dtype
