@@ -10,7 +10,7 @@ import pytest
 from pipeline.config import QuantConfig
 from pipeline.errors import ConfigError
 from pipeline.quant.allocate import kept_bits, layer_bits
-from tests.stages.test_allocate import CANDS, instance, plan_of
+from tests.quant.test_plan import CANDS, instance, plan_of
 
 
 def with_outliers(seed: int, gain: float = 0.2):
