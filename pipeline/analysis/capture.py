@@ -74,8 +74,7 @@ def outlier_summary(absmax: Tensor) -> dict[str, float | None]:
 
 
 def outlier_columns(absmax: Tensor, cap: float) -> list[int]:
-    """The input columns worth keeping exactly (``quant.outliers=keep_fp16``): the MAD
-    outliers of the absmax (in,), the largest first, at most floor(cap · in), ascending."""
+    """Columns to keep exactly: the MAD outliers of absmax (in,), largest first, ≤ cap · in."""
     mask = outlier_mask(absmax)
     limit = int(cap * absmax.numel() + 1e-9)  # floor, safe from 0.07 * 100 = 7.0000001
     ranked = torch.argsort(torch.where(mask, absmax.double(), -1.0), descending=True, stable=True)
@@ -83,8 +82,7 @@ def outlier_columns(absmax: Tensor, cap: float) -> list[int]:
 
 
 class Capture:
-    """Hooks on ``modules`` ({name: nn.Linear}) collecting InputStats and, with ``hessians``,
-    H = 2/N Σ xxᵀ; ``shared`` ({name: owner}, fused groups) reuse the owner's."""
+    """Hooks on linears gathering InputStats (and H with ``hessians``); ``shared``: fused groups."""
 
     def __init__(
         self,
@@ -114,8 +112,7 @@ class Capture:
         return hook
 
     def observe(self, name: str, x: Tensor) -> None:
-        """Account one input batch x (B, T, in) of ``name`` without running the module (the
-        hook's work; called directly where the output is not needed, e.g. a large lm_head)."""
+        """Account input x (B, T, in) of ``name`` without running the module (a big lm_head)."""
         self.stats[name].add(x)
         if name in self.hessians:
             self.hessians[name].add_batch(x.detach())

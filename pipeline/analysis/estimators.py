@@ -19,8 +19,7 @@ from pipeline.progress import progress
 
 
 def logits_loss(logits: Tensor, x: Tensor, gen: torch.Generator | None = None) -> Tensor:
-    """Mean next-token cross-entropy of logits (B, T, V) on x's next tokens, or with ``gen``
-    on tokens sampled from the logits (the true Fisher's labels); shared by both Fishers."""
+    """Mean next-token cross-entropy of logits (B, T, V); with ``gen`` on sampled labels."""
     logits = logits[:, :-1].float().reshape(-1, logits.shape[-1])  # (B·(T-1), V)
     if gen is None:
         labels = x[:, 1:].reshape(-1)
@@ -31,8 +30,7 @@ def logits_loss(logits: Tensor, x: Tensor, gen: torch.Generator | None = None) -
 
 
 def label_generator(labels: str, seed: int, s: int) -> torch.Generator | None:
-    """The label sampler of sequence ``s``: seeded by (seed, s), so the result does not depend on
-    how sequences are split across ranks; None for the data's own labels."""
+    """Label sampler of sequence ``s`` seeded by (seed, s), rank-independent; None: data labels."""
     if labels not in ("data", "model"):
         raise ValueError(f"labels must be 'data' or 'model', got {labels!r}")
     return torch.Generator().manual_seed(seed * 1_000_003 + s) if labels == "model" else None
@@ -86,8 +84,7 @@ def hutchinson_trace(
     seed: int = 0,
     progress: bool = False,
 ) -> dict[str, float]:
-    """{name: Tr(H)} of the mean loss, averaged over sequences and probes; the probes of
-    sequence s come from a generator seeded by (seed, s), so ranks do not change it."""
+    """{name: Tr(H)} of the mean loss; probes seeded by (seed, s), so rank-independent."""
     names, tensors = list(params), list(params.values())
     trace = torch.zeros(len(tensors), dtype=torch.float64, device=tensors[0].device)
     for s in _bar(dist, dist.shard(len(windows)), "hutchinson", progress):
@@ -124,8 +121,7 @@ def forward_pass(
     vocab_size: int,
     progress: bool = False,
 ) -> Tensor:
-    """This rank's windows forward (for the hooks); returns the all-reduced token counts
-    (vocab,) float64: the embedding table's one-hot input statistics."""
+    """This rank's windows forward (for the hooks); returns all-reduced token counts (vocab,)."""
     device = next(model.parameters()).device
     counts = torch.zeros(vocab_size, dtype=torch.float64, device=device)
     mine = list(dist.shard(len(windows)))

@@ -47,8 +47,7 @@ def measure_kl(
     dist: Dist | None = None,
     batch_size: int = 8,
 ) -> dict[str, dict[str, float]]:
-    """{name: {format: KL}}: mean token KL(p_FP ‖ p_Q) in nats on ``windows`` (S, T) with
-    each layer RTN-quantized alone (batch by batch: no (S, T, vocab) tensor is kept)."""
+    """{name: {format: KL}}: mean token KL(p_FP ‖ p_Q) with each layer RTN-quantized alone."""
     dist = dist or Dist()
     device = next(model.parameters()).device
     mine = list(dist.shard(len(windows)))
@@ -108,8 +107,7 @@ def _rows(predicted: Mapping[str, Scores], measured: Scores, names: Sequence[str
 def fit_importance(
     predicted: Mapping[str, Scores], measured: Scores, names: Sequence[str] | None = None
 ) -> dict[str, float]:
-    """{estimator: w ≥ 0} with Σ_m w_m ΔL_m ≈ KL in relative residuals; ``predicted`` is
-    {estimator: {layer: {format: ΔL}}}, ``measured`` {layer: {format: KL}}."""
+    """{estimator: w ≥ 0} with Σ_m w_m ΔL_m ≈ the measured KL, in relative residuals."""
     methods, rows = _rows(predicted, measured, list(names or measured))
     x = torch.tensor([r[0] for r in rows], dtype=torch.float64)  # (R, M)
     y = torch.tensor([r[1] for r in rows], dtype=torch.float64)  # (R,)
@@ -162,8 +160,7 @@ def analyze_combined(
     batch_size: int = 8,
     **estimator_kw,
 ) -> dict:
-    """Sensitivity report whose ``dloss`` is the fitted combination of the three estimators,
-    fitted to the KL of ``fit_layers`` layers; each layer keeps every ΔL under ``estimators``."""
+    """Report whose ``dloss`` is the fitted mix; every estimator's ΔL under ``estimators``."""
     dist = dist or Dist()
     reports = {
         m: analyze(model, windows, candidates, m, dist, batch_size=batch_size, **estimator_kw)

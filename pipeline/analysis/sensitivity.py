@@ -135,8 +135,7 @@ def _weighs(model, windows, modules, capture, method, weighting, dist, progress,
 
 
 def _dloss_table(params, candidates, weigh, cols, dist: Dist, device: torch.device) -> Tensor:
-    """(layers, 2k) float64: ΔL per candidate, then ΔL with kept columns; each rank scores its
-    share of the layers and the table is all-reduced."""
+    """(layers, 2k) float64 ΔL, then with kept columns; layers split over ranks, all-reduced."""
     names, k = list(params), len(candidates)
     table = torch.zeros(len(names), 2 * k, dtype=torch.float64, device=device)
     for i in dist.shard(len(names)):

@@ -38,8 +38,7 @@ Sink = Callable[[str, Tensor, Tensor], None]  # (name, weight, Fisher) of one fi
 
 
 class _Kept:
-    """Activations kept for the reverse walk: in memory while they fit ``budget`` bytes in all,
-    then in files of ``folder``, which :meth:`drop` deletes once a cache is no longer needed."""
+    """Activations for the reverse walk: in memory up to ``budget`` bytes, then files."""
 
     def __init__(self, folder: Path, rank: int, shape: tuple, dtype: torch.dtype, budget: float):
         self.folder, self.rank, self.shape, self.dtype = folder, rank, shape, dtype
@@ -187,8 +186,7 @@ class _Reverse:
         self._finish({n: m.weight for n, m in named.items()}, fisher)
 
     def embeddings(self, grads: ActivationCache, final: ActivationCache | None) -> None:
-        """The table's Fisher from the gradients at the bottom; with ``final`` (tied to
-        lm_head) the head's gradient of each sequence is recomputed and added first."""
+        """The table's Fisher from the bottom gradients (plus the head's when tied: ``final``)."""
         a, pad = self.ckpt.adapter, getattr(self.ckpt.config, "pad_token_id", None)
         if final is None:
             name, table, norm, lm_head = a.embed, self.ckpt.tensor(a.embed + ".weight"), None, None

@@ -1,13 +1,10 @@
 """Per-layer bit allocation as an exact multiple-choice knapsack (HAWQ-v2/v3 line).
 
-Each item (a layer, or a fused group sharing one format) picks one format; min Σ_i v_i(j_i)
-s.t. Σ_i c_i(j_i) ≤ C is solved by DP over the capacity.
-
-Exactness: costs are exact integer bits. Each item's cheapest cost is subtracted, and reduced
-costs and capacity divided by their gcd g: every reachable total is a multiple of g, so the DP
-over floor(C'/g) units is exact. Beyond ``max_units`` costs round *up* to a coarser unit u and
-the capacity *down*: Σ c ≤ Σ u·ceil(c/u) ≤ u·floor(C'/u) ≤ C', so the budget still holds
-(``Solution.exact`` says which case ran).
+Each item (a layer, or a fused group sharing one format) picks one format minimising Σ ΔL with
+Σ bits ≤ C, by DP over the capacity. Exact: costs are integer bits, each item's cheapest is
+subtracted and the rest divided by their gcd g (every reachable total is a multiple of g). Beyond
+``max_units`` costs round *up* to a coarser unit u and C *down*: Σ c ≤ Σ u·ceil(c/u) ≤
+u·floor(C/u) ≤ C, so the budget still holds (``Solution.exact`` says which case ran).
 """
 
 from __future__ import annotations
@@ -42,8 +39,7 @@ class InfeasibleBudgetError(ValueError):
 
 @dataclass(frozen=True)
 class Solution:
-    """The chosen option per item, its exact cost and value; ``exact``: the DP ran at the gcd
-    resolution, so the value is optimal; ``unit``: cost units per DP cell."""
+    """Choice per item, exact cost and value; ``exact``: solved at the gcd resolution (optimal)."""
 
     choice: list[int]
     cost: int
@@ -151,8 +147,7 @@ def keep_float(name: str, patterns: Sequence[str]) -> bool:
 
 
 def items_of(names: list[str], fused: list[list[str]], floats: set[str]) -> list[list[str]]:
-    """Items in model order: fused groups and single layers; a group with a float member turns
-    float whole (``floats`` is updated)."""
+    """Fused groups and single layers in model order; a group with a float member turns float."""
     group_of = {n: tuple(g) for g in fused if all(m in names for m in g) for n in g}
     items, seen = [], set()
     for n in names:
@@ -247,8 +242,7 @@ def make_plan(
     r: Recipe,
     max_units: int = 1_000_000,
 ) -> BitPlan:
-    """The bit plan of ``shapes`` ({name: (out, in)}, model order) minimising Σ ΔL of
-    ``scores`` (by name; empty for a single candidate without fallback)."""
+    """The bit plan of ``shapes`` ({name: (out, in)}) minimising Σ ΔL of ``scores`` (by name)."""
     names = list(shapes)
     floats = {n for n in names if keep_float(n, r.keep_float)}
     items = items_of(names, fused, floats)

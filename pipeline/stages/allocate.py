@@ -85,8 +85,12 @@ def run(cfg: AllocateConfig, run: RunConfig, io: StageIO) -> dict:
         plan = plan.replace(score=report.method, importance_weights=report.importance_weights)
     plan.save(io.out_dir)
     _plot(plan, shapes, q.budget_bits, io.out_dir)
-    log.info("allocate: avg %.4f bits (budget %s), predicted ΔL %s",
-             plan.avg_bits, q.budget_bits, plan.predicted_dloss)  # fmt: skip
+    log.info(
+        "allocate: avg %.4f bits (budget %s), predicted ΔL %s",
+        plan.avg_bits,
+        q.budget_bits,
+        plan.predicted_dloss,
+    )
     exp = [n for n, f in plan.layers.items() if f.kind == "exp"]
     if exp and scores:  # where the exponential grid won a mixed plan: by the weights' tails
         tails = (f"{n} (weight kurtosis {scores[n].weight_kurtosis})" for n in exp)
@@ -117,6 +121,13 @@ def _plot(plan: BitPlan, shapes: dict, budget: float | None, out_dir: Path) -> N
         for n in names
     ]
     colors = ["tab:gray" if plan.layers[n].kind == "float" else "tab:blue" for n in names]
-    plots.bars(bits, names, out_dir / "bits_per_layer.png",
-               "bits per weight (scales and zeros included)", "bits", hline=budget,
-               hline_label="budget", colors=colors)  # fmt: skip
+    plots.bars(
+        bits,
+        names,
+        out_dir / "bits_per_layer.png",
+        "bits per weight (scales and zeros included)",
+        "bits",
+        hline=budget,
+        hline_label="budget",
+        colors=colors,
+    )

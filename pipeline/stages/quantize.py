@@ -54,8 +54,10 @@ def load_plan(inputs: dict[str, Path], config: Any, q: QuantConfig) -> dict[str,
     if "allocate" in inputs:
         return BitPlan.load(inputs["allocate"]).quantized()
     if len(q.candidates) > 1:
-        log.warning("quantize: no allocate stage in this run; every linear gets %s "
-                    "(quant.candidates[0])", q.candidates[0])  # fmt: skip
+        log.warning(
+            "quantize: no allocate stage in this run; every linear gets %s (quant.candidates[0])",
+            q.candidates[0],
+        )
     fmt = q.formats[0]
     if fmt.kind == "float":
         return {}
@@ -104,9 +106,16 @@ def run(cfg: QuantizeConfig, run: RunConfig, io: StageIO) -> dict:
     ckpt = StreamingCheckpoint(target, dtype=_DTYPES[cfg.dtype], device=device)
     walk = StreamOptions(q.segment_size, cfg.batch_size, q.activation_budget_gb)
     summary = quantize_checkpoint(
-        ckpt, io.out_dir / "model", plan, calib, quant_options(q), walk,
-        work_dir=io.work_dir, dist=io.dist, keep=load_kept(io.inputs, q.outliers),
-    )  # fmt: skip
+        ckpt,
+        io.out_dir / "model",
+        plan,
+        calib,
+        quant_options(q),
+        walk,
+        work_dir=io.work_dir,
+        dist=io.dist,
+        keep=load_kept(io.inputs, q.outliers),
+    )
     if io.dist.is_main:
         QuantReport.from_dict(summary).save(io.out_dir)  # times go to metrics and MLflow
         seconds = {n: r["seconds"] for n, r in summary["layers"].items()}
