@@ -24,7 +24,6 @@ Stage folders are reused across invocations (the workflow skips what is up to da
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 from pathlib import Path
@@ -45,6 +44,8 @@ from bench._common import (
     unmeasured,
     write_result,
 )
+from pipeline.analysis.report import SensitivityReport
+from pipeline.quant.plan import BitPlan
 
 EXP = "exp"  # format-name prefix of the exponential family
 TOL = 0.0  # the plan with exp4 may not be worse at all
@@ -65,18 +66,16 @@ def level_use(codes: Tensor, group: int) -> tuple[float, float]:
     return distinct, (2**entropy).mean().item() / 16
 
 
-def layer_rows(target: Path, plan: dict[str, str], sensitivity: dict) -> list[dict]:
+def layer_rows(target: Path, plan: BitPlan, sensitivity: SensitivityReport) -> list[dict]:
     """Per planned linear: chosen format, weight kurtosis, level use of int4g128 / exp4g128."""
     from pipeline.analysis.sensitivity import kurtosis
     from pipeline.models.hf import load_causal_lm
     from pipeline.quant.rtn import quantize_rtn
 
     model = load_causal_lm(target)
-    dloss = {layer["name"]: layer["dloss"] for layer in sensitivity["layers"]}
+    dloss = {layer.name: layer.dloss for layer in sensitivity.layers}
     rows = []
-    for name, fmt in plan.items():
-        if fmt == "float":
-            continue
+    for name, fmt in plan.quantized().items():
         w = model.get_submodule(name).weight.detach().float()
         int4 = level_use(quantize_rtn(w, "int4g128").codes, 128)
         exp4 = level_use(quantize_rtn(w, "exp4g128").codes, 128)
@@ -84,7 +83,7 @@ def layer_rows(target: Path, plan: dict[str, str], sensitivity: dict) -> list[di
         rows.append(
             {
                 "layer": name,
-                "chosen": fmt,
+                "chosen": fmt.name,
                 "kurtosis": round(kurtosis(w), 2),
                 "int4 levels": f"{int4[0]:.0%} ({int4[1]:.0%})",
                 "exp4 levels": f"{exp4[0]:.0%} ({exp4[1]:.0%})",
@@ -153,21 +152,21 @@ def main() -> int:
             seed_run(boot, run, ["bootstrap"])
             over = [*base, f"quant.budget_bits={budget}", f"quant.candidates=[{','.join(cands)}]"]
             workflow.run(_cfg(run, [*over, stages]))
-            plan = json.loads((run / "allocate" / "bitplan.json").read_text())
+            plan = BitPlan.load(run / "allocate")
             ppl[label] = perplexity(load_quantized(low_bit_model(run, "target_quantized")), win)
-            counts = {f: list(plan["layers"].values()).count(f) for f in plan["candidates"]}
+            counts = {f.name: list(plan.layers.values()).count(f) for f in plan.candidates}
             rows.append(
                 {
                     "budget": budget,
                     "candidates": label,
-                    "avg bits": round(plan["avg_bits"], 4),
+                    "avg bits": round(plan.avg_bits, 4),
                     "test ppl": round(ppl[label], 3),
                     "layers per format": ", ".join(f"{f} {n}" for f, n in counts.items() if n),
                 }
             )
             if per_layer is None and label == "with exp4":
-                sens = json.loads((run / "sensitivity" / "sensitivity.json").read_text())
-                per_layer = layer_rows(target, plan["layers"], sens)
+                sens = SensitivityReport.load(run / "sensitivity")
+                per_layer = layer_rows(target, plan, sens)
 
     print(f"\nFP test perplexity {ppl_fp:.3f} ({tuple(win.shape)} windows)\n")
     print(

@@ -24,7 +24,6 @@ finished ``bootstrap`` run into ``<root>/bootstrap`` to skip training.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 from pathlib import Path
@@ -42,27 +41,29 @@ from bench._common import (
     unmeasured,
     write_result,
 )
+from pipeline.analysis.report import SensitivityReport
+from pipeline.quant.plan import BitPlan
 
 STAGES = ("sensitivity", "allocate", "quantize")
 
 
 def _row(run_dir: Path, setting: str, cap: float | None, ppl: float) -> dict:
-    plan = json.loads((run_dir / "allocate" / "bitplan.json").read_text())
-    sens = json.loads((run_dir / "sensitivity" / "sensitivity.json").read_text())
-    shares = [s for layer in sens["layers"] if (s := layer["outliers"]["share"]) is not None]
-    kept = plan.get("outlier_columns", {})
+    plan = BitPlan.load(run_dir / "allocate")
+    sens = SensitivityReport.load(run_dir / "sensitivity")
+    shares = [s for layer in sens.layers if (s := layer.outlier_share) is not None]
+    kept = plan.kept()
     return {
         "outliers": setting,
         "cap": cap,
         "test_ppl": ppl,
-        "avg_bits": plan["avg_bits"],
-        "total_bytes": plan["total_bytes"],
+        "avg_bits": plan.avg_bits,
+        "total_bytes": plan.total_bytes,
         "kept_layers": len(kept),
         "kept_columns": sum(len(c) for c in kept.values()),
-        "kept_bytes": plan.get("kept_bytes", 0),
+        "kept_bytes": plan.kept_bytes or 0,
         "outlier_share_mean": sum(shares) / len(shares) if shares else None,
         "outlier_share_max": max(shares, default=None),
-        "predicted_dloss": plan["predicted_dloss"],
+        "predicted_dloss": plan.predicted_dloss,
     }
 
 

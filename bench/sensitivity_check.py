@@ -33,16 +33,18 @@ from scipy.stats import spearmanr
 from bench._common import compose, result_table, write_result
 from pipeline import runmodels, workflow
 from pipeline.analysis import Capture
+from pipeline.analysis.estimate import Estimator
+from pipeline.analysis.report import SensitivityReport
 from pipeline.analysis.sensitivity import METHODS, analyze, scored_modules
 from pipeline.config import QuantConfig, data_cfg, model_cfg, quant_cfg
 from pipeline.data.heldout import corpus_heldout
 from pipeline.data.text import Corpus
 from pipeline.lit.losses import kl_divergence
 from pipeline.models.hf import load_causal_lm, load_tokenizer
+from pipeline.quant.allocate import layer_bits, make_plan
+from pipeline.quant.formats import Format
 from pipeline.quant.gptq import gptq_quantize
 from pipeline.quant.rtn import quantize_rtn
-from pipeline.stages import sensitivity
-from pipeline.stages.allocate import make_plan
 
 CANDIDATES = ["int2g64", "int3g128", "int4g128", "int8"]
 MEASURED = ["int3g128", "int2g64"]
@@ -102,13 +104,11 @@ def input_hessians(model, calib: torch.Tensor) -> dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
-def score_plan(model, plan: dict[str, str], windows, base, hessians=None, block_size=128) -> tuple:
-    """(perplexity, mean token KL to FP) with every planned layer quantized (RTN, or GPTQ
-    when Hessians are given)."""
+def score_plan(model, plan: dict[str, Format], windows, base, hessians=None, block_size=128):
+    """(perplexity, mean token KL to FP) with the plan's quantized layers (``BitPlan.quantized``)
+    quantized (RTN, or GPTQ when Hessians are given)."""
     saved = {}
     for name, fmt in plan.items():
-        if fmt == "float":
-            continue
         w = model.get_submodule(name).weight
         saved[name] = w.detach().clone()
         if hessians is None:
@@ -126,12 +126,9 @@ def score_plan(model, plan: dict[str, str], windows, base, hessians=None, block_
             model.get_submodule(name).weight.copy_(orig)
 
 
-def avg_bits(plan: dict, shapes: dict) -> float:
-    from pipeline.quant.allocate import layer_bits
-
-    q = {n: f for n, f in plan.items() if f != "float"}
-    bits = sum(layer_bits(f, shapes[n]) for n, f in q.items())
-    return bits / sum(shapes[n][0] * shapes[n][1] for n in q)
+def avg_bits(plan: dict[str, Format], shapes: dict) -> float:
+    bits = sum(layer_bits(f, shapes[n]) for n, f in plan.items())
+    return bits / sum(shapes[n][0] * shapes[n][1] for n in plan)
 
 
 def main() -> None:
@@ -169,12 +166,12 @@ def main() -> None:
         f"in {time.time() - t0:.0f}s"
     )
     reports, seconds = {}, {}
-    probes = sensitivity.CONFIG().hutchinson_probes
+    probes = Estimator().probes  # the sensitivity stage's default
     for m in args.methods.split(","):
         method, _, labels = m.partition(":")  # fisher:model = sampled-label (true) Fisher
         t0 = time.time()
-        reports[m] = analyze(model, calib, CANDIDATES, method, probes=probes,
-                             fisher_labels=labels or "data")  # fmt: skip
+        reports[m] = SensitivityReport.from_dict(analyze(model, calib, CANDIDATES, method,
+                             probes=probes, fisher_labels=labels or "data"))  # fmt: skip
         seconds[m] = time.time() - t0
 
     def rho(a: dict, b: dict, subset: list[str]) -> list[float]:
@@ -194,7 +191,7 @@ def main() -> None:
         print("| predictor | " + " | ".join(cols) + " | seconds |")
         print("|---|" + "---|" * (len(cols) + 1))
         for m, rep in reports.items():
-            pred = {layer["name"]: layer["dloss"] for layer in rep["layers"]}
+            pred = {layer.name: layer.dloss for layer in rep.layers}
             r = [x for t in truths.values() for x in rho(pred, t, subset)]
             results["rho"][f"{m} / {subset_name}"] = dict(zip(cols, r))
             print(f"| {m} | " + " | ".join(f"{x:.3f}" for x in r) + f" | {seconds[m]:.0f} |")
@@ -206,8 +203,9 @@ def main() -> None:
         print("| (ΔL calib as the predictor of ΔL eval) | " + " | ".join(f"{x:.3f}" for x in ceil)
               + " |" * (len(cols) - 1) + " |")  # fmt: skip
 
-    shapes = {layer["name"]: layer["shape"] for layer in next(iter(reports.values()))["layers"]}
-    fused = next(iter(reports.values()))["fused_groups"]
+    first = next(iter(reports.values()))
+    shapes = {layer.name: layer.shape for layer in first.layers}
+    fused = first.fused_groups
     hessians = None if args.no_gptq else input_hessians(model, calib)
     quantizers = {"rtn": None} if hessians is None else {"rtn": None, "gptq": hessians}
     base = log_probs(model, evalw)
@@ -218,7 +216,7 @@ def main() -> None:
     print("| plan | avg bits | " + " | ".join(heads) + " |")
     print("|---|---|" + "---|" * len(heads))
 
-    def row(label: str, plan: dict) -> None:
+    def row(label: str, plan: dict[str, Format]) -> None:
         cells = [x for h in quantizers.values()
                  for x in score_plan(model, plan, evalw, base, h, q.block_size)]  # fmt: skip
         bits = avg_bits(plan, shapes)
@@ -227,18 +225,19 @@ def main() -> None:
         print(f"| {label} | {bits:.3f} | " + " | ".join(text) + " |")
 
     for uniform, budgets in (("int3g128", [3.0, None]), ("int2g64", [2.5])):
-        plan_u = make_plan(
-            shapes, {}, fused, QuantConfig(candidates=[uniform], keep_float=KEEP_FLOAT)
-        )["layers"]
+        recipe = QuantConfig(candidates=[uniform], keep_float=KEEP_FLOAT).recipe
+        plan_u = make_plan(shapes, {}, fused, recipe).quantized()
         row(f"uniform {uniform}", plan_u)
         for budget in budgets:  # None: the uniform plan's own average (a matched budget)
             b = budget or avg_bits(plan_u, shapes)
             for m, rep in reports.items():
-                layers = {layer["name"]: layer for layer in rep["layers"]}
                 qc = QuantConfig(candidates=CANDIDATES, budget_bits=b, keep_float=KEEP_FLOAT)
-                row(f"{m} @ {b:.3f}", make_plan(shapes, layers, fused, qc)["layers"])
+                row(
+                    f"{m} @ {b:.3f}", make_plan(shapes, rep.by_name(), fused, qc.recipe).quantized()
+                )
     if args.json:
-        dump = {"measured": measured, "predicted": reports, **results}
+        predicted = {m: r.to_dict() for m, r in reports.items()}
+        dump = {"measured": measured, "predicted": predicted, **results}
         Path(args.json).write_text(json.dumps(dump, indent=1))
     tables = [
         result_table(f"Spearman ρ, predicted (calibration windows) vs measured, {subset}",

@@ -10,17 +10,22 @@ what is allowed.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import re
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeVar
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from pipeline.errors import ConfigError
+
+if TYPE_CHECKING:
+    from pipeline.quant.formats import Format
+    from pipeline.quant.plan import Recipe
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -267,16 +272,34 @@ class QuantConfig:
     outlier_cap: float = 0.01  # largest fraction of a layer's input columns kept
     calib: CalibConfig = field(default_factory=CalibConfig)
 
-    def check(self, prefix: str) -> None:
+    # Derived views a stage may read when its SECTIONS hold the fields they derive from.
+    DERIVED: ClassVar[dict[str, tuple[str, ...]]] = {"formats": ("candidates",)}
+
+    @functools.cached_property
+    def formats(self) -> tuple[Format, ...]:
+        """The candidates parsed, once: everything below the config gets these."""
         from pipeline.quant.formats import parse_format
 
-        if not self.candidates:
-            raise ConfigError(f"{prefix}.candidates", "is empty", "a list of format names")
+        out = []
         for i, name in enumerate(self.candidates):
             try:
-                parse_format(name)
+                out.append(parse_format(name))
             except ValueError as e:
-                raise ConfigError(f"{prefix}.candidates[{i}]", str(e)) from None
+                raise ConfigError(f"quant.candidates[{i}]", str(e)) from None
+        return tuple(out)
+
+    @functools.cached_property
+    def recipe(self) -> Recipe:
+        """What allocate plans for (pipeline.quant.plan.Recipe)."""
+        from pipeline.quant.plan import Recipe
+
+        return Recipe(self.formats, self.budget_bits, self.float_fallback,
+                      tuple(self.keep_float), self.outliers == "keep_fp16")  # fmt: skip
+
+    def check(self, prefix: str) -> None:
+        if not self.candidates:
+            raise ConfigError(f"{prefix}.candidates", "is empty", "a list of format names")
+        self.formats  # noqa: B018  (parsed here, so a bad name fails before any stage runs)
         if len(self.candidates) > 1 and self.budget_bits is None:
             raise ConfigError(
                 f"{prefix}.budget_bits", "is null but several candidates are given", "a number"
@@ -360,12 +383,15 @@ class Fields:
     stage reads is always one its fingerprint holds (sensitivity is not rerun when only
     `quant.budget_bits` changes, and cannot read it by mistake)."""
 
-    def __init__(self, section: str, values: dict[str, Any]) -> None:
-        self._section, self._values = section, values
+    def __init__(self, section: str, values: dict[str, Any], source: Any = None) -> None:
+        self._section, self._values, self._source = section, values, source
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_"):
             raise AttributeError(name)
+        needs = getattr(type(self._source), "DERIVED", {}).get(name)
+        if needs is not None and set(needs) <= set(self._values):  # a view of fields it holds
+            return getattr(self._source, name)
         if name not in self._values:
             raise AttributeError(
                 f"{self._section}.{name} is not in the stage's SECTIONS (it lists "
@@ -410,7 +436,7 @@ class RunConfig:
         for section, names in parts.items():
             if section not in whole:
                 obj = getattr(self, section)
-                changes[section] = Fields(section, {n: getattr(obj, n) for n in names})
+                changes[section] = Fields(section, {n: getattr(obj, n) for n in names}, obj)
         return dataclasses.replace(self, **changes)
 
     def asdict(self) -> dict[str, Any]:

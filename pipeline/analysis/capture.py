@@ -1,17 +1,10 @@
-"""Forward hooks that summarise what each linear layer reads.
+"""Forward hooks that summarise what each linear layer reads (its input x, tokens × in).
 
-Two things are gathered from a linear's INPUT x (tokens × in_features) while calibration data
-flows through the model:
-
-* Outlier statistics. LLM activations carry a few channels with magnitudes 10-100× the rest
-  (Dettmers et al., LLM.int8(), 2022); they make per-tensor activation quantization and, through
-  GPTQ's Hessian, weight quantization harder. Per input channel the running absmax is kept; a
-  channel is an outlier by the robust MAD rule |a_c − median(a)| > 3.5 · 1.4826 · MAD(a)
-  (Iglewicz & Hoaglin's modified z-score; 1.4826 makes the MAD a σ estimate for Gaussian data).
-  Kurtosis (Pearson, 3 for a Gaussian) of all input values comes from running raw moments kept
-  in float64, so it is exact and can be summed across ranks.
-* Optionally H = 2/N Σ x xᵀ per distinct input (``HessianAccumulator``), for the GPTQ proxy.
-  Linears of a fused group read the same tensor and share one accumulator.
+* Outliers: per input channel the running absmax; a channel is an outlier by the MAD rule
+  |a_c − median(a)| > 3.5 · 1.4826 · MAD(a) (Iglewicz & Hoaglin's modified z-score), since a few
+  channels 10-100× the rest make quantization hard (LLM.int8()). Kurtosis from float64 raw
+  moments, exact and summable across ranks.
+* Optionally H = 2/N Σ xxᵀ per distinct input for the GPTQ proxy; a fused group shares one.
 """
 
 from __future__ import annotations
@@ -81,8 +74,7 @@ def outlier_summary(absmax: Tensor) -> dict[str, float | None]:
 
 
 def outlier_columns(absmax: Tensor, cap: float) -> list[int]:
-    """The input columns worth keeping exactly (``quant.outliers=keep_fp16``): the MAD
-    outliers of the absmax (in,), the largest first, at most floor(cap · in), ascending."""
+    """Columns to keep exactly: the MAD outliers of absmax (in,), largest first, ≤ cap · in."""
     mask = outlier_mask(absmax)
     limit = int(cap * absmax.numel() + 1e-9)  # floor, safe from 0.07 * 100 = 7.0000001
     ranked = torch.argsort(torch.where(mask, absmax.double(), -1.0), descending=True, stable=True)
@@ -90,14 +82,7 @@ def outlier_columns(absmax: Tensor, cap: float) -> list[int]:
 
 
 class Capture:
-    """Hooks on ``modules`` ({name: nn.Linear}) collecting InputStats and optional Hessians.
-
-    Args:
-        modules: The linears to watch.
-        hessians: Also accumulate H = 2/N Σ x xᵀ per input.
-        shared: {name: name of the module whose input it shares} (fused groups); those reuse
-            the owner's statistics and accumulator instead of computing them again.
-    """
+    """Hooks on linears gathering InputStats (and H with ``hessians``); ``shared``: fused groups."""
 
     def __init__(
         self,
@@ -127,8 +112,7 @@ class Capture:
         return hook
 
     def observe(self, name: str, x: Tensor) -> None:
-        """Account one input batch x (B, T, in) of ``name`` without running the module (the
-        hook's work; called directly where the output is not needed, e.g. a large lm_head)."""
+        """Account input x (B, T, in) of ``name`` without running the module (a big lm_head)."""
         self.stats[name].add(x)
         if name in self.hessians:
             self.hessians[name].add_batch(x.detach())

@@ -1,21 +1,8 @@
 """Error flow: how a quantized model's hidden states drift from the FP model's, layer by layer.
 
-The idea (used in the GPTQ/OmniQuant/QuIP line of work to diagnose where quantization hurts):
-run the FP model and the quantized model on the same token windows with
-``output_hidden_states=True`` and measure, after every decoder layer l,
-
-    e_l = ||h_q^l - h_fp^l||_F / ||h_fp^l||_F
-
-with the norms taken over every token of every window (one number per layer, not a mean of
-per-window ratios, so short or low-norm windows do not dominate). A curve that jumps at one
-layer points at that layer's format; a steadily growing curve is accumulated error that
-sequential GPTQ or distillation should flatten. Comparing the curve before and after
-distillation shows where QAT recovered the error.
-
-Trade-off: both models are held in memory and run side by side, so this is for models that fit
-(the evaluate stage's models); the hidden states of one batch at a time are kept, not all.
-Entry ``l`` of the result is HF's ``hidden_states[l + 1]``, the output of decoder layer ``l``;
-in HF's Llama-family models the last entry is taken after the final norm.
+After every decoder layer l, e_l = ‖h_q^l − h_fp^l‖_F / ‖h_fp^l‖_F over all tokens of all
+windows (not a mean of per-window ratios, so low-norm windows do not dominate). A jump points at
+one layer's format, a steady rise at accumulated error. Both models are held in memory.
 """
 
 from __future__ import annotations
@@ -30,20 +17,7 @@ from torch import Tensor, nn
 def error_flow(
     fp_model: nn.Module, q_model: nn.Module, windows: Tensor, batch_size: int = 8
 ) -> list[float]:
-    """Relative hidden-state error of ``q_model`` vs ``fp_model`` after every decoder layer.
-
-    Args:
-        fp_model: The reference causal LM (HF ``PreTrainedModel``).
-        q_model: The model under test, same architecture and depth (e.g. ``load_quantized``).
-        windows: Token ids. # (W, T)
-        batch_size: Windows per forward pass.
-
-    Returns:
-        ``[e_0, ..., e_{L-1}]``, one relative error per decoder layer.
-
-    Raises:
-        ValueError: If ``windows`` is empty or the two models differ in depth.
-    """
+    """``[e_0, ..., e_{L-1}]`` of ``q_model`` vs ``fp_model`` (same depth) on ``windows`` (W, T)."""
     if windows.ndim != 2 or windows.shape[0] == 0:
         raise ValueError(f"windows must be a non-empty (W, T) tensor of ids, got {windows.shape}")
     fp_model.eval()
@@ -83,15 +57,7 @@ def format_error_flow(curves: Mapping[str, list[float]]) -> str:
 
 
 def plot_error_flow(curves: Mapping[str, list[float]], title: str = "hidden-state error flow"):
-    """One line per labelled curve: relative error (log scale) vs decoder layer.
-
-    Args:
-        curves: ``{label: error_flow(...)}``, e.g. ``{"quantized": ..., "distilled": ...}``.
-        title: Axes title.
-
-    Returns:
-        A matplotlib ``Figure`` (the caller saves or logs it, then closes it).
-    """
+    """A matplotlib Figure: one line per ``{label: error_flow(...)}`` curve, log scale."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display on cluster nodes

@@ -1,29 +1,10 @@
 """Curvature estimates that turn a weight perturbation into a predicted loss increase.
 
-A second-order Taylor expansion around the trained weights (gradient ≈ 0 at a minimum) gives
-ΔL ≈ ½ δᵀ H δ for a perturbation δ = Q(w) − w. Three ways to approximate H per layer:
-
-* ``fisher_diagonal``: the diagonal empirical Fisher F_ii = E[g_i²] (Kirkpatrick et al., EWC,
-  2017; used for quantization by Kim et al., SqueezeLLM, 2024). One backward per calibration
-  sequence; the squared gradient of the sequence's summed token loss, divided by its token count,
-  estimates the per-token Fisher under independent tokens, so ½ Σ F δ² is in units of the mean
-  token loss. Cheap (one backward per sequence) but noisy and blind to off-diagonal terms.
-  With ``labels="model"`` the next tokens are sampled from the model itself instead of read from
-  the data: the true Fisher, whose ½ δᵀ F δ is the second-order expansion of
-  KL(p_w ‖ p_{w+δ}) with no first-order term, and whose cross-token terms vanish in expectation,
-  so the per-sequence gradient is unbiased. In theory the better curvature away from a minimum
-  of the data loss; on the bootstrap target both rank layers alike (docs/benchmarks.md).
-* ``hutchinson_trace``: Tr(H_l) per layer by Hutchinson's estimator E_v[vᵀHv] with Rademacher v
-  and exact Hessian-vector products (double backward), as in HAWQ-v2 (Dong et al., 2020). The
-  layer's Hessian is then summarised by its mean eigenvalue Tr/n: the true Hessian (not a
-  Fisher), but one number per layer. Costs ~2-3× a backward per probe.
-* ``forward_pass`` + ``Capture(hessians=True)``: the GPTQ proxy H = 2/N Σ x xᵀ of each linear's
-  input (Frantar et al., 2023): gradient-free, measures the layer's output error rather than the
-  loss, so it ignores how much the rest of the network amplifies that error.
-
-Every function works on this rank's share of the sequences (``dist.shard``) and returns sums
-all-reduced over ranks, so N ranks give the single-process result (up to summation order).
-All accumulation is float32 or float64, whatever the model's dtype.
+Around trained weights (gradient ≈ 0) ΔL ≈ ½ δᵀHδ for δ = Q(w) − w, with H approximated by
+the diagonal empirical Fisher E[g_i²] (EWC; SqueezeLLM; ``labels="model"``: the true Fisher),
+Hutchinson's Tr(H_l)/n from Hessian-vector products (HAWQ-v2), or GPTQ's input Hessian
+H = 2/N Σ xxᵀ (gradient-free: the layer's output error, not the loss). Ranks split the
+sequences and sums are all-reduced; accumulation is float32/float64.
 """
 
 from __future__ import annotations
@@ -38,12 +19,7 @@ from pipeline.progress import progress
 
 
 def logits_loss(logits: Tensor, x: Tensor, gen: torch.Generator | None = None) -> Tensor:
-    """Mean next-token cross-entropy of the logits (B, T, V) of windows x (B, T).
-
-    The targets are x's own next tokens, or with ``gen`` tokens sampled from the logits' own
-    distribution (the true Fisher's labels). Shared by the loaded and the streamed estimators,
-    so both define the loss identically.
-    """
+    """Mean next-token cross-entropy of logits (B, T, V); with ``gen`` on sampled labels."""
     logits = logits[:, :-1].float().reshape(-1, logits.shape[-1])  # (B·(T-1), V)
     if gen is None:
         labels = x[:, 1:].reshape(-1)
@@ -54,8 +30,7 @@ def logits_loss(logits: Tensor, x: Tensor, gen: torch.Generator | None = None) -
 
 
 def label_generator(labels: str, seed: int, s: int) -> torch.Generator | None:
-    """The label sampler of sequence ``s``: seeded by (seed, s), so the result does not depend on
-    how sequences are split across ranks; None for the data's own labels."""
+    """Label sampler of sequence ``s`` seeded by (seed, s), rank-independent; None: data labels."""
     if labels not in ("data", "model"):
         raise ValueError(f"labels must be 'data' or 'model', got {labels!r}")
     return torch.Generator().manual_seed(seed * 1_000_003 + s) if labels == "model" else None
@@ -79,15 +54,7 @@ def fisher_diagonal(
     labels: str = "data",
     seed: int = 0,
 ) -> dict[str, Tensor]:
-    """Diagonal Fisher of ``params`` from the calibration windows (S, T).
-
-    ``labels="data"`` is the empirical Fisher (the windows' own next tokens); ``"model"``
-    samples them from the model (the true Fisher), from a generator seeded by (seed, s) so
-    the result does not depend on how sequences are split across ranks.
-
-    Returns:
-        {name: F} with F shaped like the parameter, float32, averaged over all S sequences.
-    """
+    """{name: F} (float32, shaped like the parameter, mean over the S windows (S, T))."""
     names, tensors = list(params), list(params.values())
     fisher = [torch.zeros_like(p, dtype=torch.float32) for p in tensors]
     tokens = windows.shape[1] - 1
@@ -117,14 +84,7 @@ def hutchinson_trace(
     seed: int = 0,
     progress: bool = False,
 ) -> dict[str, float]:
-    """Hutchinson estimate of Tr(H) of the mean loss w.r.t. each parameter tensor.
-
-    The probes of sequence s are drawn from a generator seeded by (seed, s), so the estimate
-    does not depend on how sequences are split across ranks.
-
-    Returns:
-        {name: trace estimate}, averaged over sequences and probes.
-    """
+    """{name: Tr(H)} of the mean loss; probes seeded by (seed, s), so rank-independent."""
     names, tensors = list(params), list(params.values())
     trace = torch.zeros(len(tensors), dtype=torch.float64, device=tensors[0].device)
     for s in _bar(dist, dist.shard(len(windows)), "hutchinson", progress):
@@ -161,12 +121,7 @@ def forward_pass(
     vocab_size: int,
     progress: bool = False,
 ) -> Tensor:
-    """Run this rank's share of the windows forward (hooks collect what they need).
-
-    Returns:
-        Token counts (vocab_size,) float64 over all ranks: the one-hot "input" statistics of
-        the embedding table.
-    """
+    """This rank's windows forward (for the hooks); returns all-reduced token counts (vocab,)."""
     device = next(model.parameters()).device
     counts = torch.zeros(vocab_size, dtype=torch.float64, device=device)
     mine = list(dist.shard(len(windows)))

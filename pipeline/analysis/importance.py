@@ -1,30 +1,12 @@
 """A fitted importance score: ΔL = w_f·ΔL_fisher + w_h·ΔL_hutchinson + w_g·ΔL_gptq_proxy.
 
-The three estimators (:mod:`pipeline.analysis.estimators`) see different parts of the damage:
-the Fisher the squared gradient, Hutchinson the Hessian's trace, the GPTQ proxy the layer's own
-output error. Which mix predicts the real damage depends on the model, so it is measured: a few
-layers are quantized alone (RTN, each candidate format) and the mean token KL(p_FP ‖ p_Q) on the
-calibration windows is the target the weights are fitted to; the fitted score then ranks every
-layer, the measured ones and the rest.
-
-The fit is non-negative least squares on *relative* residuals,
-
-    min_w Σ_r ((Σ_m w_m x_rm − y_r) / y_r)²   s.t.  w ≥ 0,
-
-over the rows r = (layer, format), x the estimators' ΔL and y the measured KL. Why this form:
-
-* linear in the ΔL: the allocator minimises a sum of per-layer costs, so the combined score must
-  stay additive (a product of powers, what a fit on log scores gives, is not a loss estimate);
-* relative residuals: ΔL and KL span decades across formats and layers; plain least squares
-  would fit the few largest rows (2-bit, big tables) and ignore the ranking of the rest. For
-  small errors (p − y)/y ≈ log(p/y), so this is the log-space fit, linearised;
-* w ≥ 0: every estimator predicts a cost that grows with the rounding error; a negative weight
-  would reward error on the layers that estimator calls sensitive.
-
-With three unknowns the NNLS optimum is found exactly by trying every support (its unconstrained
-least-squares solution on the right support is feasible and optimal). The weights are in KL
-units per unit of each estimator's ΔL; :func:`rank_agreement` (Spearman ρ) is how they are
-judged, on layers the fit did not see (``bench/importance_fit.py``).
+The estimators see different parts of the damage, and which mix predicts it depends on the
+model, so it is measured: a few layers are RTN-quantized alone and the mean token KL(p_FP ‖ p_Q)
+on the calibration windows is the target. The fit is non-negative least squares on relative
+residuals, min_w Σ_r ((Σ_m w_m x_rm − y_r) / y_r)² s.t. w ≥ 0, over rows r = (layer, format):
+linear so the allocator's sum stays additive; relative because ΔL and KL span decades (≈ a
+log-space fit); w ≥ 0 because every estimator's cost grows with the error. With three unknowns
+the optimum is exact by trying every support. ``rank_agreement`` (Spearman ρ) judges it.
 """
 
 from __future__ import annotations
@@ -65,14 +47,7 @@ def measure_kl(
     dist: Dist | None = None,
     batch_size: int = 8,
 ) -> dict[str, dict[str, float]]:
-    """Mean token KL(p_FP ‖ p_Q) on ``windows`` (S, T) with each layer RTN-quantized alone.
-
-    The FP distribution of a batch is computed once per layer and compared with every format,
-    so no (S, T, vocab) tensor is kept. Ranks take ``dist.shard`` of the windows.
-
-    Returns:
-        {name: {format: KL}} in nats per predicted token.
-    """
+    """{name: {format: KL}}: mean token KL(p_FP ‖ p_Q) with each layer RTN-quantized alone."""
     dist = dist or Dist()
     device = next(model.parameters()).device
     mine = list(dist.shard(len(windows)))
@@ -132,12 +107,7 @@ def _rows(predicted: Mapping[str, Scores], measured: Scores, names: Sequence[str
 def fit_importance(
     predicted: Mapping[str, Scores], measured: Scores, names: Sequence[str] | None = None
 ) -> dict[str, float]:
-    """Non-negative weights {estimator: w} with Σ_m w_m ΔL_m ≈ KL (relative residuals).
-
-    Args:
-        predicted: {estimator: {layer: {format: ΔL}}}.
-        measured: {layer: {format: KL}} of the layers to fit on (``names``, default all of them).
-    """
+    """{estimator: w ≥ 0} with Σ_m w_m ΔL_m ≈ the measured KL, in relative residuals."""
     methods, rows = _rows(predicted, measured, list(names or measured))
     x = torch.tensor([r[0] for r in rows], dtype=torch.float64)  # (R, M)
     y = torch.tensor([r[1] for r in rows], dtype=torch.float64)  # (R,)
@@ -190,13 +160,7 @@ def analyze_combined(
     batch_size: int = 8,
     **estimator_kw,
 ) -> dict:
-    """Sensitivity report whose ``dloss`` is the fitted combination of the three estimators.
-
-    Every estimator runs on ``windows`` (``estimator_kw`` as :func:`analyze` takes them), the
-    KL of ``fit_layers`` layers spread over the model is measured on the same windows, and the
-    weights are fitted there. Each layer keeps the estimators' own ΔL under ``estimators``; the
-    report's ``importance`` holds the weights, the measured layers and the in-sample ρ.
-    """
+    """Report whose ``dloss`` is the fitted mix; every estimator's ΔL under ``estimators``."""
     dist = dist or Dist()
     reports = {
         m: analyze(model, windows, candidates, m, dist, batch_size=batch_size, **estimator_kw)

@@ -1,21 +1,11 @@
 """Predicted loss increase ΔL_l(f) of quantizing one layer to each candidate format.
 
-For every candidate the layer's weight is round-to-nearest quantized (``quantize_rtn``, the
-same grid search the quantize stage starts from) and the error δ = Q_f(W) − W is weighted by the
-layer's curvature estimate (see ``estimators``):
+δ = Q_f(W) − W (RTN, the quantize stage's starting grid) weighted by the layer's curvature:
 
-* fisher:     ΔL = ½ Σ_i F_ii δ_i²
-* hutchinson: ΔL = ½ · Tr(H_l)/n_l · ‖δ‖²   (HAWQ-v2's Ω with the Taylor ½, so it is in loss
-  units like the others; a negative trace estimate, possible for a non-convex layer or from
-  probe noise, is clamped to 0: the loss is predicted flat there)
-* gptq_proxy, ``full``: ΔL = ½ Σ_rows δ_r H δ_rᵀ with H = 2/N Σ x xᵀ, i.e. the mean squared
-  layer-output error ‖δ x‖² over calibration tokens (what GPTQ minimises);
-  ``diag``: ½ Σ_{r,j} H_jj δ_rj² (per-weight H_ii weighting, ignores input correlations).
-* embeddings under gptq_proxy: the input is one-hot, H = 2·diag(token frequency), so
-  ΔL = Σ_v freq_v ‖δ_v‖² (rows of tokens never seen cost nothing).
-
-GPTQ's error feedback makes its real error smaller than RTN's; the proxy ranks layers, the
-quantize stage does the actual work.
+* fisher:     ½ Σ_i F_ii δ_i²
+* hutchinson: ½ · max(Tr(H_l), 0)/n_l · ‖δ‖²   (HAWQ-v2 with the Taylor ½: loss units)
+* gptq_proxy: ``full`` ½ Σ_rows δ_r H δ_rᵀ, H = 2/N Σ xxᵀ (GPTQ's output error); ``diag``
+  ½ Σ_{r,j} H_jj δ_rj²; an embedding's one-hot input gives Σ_v freq_v ‖δ_v‖².
 """
 
 from __future__ import annotations

@@ -1,24 +1,11 @@
 """Per-layer sensitivity report of a whole model: ΔL for every candidate format + input outliers.
 
-``analyze`` is what the sensitivity stage runs and what ``bench/sensitivity_check.py`` compares
-against measured loss increases. It scores every linear (lm_head included) and the embedding
-table (unless tied to lm_head, when lm_head stands for both), so the allocator can see which
-ones are worth keeping in float.
-
-Kept columns (``quant.outliers=keep_fp16``, ``keep_cap`` set): every scored linear also gets
-its outlier input columns (``capture.outlier_columns``: MAD rule, largest absmax first, at most
-floor(keep_cap · in)) and, for every candidate, ``dloss_keep``: the same estimate with those
-columns kept exactly, i.e. δ[:, cols] replaced by their fp16 rounding (about 0), which is what
-``quantize_rtn(w, f, keep=cols)`` stores. For the Fisher and the GPTQ proxy that is the exact
-value of the estimator; Hutchinson's isotropic ½·Tr/n·‖δ‖² drops the columns' share of ‖δ‖²,
-blind to outlier channels carrying more than the layer's mean curvature (it under-predicts the
-gain). All three predict RTN's error; GPTQ also compensates the other columns' error onto the
-kept ones (``gptq_quantize``), so its real gain is larger.
-
-Distributed: every rank holds the whole model and processes its share of the calibration
-sequences; the curvature sums and activation statistics are all-reduced, then each rank
-computes ΔL for its share of the layers and those are all-reduced too. Every rank returns the
-same report.
+Every linear (lm_head included) and the embedding table (unless tied) are scored, so allocate
+can see which are worth keeping float. With ``keep_cap`` every linear also gets its outlier
+input columns and ``dloss_keep``: the estimate with δ[:, cols] replaced by their fp16 rounding
+(what ``quantize_rtn(w, f, keep=cols)`` stores); exact for the Fisher and GPTQ proxy, while
+Hutchinson's isotropic Tr/n under-predicts the gain. Ranks split the sequences, then the layers;
+both sums are all-reduced, so every rank returns the same report.
 """
 
 from __future__ import annotations
@@ -77,26 +64,9 @@ def analyze(
     progress: bool = False,
     keep_cap: float | None = None,
 ) -> dict:
-    """Sensitivity report (the sensitivity.json contract) of ``model`` on ``windows`` (S, T).
-
-    Args:
-        model: A HF causal LM with an adapter (Llama, Mistral, Qwen2).
-        windows: Calibration token windows (S, T); all ranks pass the same tensor.
-        candidates: Format names to score.
-        method: ``fisher``, ``hutchinson`` or ``gptq_proxy``.
-        dist: Ranks to split the sequences over (single process when None).
-        weighting: gptq_proxy only: ``full`` or ``diag``.
-        probes: hutchinson only: Rademacher probes per sequence.
-        fisher_labels: fisher only: ``data`` (empirical Fisher) or ``model`` (sampled labels,
-            the true Fisher).
-        seed: hutchinson probe / fisher label seed.
-        batch_size: gptq_proxy only: sequences per forward.
-        include_lm_head: Score lm_head.
-        include_embeddings: Score the (untied) embedding table.
-        progress: Show a progress bar on rank 0.
-        keep_cap: Also score every linear with its outlier columns kept (module docstring),
-            at most this fraction of its input columns; None scores without.
-    """
+    """Sensitivity report (``SensitivityReport``'s fields) of ``model`` on ``windows`` (S, T),
+    the same tensor on every rank; the options are ``Estimator``'s (pipeline.analysis.estimate)
+    and ``keep_cap`` also scores kept outlier columns (at most that share of the inputs)."""
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     dist = dist or Dist()
@@ -104,45 +74,16 @@ def analyze(
     linears = {n: m for n, m in modules.items() if isinstance(m, nn.Linear)}
     shared = {n: g[0] for g in fused_groups(model) for n in g[1:]}  # k, v -> q; up -> gate
     capture = Capture(linears, hessians=method == "gptq_proxy", shared=shared)
-    params = {n: m.weight for n, m in modules.items()}
-    was_training = model.training
-    model.eval()
-    try:
-        if method == "fisher":
-            fisher = fisher_diagonal(model, windows, params, dist, progress, fisher_labels, seed)
-            weigh = {n: fisher_weigh(fisher[n]) for n in modules}
-        elif method == "hutchinson":
-            trace = hutchinson_trace(model, windows, params, dist, probes, seed, progress)
-            weigh = {n: trace_weigh(trace[n], params[n].numel()) for n in modules}
-        else:
-            vocab = model.get_input_embeddings().num_embeddings
-            counts = forward_pass(model, windows, dist, batch_size, vocab, progress)
-    finally:
-        capture.remove()
-        model.train(was_training)
-    capture.reduce_(dist)
-    if method == "gptq_proxy":
-        weigh = {
-            n: hessian_weigh(capture.hessian(n), weighting)
-            if n in linears
-            else embedding_weigh(counts)
-            for n in modules
-        }
-
-    names = list(modules)
+    estimate = dict(probes=probes, fisher_labels=fisher_labels, seed=seed, batch_size=batch_size)
+    weigh = _weighs(model, windows, modules, capture, method, weighting, dist, progress, estimate)
     cols = {}
     if keep_cap is not None:  # every rank sees the same reduced absmax, so the same columns
         cols = {n: outlier_columns(capture.stats[n].absmax, keep_cap) for n in linears}
-    k = len(candidates)
+    params = {n: m.weight for n, m in modules.items()}
     device = next(model.parameters()).device  # NCCL reduces device tensors only
-    table = torch.zeros(len(names), 2 * k, dtype=torch.float64, device=device)
-    for i in dist.shard(len(names)):
-        dl, dk = layer_dloss_keep(params[names[i]], candidates, weigh[names[i]], cols.get(names[i]))
-        row = [dl[f] for f in candidates] + [dk.get(f, 0.0) for f in candidates]
-        table[i] = torch.tensor(row, dtype=torch.float64, device=device)
-    dist.all_reduce_(table)
-    layers = []
-    for i, name in enumerate(names):
+    table = _dloss_table(params, candidates, weigh, cols, dist, device)
+    layers, k = [], len(candidates)
+    for i, name in enumerate(params):
         stats = capture.stats[name].summary() if name in linears else dict(NO_STATS)
         entry = layer_entry(name, params[name], dict(zip(candidates, table[i, :k].tolist())), stats)
         if keep_cap is not None:
@@ -160,12 +101,56 @@ def analyze(
     )
 
 
+def _weighs(model, windows, modules, capture, method, weighting, dist, progress, kw) -> dict:
+    """{name: Weigh} of every scored tensor under ``method``; ``capture`` is reduced after."""
+    params = {n: m.weight for n, m in modules.items()}
+    was_training = model.training
+    model.eval()
+    try:
+        if method == "fisher":
+            fisher = fisher_diagonal(
+                model, windows, params, dist, progress, kw["fisher_labels"], kw["seed"]
+            )
+            weigh = {n: fisher_weigh(fisher[n]) for n in modules}
+        elif method == "hutchinson":
+            trace = hutchinson_trace(
+                model, windows, params, dist, kw["probes"], kw["seed"], progress
+            )
+            weigh = {n: trace_weigh(trace[n], params[n].numel()) for n in modules}
+        else:
+            vocab = model.get_input_embeddings().num_embeddings
+            counts = forward_pass(model, windows, dist, kw["batch_size"], vocab, progress)
+    finally:
+        capture.remove()
+        model.train(was_training)
+    capture.reduce_(dist)
+    if method == "gptq_proxy":
+        weigh = {
+            n: hessian_weigh(capture.hessian(n), weighting)
+            if isinstance(m, nn.Linear)
+            else embedding_weigh(counts)
+            for n, m in modules.items()
+        }
+    return weigh
+
+
+def _dloss_table(params, candidates, weigh, cols, dist: Dist, device: torch.device) -> Tensor:
+    """(layers, 2k) float64 ΔL, then with kept columns; layers split over ranks, all-reduced."""
+    names, k = list(params), len(candidates)
+    table = torch.zeros(len(names), 2 * k, dtype=torch.float64, device=device)
+    for i in dist.shard(len(names)):
+        dl, dk = layer_dloss_keep(params[names[i]], candidates, weigh[names[i]], cols.get(names[i]))
+        row = [dl[f] for f in candidates] + [dk.get(f, 0.0) for f in candidates]
+        table[i] = torch.tensor(row, dtype=torch.float64, device=device)
+    dist.all_reduce_(table)
+    return table
+
+
 @torch.no_grad()
 def layer_dloss_keep(
     w: Tensor, formats: Sequence[str], weigh: Weigh, columns: Sequence[int] | None
 ) -> tuple[dict[str, float], dict[str, float]]:
-    """``({format: ΔL}, {format: ΔL with columns kept exactly})``; the second is empty without
-    columns, and then the first is ``layer_dloss``'s."""
+    """``({format: ΔL}, {format: ΔL with columns kept exactly})``, the second empty without."""
     if not columns:
         return layer_dloss(w, formats, weigh), {}
     idx = torch.as_tensor(list(columns), dtype=torch.int64, device=w.device)
@@ -197,8 +182,7 @@ def kurtosis(t: Tensor) -> float:
 
 
 def layer_entry(name: str, weight: Tensor, dloss: dict[str, float], outliers: dict) -> dict:
-    """One element of sensitivity.json's ``layers``. ``weight_kurtosis`` says how heavy-tailed
-    the weights are: the layers where exponential codes beat uniform ones (allocate's log)."""
+    """One element of the report's ``layers`` (``LayerScore``'s fields)."""
     return {
         "name": name,
         "shape": list(weight.shape),

@@ -1,10 +1,5 @@
-"""Weight shapes of the quantizable layers, known before any weight is read.
-
-The allocate stage checks the budget in ``validate()`` (no compute): the exact storage of a
-format depends on each layer's ``in_features``, which follow from config.json (a user
-checkpoint) or from ``model.target`` (the bootstrap model). Names come from the architecture
-adapter, so they match what the sensitivity stage scores.
-"""
+"""Weight shapes of the quantizable layers from config alone, so allocate can check a budget
+before any weight is read (names from the architecture adapter, as sensitivity scores them)."""
 
 from __future__ import annotations
 
@@ -18,14 +13,8 @@ from pipeline.models.adapters import fused_groups, get_adapter, linear_names
 
 @dataclass(frozen=True)
 class LayerShapes:
-    """Quantizable weights of a model: ``{name: (out, in)}`` plus the fused groups.
-
-    Attributes:
-        shapes: Linear weights (and the embedding table, as (vocab, hidden)), in model order.
-        fused: Groups of linears that read one input and must share a format.
-        exact_vocab: False when the vocabulary size is the requested one (bootstrap before its
-            tokenizer exists); only the lm_head / embedding row counts depend on it.
-    """
+    """``shapes`` {name: (out, in)} in model order (the embedding as (vocab, hidden)), the
+    fused groups, and ``exact_vocab``: False while the vocabulary is only the requested one."""
 
     shapes: dict[str, tuple[int, int]]
     fused: list[list[str]]

@@ -1,16 +1,9 @@
-"""The GPTQ-proxy sensitivity of a checkpoint that does not fit in memory, block by block.
+"""The GPTQ-proxy sensitivity of a checkpoint bigger than memory, block by block.
 
-The proxy needs only each linear's input Hessian H = 2/N Σ x xᵀ, i.e. forward passes, so it
-walks the checkpoint with the streaming engine (:mod:`pipeline.streaming.engine`): while each FP
-block computes its outputs (nothing is quantized here), hooks accumulate its linears' Hessians
-and input statistics, and the block is scored and freed. The
-final norm's output feeds lm_head's statistics without computing the (tokens x vocab) logits.
-Peak memory: one block, the activation cache (spilled to ``spill_dir`` beyond the budget) and
-one block's Hessians. Nothing is committed: a rerun starts from the embeddings.
-
-The report equals :func:`pipeline.analysis.sensitivity.analyze` with ``method="gptq_proxy"`` on
-the loaded model (up to float summation order): same layers, ΔL and outlier statistics (and,
-with ``keep_cap``, the same outlier columns and ``dloss_keep``).
+The proxy needs only forward passes: while each FP block computes its outputs, hooks gather its
+linears' Hessians and input statistics, then the block is scored and freed (the final norm's
+output feeds lm_head's statistics without the logits). Equal to ``analyze(method="gptq_proxy")``
+on the loaded model up to summation order.
 """
 
 from __future__ import annotations
@@ -123,13 +116,8 @@ def analyze_streamed(
     dist: Dist | None = None,
     keep_cap: float | None = None,
 ) -> dict:
-    """Sensitivity report (the sensitivity.json contract) of the checkpoint on ``windows`` (S, T).
-
-    Every rank passes the same windows and takes ``dist.shard`` of them; Hessians, statistics
-    and token counts are all-reduced, so every rank returns the single-process report. The
-    blocks are loaded and scored one at a time; ``walk.segment_size`` only sets how many share
-    one spill file.
-    """
+    """Sensitivity report (``SensitivityReport``'s fields) of the checkpoint on ``windows``
+    (S, T), the same on every rank; ``walk.segment_size`` only sets blocks per spill file."""
     dist = dist or Dist()
     engine = BlockWalk("sensitivity", ckpt, windows, walk, dist, Scratch(spill_dir, "sensitivity"))
     step = _ScoreStep(

@@ -1,39 +1,12 @@
-"""The diagonal empirical Fisher of a checkpoint that does not fit in memory, segment by segment.
+"""The diagonal empirical Fisher of a checkpoint bigger than memory, segment by segment.
 
-The loaded estimator (:func:`pipeline.analysis.estimators.fisher_diagonal`) back-propagates each
-calibration sequence through the whole model. Here the same per-sequence gradients come from one
-segment of decoder blocks at a time, the trade of activation checkpointing (Chen et al., 2016,
-"Training deep nets with sublinear memory cost"): keep the activations at segment boundaries,
-recompute the inside.
-
-1. Forward walk (the streaming engine, :class:`~pipeline.streaming.engine.BlockWalk`, no
-   gradients): every segment's input (N, T, C) and the last block's output are kept, and the
-   linears' input statistics gathered, as the loaded path's hooks do.
-2. Head: per sequence, final norm, lm_head and the loss on the kept last output; the gradient
-   w.r.t. that output goes to a gradient cache (N, T, C), lm_head's squared gradient to its Fisher.
-3. Reverse walk, last segment first: its blocks are loaded; per sequence the forward is
-   recomputed from the kept input with autograd on, the incoming gradient back-propagated, each
-   linear's squared weight gradient accumulated, and the gradient w.r.t. the segment's input
-   written over the sequence's row of the gradient cache, for the segment below. The segment's
-   linears are handed over (scored) and their Fisher freed before the next segment loads.
-4. Embeddings: the gradient at the bottom is scattered to the rows of the sequence's tokens (the
-   padding row gets none, as in ``nn.Embedding``).
-
-Kept columns (``keep_cap``): the forward walk also picks each linear's outlier input columns
-from the same statistics, before the reverse walk scores anything, so ``dloss_keep`` is the
-loaded path's.
-
-Each sequence's gradients are the loaded model's (the same operations on the same inputs), so
-F = E_s[T·g_s²] is the same estimate up to float rounding. A table tied to lm_head gets the sum
-of both uses' gradients, squared per sequence: the head's gradient is recomputed at the bottom
-from the kept last output (one more head pass per sequence) rather than kept for every sequence.
-
-Memory: one segment, one sequence's autograd graph through it, the float32 Fisher of one
-segment's linears (of a vocabulary table at the top and the bottom), and the kept activations:
-``num_layers / segment_size + 1`` boundary caches plus one gradient cache of this rank's N·T·C
-values, in memory up to ``act_budget_gb`` and in memory-mapped files beyond, each deleted as soon
-as the reverse walk has passed it. Depth costs disk, not RAM. Compute: per block two forwards
-(the walk's and the recomputation) and one backward.
+Activation checkpointing (Chen et al. 2016) applied to ``estimators.fisher_diagonal``: a forward
+walk keeps every segment's input; per sequence the head's loss gradient is cached; a reverse
+walk, last segment first, recomputes each sequence's forward from the kept input, back-propagates
+the cached gradient, accumulates squared weight gradients and passes the input gradient down;
+the embeddings get the bottom gradient by token. Same operations on the same inputs, so the
+estimate equals the loaded one up to rounding. Memory: one segment and the boundary caches
+(spilled to disk beyond ``act_budget_gb``): depth costs disk, not RAM.
 """
 
 from __future__ import annotations
@@ -65,8 +38,7 @@ Sink = Callable[[str, Tensor, Tensor], None]  # (name, weight, Fisher) of one fi
 
 
 class _Kept:
-    """Activations kept for the reverse walk: in memory while they fit ``budget`` bytes in all,
-    then in files of ``folder``, which :meth:`drop` deletes once a cache is no longer needed."""
+    """Activations for the reverse walk: in memory up to ``budget`` bytes, then files."""
 
     def __init__(self, folder: Path, rank: int, shape: tuple, dtype: torch.dtype, budget: float):
         self.folder, self.rank, self.shape, self.dtype = folder, rank, shape, dtype
@@ -96,8 +68,7 @@ class _Kept:
 
 
 class _KeepInputs:
-    """Forward-walk step: keeps every segment's input and the last output, gathers the linears'
-    input statistics; changes nothing."""
+    """Forward-walk step: keeps segment inputs and the last output, gathers input statistics."""
 
     def __init__(
         self,
@@ -215,8 +186,7 @@ class _Reverse:
         self._finish({n: m.weight for n, m in named.items()}, fisher)
 
     def embeddings(self, grads: ActivationCache, final: ActivationCache | None) -> None:
-        """The table's Fisher from the gradients at the bottom; with ``final`` (tied to
-        lm_head) the head's gradient of each sequence is recomputed and added first."""
+        """The table's Fisher from the bottom gradients (plus the head's when tied: ``final``)."""
         a, pad = self.ckpt.adapter, getattr(self.ckpt.config, "pad_token_id", None)
         if final is None:
             name, table, norm, lm_head = a.embed, self.ckpt.tensor(a.embed + ".weight"), None, None
@@ -259,18 +229,9 @@ def fisher_streamed(
     columns: dict[str, list[int]] | None = None,
     keep_cap: float = 0.0,
 ) -> dict[str, dict]:
-    """Diagonal Fisher of the checkpoint's scored weights on ``windows`` (S, T), streamed.
-
-    Every finished tensor goes to ``sink(name, weight, fisher)`` (fisher float32, shaped like
-    the weight, averaged over all S sequences and reduced over ranks), lm_head first, then the
-    blocks' linears from the last block down, the embeddings last; nothing is kept after.
-    ``labels`` and ``seed`` as in :func:`~pipeline.analysis.estimators.fisher_diagonal`.
-    ``columns``, when given, is filled with every block linear's and lm_head's outlier columns
-    (at most ``keep_cap`` of its inputs) before the first tensor reaches ``sink``.
-
-    Returns:
-        {name: input outlier statistics} of every block linear and lm_head.
-    """
+    """Streamed diagonal Fisher: each finished tensor goes to ``sink(name, weight, fisher)``
+    (lm_head, blocks top down, embeddings) and is dropped; ``columns`` is filled with the
+    outlier columns before the first. Returns {name: input outlier statistics}."""
     dist = dist or Dist()
     scratch = Scratch(spill_dir, "fisher")
     engine = BlockWalk("fisher forward", ckpt, windows, walk, dist, scratch)
@@ -314,10 +275,7 @@ def analyze_fisher_streamed(
     dist: Dist | None = None,
     keep_cap: float | None = None,
 ) -> dict:
-    """Sensitivity report (the sensitivity.json contract) with the streamed Fisher: equal to
-    :func:`pipeline.analysis.sensitivity.analyze` with ``method="fisher"`` on the loaded model
-    up to float rounding (``keep_cap`` as there). Every tensor is scored as soon as its Fisher
-    is complete."""
+    """``analyze(method="fisher")``'s report, streamed: each tensor scored once complete."""
     dist = dist or Dist()
     scored: dict[str, dict] = {}
     columns: dict[str, list[int]] | None = None if keep_cap is None else {}

@@ -21,7 +21,6 @@ from pipeline.artifact.lowbit_format import (
 from pipeline.export.options import ExportOptions, cast_float, copy_model_files
 from pipeline.export.source import Linear, Source
 from pipeline.io import ShardWriter, write_json
-from pipeline.quant.formats import parse_format
 
 log = logging.getLogger(__name__)
 DESCRIPTION = "quant_model_description.json"
@@ -33,8 +32,7 @@ def plan(source: Source, opts: ExportOptions) -> dict[str, LayerInfo]:
     if opts.format == "ascend":
         refuse_kept_columns(source.weight_map, source.layers, "ascend")
     infos, errors = {}, []
-    for name, fmt_name in source.layers.items():
-        fmt = parse_format(fmt_name)
+    for name, fmt in source.formats.items():
         if fmt.kind == "float":
             continue  # a float fallback layer: stored as a FLOAT weight
         try:

@@ -18,7 +18,7 @@ from pipeline.artifact.lowbit_format import LayerInfo, refuse_kept_columns
 from pipeline.export.options import ExportOptions, cast_float, copy_model_files
 from pipeline.export.source import Linear, Source
 from pipeline.io import ShardWriter
-from pipeline.quant.formats import parse_format
+from pipeline.quant.formats import Format
 
 FORMAT = "pack-quantized"
 
@@ -46,8 +46,7 @@ def library() -> SimpleNamespace:
     )
 
 
-def plan_layer(name: str, fmt_name: str, shape: tuple[int, int]) -> LayerInfo:
-    fmt = parse_format(fmt_name)
+def plan_layer(name: str, fmt: Format, shape: tuple[int, int]) -> LayerInfo:
     if fmt.kind != "int" or fmt.bits not in (4, 8):
         raise ExportError(
             f"{name} is {fmt.name}: compressed-tensors (vLLM) runs int4 and int8 weights only. "
@@ -99,11 +98,11 @@ def write_compressed_tensors(source: Source, out: Path, opts: ExportOptions) -> 
     """Write ``source`` as a pack-quantized HF checkpoint into ``out``; returns manifest info."""
     refuse_kept_columns(source.weight_map, source.layers, "compressed-tensors")
     infos, errors = {}, []
-    for name, fmt_name in source.layers.items():
-        if parse_format(fmt_name).kind == "float":
+    for name, fmt in source.formats.items():
+        if fmt.kind == "float":
             continue
         try:
-            infos[name] = plan_layer(name, fmt_name, source.shape(f"{name}.codes"))
+            infos[name] = plan_layer(name, fmt, source.shape(f"{name}.codes"))
         except ExportError as e:
             errors.append(str(e))
     if errors:

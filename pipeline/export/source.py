@@ -15,6 +15,7 @@ import torch
 from safetensors import safe_open
 
 from pipeline.errors import LowbitError
+from pipeline.quant.formats import Format
 from pipeline.quant.qtensor import STATE_FIELDS, QTensor
 
 INDEX = "model.safetensors.index.json"
@@ -38,6 +39,7 @@ class Source:
     layers: dict[str, str] = field(default_factory=dict)
     method: str = "fp"
     weight_map: dict[str, str] = field(default_factory=dict)
+    formats: dict[str, Format] = field(default_factory=dict)  # ``layers`` parsed
 
     @classmethod
     def open(cls, path: Path | str) -> Source:
@@ -45,13 +47,15 @@ class Source:
         path = Path(path)
         if not (path / "config.json").is_file():
             raise LowbitError(f"{path} is not a model directory: config.json is missing")
-        layers, method = {}, "fp"
+        layers, method, formats = {}, "fp", {}
         if (path / "lowbit_quant.json").is_file():
+            from pipeline.models.hf_quantizer import LowbitConfig
             from pipeline.models.quantized import read_quant_meta
 
             meta = read_quant_meta(path)
             layers, method = dict(meta["layers"]), meta.get("method", "unknown")
-        return cls(path, layers, method, _weight_map(path))
+            formats = LowbitConfig(**meta).formats
+        return cls(path, layers, method, _weight_map(path), formats)
 
     def config(self) -> dict:
         return json.loads((self.path / "config.json").read_text())

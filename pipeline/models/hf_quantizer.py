@@ -20,7 +20,7 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 from pipeline.errors import LowbitError
 from pipeline.models.qtensor_io import FORMAT_VERSION, QUANT_METHOD
 from pipeline.quant.fakequant import FakeQuantLinear
-from pipeline.quant.formats import parse_format
+from pipeline.quant.formats import Format, parse_format
 from pipeline.quant.qtensor import QTensor
 from pipeline.quant.rtn import quantize_rtn
 
@@ -42,6 +42,7 @@ class LowbitConfig(QuantizationConfigMixin):
         self.method = method
         self.layers = dict(layers or {})
         self.kept_columns = dict(kept_columns or {})
+        self.formats: dict[str, Format] = {}  # the layers' formats, parsed here once
         if format_version != FORMAT_VERSION:
             raise LowbitError(
                 f"quantization_config.format_version is {format_version!r}; this lowbit reads "
@@ -49,7 +50,7 @@ class LowbitConfig(QuantizationConfigMixin):
             )
         for name, fmt in self.layers.items():
             try:
-                parse_format(fmt)
+                self.formats[name] = parse_format(fmt)
             except ValueError as err:
                 raise LowbitError(
                     f"quantization_config.layers[{name!r}] = {fmt!r} is not a lowbit format "
@@ -72,7 +73,7 @@ class StoredQTensor(nn.Module):
     """Placeholder for one quantized linear while transformers loads the weights: frozen
     parameters mirroring ``QTensor.to_state_dict(name)`` (plus ``bias``)."""
 
-    def __init__(self, linear: nn.Linear, fmt: str, kept: int = 0) -> None:
+    def __init__(self, linear: nn.Linear, fmt: Format, kept: int = 0) -> None:
         super().__init__()
         out_features, in_features = linear.weight.shape
         shapes = {
@@ -96,12 +97,11 @@ class StoredQTensor(nn.Module):
 
 
 @functools.cache
-def _fields(fmt: str, in_features: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+def _fields(fmt: Format, in_features: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """``{field: (shape after the row dim, dtype)}`` of a stored ``fmt`` weight, read off a
     quantized 1-row example so the layout is stated once, in the codec."""
     w = torch.zeros(1, in_features, device="cpu")
-    parsed = parse_format(fmt)
-    qt = QTensor.from_float(w) if parsed.kind == "float" else quantize_rtn(w, parsed)
+    qt = QTensor.from_float(w) if fmt.kind == "float" else quantize_rtn(w, fmt)
     return {
         key: (tuple(t.shape) if key == "format" else tuple(t.shape[1:]), t.dtype)
         for key, t in qt.to_state_dict().items()
@@ -114,7 +114,7 @@ class LowbitHfQuantizer(HfQuantizer):
     requires_calibration = True  # codes come from the quantize/distill stages, not from here
 
     def _process_model_before_weight_loading(self, model: nn.Module, **kwargs: Any) -> nn.Module:
-        for name, fmt in self.quantization_config.layers.items():
+        for name, fmt in self.quantization_config.formats.items():
             try:
                 linear = model.get_submodule(name)
             except AttributeError:

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from pipeline.quant.codec import to_groups
-from pipeline.quant.formats import Format, parse_format
+from pipeline.quant.formats import Format, as_format
 from pipeline.quant.qtensor import QTensor
 from pipeline.quant.rtn import quantize_rtn
 
@@ -56,7 +56,7 @@ def grad_scale_factor(mode: str, fmt: Format | str, numel: int) -> float:
     ``mode``: ``"bits"`` (2**-bits), ``"lsq"`` (1/sqrt(numel * Q_P), numel = the layer's weights)
     or ``"none"``.
     """
-    fmt = parse_format(fmt)
+    fmt = as_format(fmt)
     if mode == "none" or fmt.kind == "float":
         return 1.0
     if mode == "bits":

@@ -115,8 +115,6 @@ def parse_format(name: str) -> Format:
     Raises:
         ValueError: if the name does not follow the grammar; the message lists it.
     """
-    if isinstance(name, Format):
-        return name
     if not isinstance(name, str):
         raise ValueError(
             f"format must be a string, got {type(name).__name__} {name!r}; allowed: {GRAMMAR}"
@@ -134,3 +132,8 @@ def parse_format(name: str) -> Format:
     if m and int(m["bits"]) == EXP_BITS and int(m["group"]) in GROUP_SIZES:
         return Format(text, "exp", EXP_BITS, int(m["group"]), True)
     raise ValueError(f"unknown quantization format {name!r}; allowed: {GRAMMAR}")
+
+
+def as_format(fmt: Format | str) -> Format:
+    """``fmt`` itself, or its name parsed: quant's math entry points take either."""
+    return fmt if isinstance(fmt, Format) else parse_format(fmt)

@@ -22,7 +22,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from pipeline.quant.formats import Format, parse_format
+from pipeline.quant.formats import Format, as_format
 from pipeline.quant.qtensor import QTensor
 
 MAX_DAMP_TRIES = 6
@@ -99,7 +99,7 @@ def gptq_quantize(
     ``block_size``: columns per lazy-update block; ``damp``: relative dampening; ``act_order``:
     columns by decreasing H_ii; ``keep``: input columns kept exactly in fp16.
     """
-    fmt = parse_format(fmt)
+    fmt = as_format(fmt)
     n_out, n_in = w.shape
     if H.shape != (n_in, n_in):
         raise ValueError(f"Hessian shape {tuple(H.shape)} does not match weight in={n_in}")

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from pipeline.quant.codec import to_groups
-from pipeline.quant.formats import Format, parse_format
+from pipeline.quant.formats import Format, as_format
 from pipeline.quant.qtensor import QTensor
 
 
@@ -21,7 +21,7 @@ def quantize_rtn(
     """Round-to-nearest quantization of a weight (out, in); ``hdiag`` (in,) weights the parameter
     search per input column, ``keep`` lists input columns kept exactly in fp16.
     """
-    fmt = parse_format(fmt)
+    fmt = as_format(fmt)
     if w.dim() != 2:
         raise ValueError(f"expected a 2-D weight (out, in), got shape {tuple(w.shape)}")
     if fmt.kind == "float":

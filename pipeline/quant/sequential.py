@@ -204,7 +204,7 @@ def _entry(
 ) -> dict[str, Any]:
     rel = (max(err, 0.0) / ref) ** 0.5 if ref > 0 else 0.0
     return {
-        "format": fmt,
+        "format": str(fmt),  # a Format's name
         "shape": list(w.shape),
         "gptq_loss": float(loss),
         "rel_output_error": float(rel),

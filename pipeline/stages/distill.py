@@ -32,6 +32,7 @@ from pipeline.lit.losses import layer_weights
 from pipeline.models.hf import load_tokenizer
 from pipeline.models.quantized import save_quantized_model
 from pipeline.stages import StageIO
+from pipeline.streaming.quant_report import QuantReport
 
 NEEDS: tuple[str, ...] = ("quantize",)
 USES: tuple[str, ...] = ("bootstrap",)
@@ -129,13 +130,7 @@ def _layer_weights(cfg: DistillConfig, quantize_dir: Path, n_layers: int) -> tor
 
 
 def _layer_errors(quantize_dir: Path) -> dict[str, float]:
-    """{layer: rel_output_error} of the quantize stage's quant_report.json."""
-    path = quantize_dir / "quant_report.json"
     try:
-        layers = json.loads(path.read_text())["layers"]
-        return {name: float(r["rel_output_error"]) for name, r in layers.items()}
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise LowbitError(
-            f"{path} has no per-layer rel_output_error ({e!r}); re-run the quantize stage, or set "
-            "stage.distill.layer_weights=uniform"
-        ) from None
+        return QuantReport.load(quantize_dir).rel_output_error
+    except LowbitError as e:
+        raise LowbitError(f"{e}; or set stage.distill.layer_weights=uniform") from None

@@ -21,7 +21,7 @@ from pipeline import runmodels
 from pipeline.config import RunConfig, positive
 from pipeline.errors import ConfigError, LowbitError
 from pipeline.export import ExportError, ExportOptions, export_artifact
-from pipeline.quant.formats import parse_format
+from pipeline.quant.formats import Format
 from pipeline.stages import StageIO
 
 NEEDS: tuple[str, ...] = ("quantize",)
@@ -78,7 +78,7 @@ class ExportConfig:
 CONFIG = ExportConfig
 
 
-def check_candidates(p: ExportConfig, candidates: list[str]) -> None:
+def check_candidates(p: ExportConfig, formats: tuple[Format, ...]) -> None:
     """Refuse, at config time, quant.candidates the export format cannot hold."""
     from pipeline.artifact.lowbit_format import plan_layer
     from pipeline.export import compressed_tensors
@@ -92,17 +92,16 @@ def check_candidates(p: ExportConfig, candidates: list[str]) -> None:
             raise ConfigError("stage.export.format", f"is 'compressed-tensors', but {e}") from None
     shape = (4096, 4096)  # a typical layer: only the format decides here
     groups = {}
-    for i, name in enumerate(candidates):
-        fmt = parse_format(name)
+    for i, fmt in enumerate(formats):
         if fmt.kind == "float":
             continue
         try:
             if p.format == "ascend":
                 info = plan_layer(f"quant.candidates[{i}]", fmt, shape, "ascend", p.widen)
                 if info.type == "W4A16" and info.group_size:
-                    groups[info.group_size] = name
+                    groups[info.group_size] = fmt.name
             else:
-                compressed_tensors.plan_layer(f"quant.candidates[{i}]", name, shape)
+                compressed_tensors.plan_layer(f"quant.candidates[{i}]", fmt, shape)
         except ExportError as e:
             raise ConfigError("stage.export.format", f"is {p.format!r}, but {e}") from None
     if len(groups) > 1:
@@ -115,7 +114,7 @@ def check_candidates(p: ExportConfig, candidates: list[str]) -> None:
 
 
 def check(cfg: ExportConfig, run: RunConfig) -> None:
-    check_candidates(cfg, run.quant.candidates)
+    check_candidates(cfg, run.quant.formats)
     if run.quant.outliers != "none" and cfg.format != "lowbit":
         raise ConfigError(
             "stage.export.format",

@@ -1,64 +1,33 @@
-"""sensitivity: how much each layer's quantization to each candidate format costs in loss.
+"""sensitivity: predicted loss increase ΔL of every layer in every candidate format.
 
-For every linear of the target (lm_head included) and the embedding table, ΔL_l(f) is
-predicted for each format in ``quant.candidates`` from ``quant.calib.samples`` calibration
-windows (see ``pipeline.analysis``): the diagonal empirical Fisher (default), Hutchinson's
-Hessian-trace estimate (HAWQ-v2) or the gradient-free GPTQ proxy H = 2XXᵀ. The input of every
-linear is also summarised (MAD outlier-channel share, kurtosis, max/median channel absmax).
-
-Memory: loaded, Fisher and Hutchinson backpropagate through the whole model (one sequence per
-backward), plus a float32 Fisher buffer the size of the scored weights. For a target bigger than
-one host's memory (70B and up) set ``stream=true``: the checkpoint is read one segment of
-``quant.segment_size`` decoder blocks at a time from the shards, the activations kept in memory
-up to ``quant.activation_budget_gb`` and spilled to the stage's work dir beyond. ``fisher``
-streams a forward walk that keeps the segment boundaries, then a reverse walk that recomputes
-each segment and back-propagates through it (:mod:`pipeline.analysis.streamed_fisher`, the same
-Fisher); ``gptq_proxy`` is forward-only (:mod:`pipeline.analysis.streamed`). Hutchinson's
-double backward is not streamed.
-
-Importance: ``importance=combined`` runs all three estimators and scores each layer with
-w_f·ΔL_fisher + w_h·ΔL_hutchinson + w_g·ΔL_gptq_proxy, the weights fitted (non-negative, relative
-residuals) to the KL measured with ``fit_layers`` layers quantized alone on the calibration
-windows (:mod:`pipeline.analysis.importance`); sensitivity.json keeps every estimator's ΔL and the
-weights.
-
-Outliers: with ``quant.outliers=keep_fp16`` every scored linear also records its outlier input
-columns (MAD rule, at most ``quant.outlier_cap`` of its inputs) and ``dloss_keep`` beside
-``dloss``, the predicted loss increase with those columns kept exactly in fp16, on every path
-but ``importance=combined`` (refused: its fitted weights see one ΔL per layer and format).
-
-Ranks: every rank loads the model and takes ``dist.shard`` of the calibration sequences; sums
-are all-reduced, so the result does not depend on the number of ranks.
+Fisher, Hutchinson or the GPTQ proxy (``pipeline.analysis``), or their mix fitted to measured KL;
+``stream=true`` reads targets bigger than memory one segment at a time. Ranks split the windows.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 import torch
 
 from pipeline import plots
-from pipeline.analysis.importance import analyze_combined
-from pipeline.analysis.sensitivity import analyze
-from pipeline.analysis.streamed import analyze_streamed
-from pipeline.analysis.streamed_fisher import analyze_fisher_streamed
+from pipeline.analysis.estimate import Estimator, Target, estimate
+from pipeline.analysis.report import LayerScore, SensitivityReport
 from pipeline.config import RunConfig, positive
 from pipeline.data.text import Corpus
 from pipeline.errors import ConfigError, LowbitError
-from pipeline.models.checkpoint import StreamingCheckpoint
-from pipeline.models.hf import load_causal_lm, load_tokenizer
-from pipeline.quant.formats import parse_format
+from pipeline.models.hf import load_tokenizer
+from pipeline.quant.formats import Format
 from pipeline.runmodels import fp_target
 from pipeline.stages import StageIO
-from pipeline.streaming import StreamOptions
 
 NEEDS: tuple[str, ...] = ("bootstrap",)
 USES: tuple[str, ...] = ()
-# quant by field: a new budget or method reuses the analysis (it depends on none of them)
+# quant by field: a new budget or method reuses the analysis
 SECTIONS: tuple[str, ...] = (
     "model",
     "data",
@@ -66,8 +35,8 @@ SECTIONS: tuple[str, ...] = (
     "quant.float_fallback",
     "quant.calib",
     "quant.activation_budget_gb",
-    "quant.segment_size",  # the streamed Fisher's unit of recomputation
-    "quant.outliers",  # keep_fp16: outlier columns and dloss_keep too
+    "quant.segment_size",
+    "quant.outliers",
     "quant.outlier_cap",
 )
 DISTRIBUTED = True
@@ -77,28 +46,19 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class SensitivityConfig:
-    """Per-layer predicted loss increase ΔL_l(f) for every format in quant.candidates, from
-    quant.calib.samples calibration windows, plus input-activation outlier statistics."""
+    """ΔL_l(f) for every format in quant.candidates, plus input outlier statistics."""
 
     method: Literal["fisher", "hutchinson", "gptq_proxy"] = "fisher"
-    # gptq_proxy only: full (Σ_rows δᵀHδ) | diag (Σ H_jj δ², per weight)
-    gptq_weighting: Literal["full", "diag"] = "full"
-    # fisher only: data (empirical Fisher) | model (sampled next tokens: true Fisher)
-    fisher_labels: Literal["data", "model"] = "data"
-    hutchinson_probes: int = 4  # hutchinson only: Rademacher probes per calibration sequence
-    # gptq_proxy and the streamed fisher's forward walk: sequences per forward (a backward
-    # takes one sequence: the Fisher squares each sequence's gradient)
-    batch_size: int = 8
-    include_lm_head: bool = True  # score lm_head (allocate may keep it float)
-    include_embeddings: bool = True  # score the embedding table (unless tied to lm_head)
-    device: Literal["auto", "cpu", "cuda"] = "auto"  # auto (cuda when present) | cpu | cuda
-    # single: ΔL of ``method`` | combined: every estimator, weights fitted to the KL measured
-    # with fit_layers layers quantized alone (pipeline.analysis.importance)
-    importance: Literal["single", "combined"] = "single"
-    fit_layers: int = 8  # combined only: layers measured for the fit, spread over the model
-    # fisher and gptq_proxy: segments of decoder blocks from the shards (targets bigger than
-    # memory)
-    stream: bool = False
+    gptq_weighting: Literal["full", "diag"] = "full"  # gptq_proxy: Σ_rows δᵀHδ | Σ H_jj δ²
+    fisher_labels: Literal["data", "model"] = "data"  # empirical | sampled (true) Fisher
+    hutchinson_probes: int = 4  # Rademacher probes per sequence
+    batch_size: int = 8  # sequences per forward (a Fisher backward takes one)
+    include_lm_head: bool = True
+    include_embeddings: bool = True  # unless tied to lm_head
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    importance: Literal["single", "combined"] = "single"  # combined: mix fitted to the KL
+    fit_layers: int = 8  # combined: layers measured for the fit
+    stream: bool = False  # fisher, gptq_proxy: segments from the shards (bigger than memory)
 
     def check(self, prefix: str) -> None:
         positive(prefix, hutchinson_probes=self.hutchinson_probes, batch_size=self.batch_size,
@@ -133,7 +93,6 @@ def check(cfg: SensitivityConfig, run: RunConfig) -> None:
 
 
 def keep_cap(run: RunConfig) -> float | None:
-    """The cap of kept columns to score, or None when no columns are kept."""
     return run.quant.outlier_cap if run.quant.outliers == "keep_fp16" else None
 
 
@@ -157,112 +116,63 @@ def _device(p: SensitivityConfig, local_rank: int) -> torch.device:
 def run(cfg: SensitivityConfig, run: RunConfig, io: StageIO) -> dict:
     """Score every layer of the FP target into ``io.out_dir``; returns the stage metrics."""
     q = run.quant
-    candidates = [parse_format(c).name for c in q.candidates]
-    target = fp_target(run.model, io.inputs)
-    windows = Corpus(run.data, load_tokenizer(target)).calibration(
+    candidates = [f.name for f in q.formats]
+    path = fp_target(run.model, io.inputs)
+    windows = Corpus(run.data, load_tokenizer(path)).calibration(
         q.calib.samples, q.calib.seq_len, run.seed
     )  # (S, T), identical on every rank
-    device = _device(cfg, io.dist.local_rank)
-    scope = dict(include_lm_head=cfg.include_lm_head, include_embeddings=cfg.include_embeddings)
+    target = Target(path, _device(cfg, io.dist.local_rank), run.model.allow_bin,
+                    run.model.device_map, q.segment_size, q.activation_budget_gb)  # fmt: skip
+    estimator = Estimator(cfg.method, cfg.importance, cfg.stream, cfg.gptq_weighting,
+                          cfg.fisher_labels, cfg.hutchinson_probes, cfg.batch_size,
+                          cfg.fit_layers, cfg.include_lm_head, cfg.include_embeddings)  # fmt: skip
     cap = keep_cap(run)
     t0 = time.time()
-    if cfg.stream:
-        # fp32 like the loaded path and quantize: the stored dtype (often fp16) would score in
-        # another precision, and fp16 matmuls run ~4x slower than fp32 on CPUs.
-        ckpt = StreamingCheckpoint(target, run.model.allow_bin, dtype=torch.float32, device=device)
-        if cfg.method == "fisher":
-            # A segment is the unit of recomputation: its input is kept for the reverse walk.
-            walk = StreamOptions(q.segment_size, cfg.batch_size, q.activation_budget_gb)
-            report = analyze_fisher_streamed(
-                ckpt, windows, candidates, walk, spill_dir=io.work_dir,
-                labels=cfg.fisher_labels, seed=run.seed, dist=io.dist, keep_cap=cap, **scope,
-            )  # fmt: skip
-        else:
-            # One block per spill file, as the loaded path scores one block at a time anyway.
-            walk = StreamOptions(1, cfg.batch_size, q.activation_budget_gb)
-            report = analyze_streamed(
-                ckpt, windows, candidates, walk, spill_dir=io.work_dir,
-                weighting=cfg.gptq_weighting, dist=io.dist, keep_cap=cap, **scope,
-            )  # fmt: skip
-    elif cfg.importance == "combined":
-        model = load_causal_lm(
-            target, allow_bin=run.model.allow_bin, device=device, device_map=run.model.device_map
-        )
-        report = analyze_combined(
-            model, windows, candidates, io.dist, fit_layers=cfg.fit_layers,
-            batch_size=cfg.batch_size, probes=cfg.hutchinson_probes,
-            fisher_labels=cfg.fisher_labels, seed=run.seed, weighting=cfg.gptq_weighting,
-            progress=True, **scope,
-        )  # fmt: skip
-        log.info("sensitivity: importance weights %s", report["importance"]["weights"])
-    else:
-        model = load_causal_lm(
-            target, allow_bin=run.model.allow_bin, device=device, device_map=run.model.device_map
-        )
-        report = analyze(
-            model, windows, candidates, cfg.method, io.dist, probes=cfg.hutchinson_probes,
-            fisher_labels=cfg.fisher_labels, seed=run.seed, weighting=cfg.gptq_weighting,
-            batch_size=cfg.batch_size, progress=True, keep_cap=cap, **scope,
-        )  # fmt: skip
+    report = estimate(target, windows, candidates, estimator, dist=io.dist, seed=run.seed,
+                      spill_dir=io.work_dir, keep_cap=cap)  # fmt: skip
     seconds = time.time() - t0
-    log.info(
-        "sensitivity: %s on %d sequences x %d tokens, %d layers, %.1fs",
-        report["method"],
-        *windows.shape,
-        len(report["layers"]),
-        seconds,
-    )
+    log.info("sensitivity: %s on %d sequences x %d tokens, %d layers, %.1fs",
+             report.method, *windows.shape, len(report.layers), seconds)  # fmt: skip
+    if report.importance_weights:
+        log.info("sensitivity: importance weights %s", report.importance_weights)
     if not io.dist.is_main:
         return {}
     if cap is not None:
-        report = {**report, "outliers": q.outliers, "outlier_cap": q.outlier_cap}
-    (io.out_dir / "sensitivity.json").write_text(json.dumps(report, indent=1))
-    write_plots(report, io.out_dir)
-    layers = report["layers"]
-    metrics = {"layers": len(layers), "samples": int(windows.shape[0]), "seconds": seconds}
-    for m, w in report.get("importance", {}).get("weights", {}).items():
+        report = report.replace(outliers=q.outliers, outlier_cap=q.outlier_cap)
+    report.save(io.out_dir)
+    write_plots(report, q.formats, io.out_dir)
+    return _metrics(report, seconds)
+
+
+def _metrics(report: SensitivityReport, seconds: float) -> dict:
+    layers = report.layers
+    metrics = {"layers": len(layers), "samples": report.samples, "seconds": seconds}
+    for m, w in (report.importance_weights or {}).items():
         metrics[f"importance_{m}"] = w
-    for f in candidates:
-        metrics[f"dloss_sum_{f}"] = sum(layer["dloss"][f] for layer in layers)
-    shares = [
-        layer["outliers"]["share"] for layer in layers if layer["outliers"]["share"] is not None
-    ]
+    for f in report.candidates:
+        metrics[f"dloss_sum_{f}"] = sum(layer.dloss[f] for layer in layers)
+    shares = [layer.outlier_share for layer in layers if layer.outlier_share is not None]
     if shares:
         metrics["outlier_share_max"] = max(shares)
-    if cap is not None:
-        metrics["outlier_columns"] = sum(len(layer["outlier_columns"]) for layer in layers)
+    if report.outliers is not None:
+        metrics["outlier_columns"] = sum(len(la.outlier_columns or ()) for la in layers)
     return metrics
 
 
-def write_plots(report: dict, out_dir) -> None:
+def write_plots(report: SensitivityReport, formats: tuple[Format, ...], out_dir: Path) -> None:
     """Heat map of log10 ΔL (layer × format), ΔL bars at the cheapest format, outlier shares."""
-    layers, cands = report["layers"], report["candidates"]
-    names = [layer["name"] for layer in layers]
-    plots.heatmap(
-        [[layer["dloss"][f] for f in cands] for layer in layers],
-        names,
-        cands,
-        out_dir / "sensitivity_heatmap.png",
-        f"predicted loss increase ({report['method']})",
-        "log10 ΔL",
-    )
+    layers, cands = report.layers, report.candidates
+    names = [layer.name for layer in layers]
+    plots.heatmap([[layer.dloss[f] for f in cands] for layer in layers], names, cands,
+                  out_dir / "sensitivity_heatmap.png",
+                  f"predicted loss increase ({report.method})", "log10 ΔL")  # fmt: skip
 
-    # The most aggressive format of each layer is where layers differ most.
-    def cheapest(layer: dict) -> str:
-        return min(cands, key=lambda f: parse_format(f).bits_per_weight(layer["shape"][1]))
+    def cheapest(layer: LayerScore) -> str:  # where layers differ most
+        return min(formats, key=lambda f: f.bits_per_weight(layer.shape[1])).name
 
-    plots.bars(
-        [layer["dloss"][cheapest(layer)] for layer in layers],
-        names,
-        out_dir / "sensitivity_bars.png",
-        "per-layer sensitivity: ΔL at each layer's cheapest candidate",
-        "ΔL",
-        log_y=True,
-    )
-    plots.bars(
-        [layer["outliers"]["share"] for layer in layers],
-        names,
-        out_dir / "outliers.png",
-        "share of outlier input channels (MAD rule)",
-        "share",
-    )
+    plots.bars([layer.dloss[cheapest(layer)] for layer in layers], names,
+               out_dir / "sensitivity_bars.png",
+               "per-layer sensitivity: ΔL at each layer's cheapest candidate", "ΔL",
+               log_y=True)  # fmt: skip
+    plots.bars([layer.outlier_share for layer in layers], names, out_dir / "outliers.png",
+               "share of outlier input channels (MAD rule)", "share")  # fmt: skip

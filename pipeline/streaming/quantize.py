@@ -1,25 +1,18 @@
 """Segment-wise streaming quantization of a checkpoint (the quantize stage's core).
 
-The model is never materialised (DESIGN.md, "Segment-wise quantization"): the engine
-(:mod:`pipeline.streaming.engine`) walks the checkpoint segment by segment, and this step
-quantizes each block in GPTQ's sequential order (:func:`pipeline.quant.sequential.quantize_block`)
-on the inputs produced by the *already quantized* earlier blocks, so later layers compensate
-earlier rounding errors; each segment becomes one output shard of the quantized model directory
-(:class:`~pipeline.models.quantized.QuantizedWriter`: embeddings, one part per segment, the head).
-
-Durability: the work dir holds the committed segments (:class:`~pipeline.streaming.workdir.WorkDir`)
-and the finished shards (``parts/``); a killed run resumes after the last finished segment from
-the same activations, hence with the same codes. With several ranks the calibration windows are
-split across ranks, Hessians are all-reduced, every rank computes the same codes, rank 0 writes.
-
-Kept columns (``keep``, from the bit plan's ``outlier_columns``) are handed to each linear's
-quantizer, which stores them exactly in fp16 (``QTensor.keep_idx``/``keep_vals``).
+The engine walks the checkpoint segment by segment and each block is quantized in GPTQ's
+sequential order on the outputs of the *already quantized* blocks before it, so later layers
+compensate earlier rounding; each segment becomes one shard of the quantized model directory.
+A killed run resumes after the last committed segment from the same activations (same codes).
+With several ranks the windows are split, Hessians all-reduced, every rank computes the same
+codes and rank 0 writes. Kept columns (``keep``) are stored exactly in fp16 by the quantizer.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -32,7 +25,7 @@ from pipeline.models.adapters import linear_names
 from pipeline.models.checkpoint import StreamingCheckpoint
 from pipeline.models.quantized import QuantizedWriter
 from pipeline.quant.allocate import kept_bits
-from pipeline.quant.formats import parse_format
+from pipeline.quant.formats import Format, as_format
 from pipeline.quant.qtensor import QTensor
 from pipeline.quant.sequential import QuantOptions, block_groups, quantize_block
 from pipeline.streaming.engine import Batches, BlockSource, BlockWalk, StreamOptions
@@ -61,11 +54,8 @@ class _Head(nn.Module):
 
 
 class _QuantizeStep:
-    """Quantizes each block before its output pass; one output part per segment.
-
-    Part 0 holds the embeddings, part ``k + 1`` segment ``k``, part ``n_seg + 1`` the head.
-    Float tensors are copied from ``raw`` in their stored dtype (fp16 stays fp16).
-    """
+    """Quantizes each block before its output pass. Parts: 0 the embeddings, ``k + 1``
+    segment ``k``, ``n_seg + 1`` the head; float tensors keep their stored dtype."""
 
     def __init__(self, raw, plan, opts, reduce, writer: QuantizedWriter | None, n_seg: int, keep):
         self.raw, self.a, self.plan, self.opts, self.keep = raw, raw.adapter, plan, opts, keep
@@ -125,7 +115,7 @@ class _QuantizeStep:
         return report
 
 
-def _check_plan(plan: dict[str, str], config: Any, keep: dict[str, list[int]]) -> None:
+def _check_plan(plan: dict[str, Format], config: Any, keep: dict[str, list[int]]) -> None:
     unknown = sorted(set(plan) - set(linear_names(config)))
     unknown += sorted(set(keep) - set(plan))  # kept columns of a layer that is not quantized
     if unknown:
@@ -133,15 +123,13 @@ def _check_plan(plan: dict[str, str], config: Any, keep: dict[str, list[int]]) -
             f"the quantization plan names layers the model does not have: "
             f"{unknown[:5]}; re-run allocate for this model"
         )
-    for f in set(plan.values()):
-        parse_format(f)
 
 
 @torch.no_grad()
 def quantize_checkpoint(
     ckpt: StreamingCheckpoint,
     out_dir: str | Path,
-    plan: dict[str, str],
+    plan: Mapping[str, Format | str],
     calib: Tensor,
     opts: QuantOptions,
     walk: StreamOptions,
@@ -150,30 +138,16 @@ def quantize_checkpoint(
     dist: Dist | None = None,
     keep: dict[str, list[int]] | None = None,
 ) -> dict[str, Any]:
-    """Quantize a HF checkpoint segment by segment into a quantized model directory.
-
-    Args:
-        ckpt: The FP checkpoint, opened with the compute dtype and device.
-        out_dir: The quantized model directory to write (rank 0).
-        plan: ``{linear name: format}``; linears not listed stay float.
-        calib: (N, T) token ids of all calibration windows (each rank takes its share).
-        opts: Method and GPTQ settings (:func:`quant_options`).
-        walk: Segment size, batch size, activation budget.
-        work_dir: Persistent folder for committed segments (same path on every rank).
-        dist: Ranks; None = a single process.
-        keep: ``{linear name: input columns}`` kept exactly in fp16 (the bit plan's
-            ``outlier_columns``); None keeps none.
-
-    Returns:
-        The quant report: ``{"layers": {name: {format, shape, gptq_loss, rel_output_error,
-        seconds}}, "method", "segments", ...}``.
-    """
+    """Quantize ``ckpt`` into ``out_dir`` with ``plan`` {linear: format} (unlisted: float) on
+    ``calib`` (N, T); returns ``QuantReport``'s fields plus the run facts."""
     t_start = time.time()
     dist = dist or Dist()
     raw = StreamingCheckpoint(ckpt.path, ckpt.allow_bin)  # float tensors in their stored dtype
     keep = {n: list(c) for n, c in (keep or {}).items() if len(c)}
+    plan = {n: as_format(f) for n, f in plan.items()}
     _check_plan(plan, ckpt.config, keep)
-    key = [str(ckpt.path.resolve()), plan, dataclasses.asdict(opts), str(ckpt.dtype)]
+    names = {n: f.name for n, f in plan.items()}
+    key = [str(ckpt.path.resolve()), names, dataclasses.asdict(opts), str(ckpt.dtype)]
     if keep:  # another set of kept columns is another result (none: the key as it always was)
         key.append(keep)
     work = WorkDir(work_dir, key)
@@ -194,19 +168,22 @@ def quantize_checkpoint(
             n_seg + 2,
             src_dir=ckpt.path,
             method=opts.method,
-            layers=plan,
+            layers=names,
             config_overrides=overrides,
             kept={n: len(c) for n, c in keep.items()},
         )
     dist.barrier()
-    return _summary(layers, opts.method, n_seg, result.resumed, dist, calib, time.time() - t_start)
+    seconds = time.time() - t_start
+    return _summary(layers, plan, opts.method, n_seg, result.resumed, dist, calib, seconds)
 
 
-def _summary(layers, method, n_seg, start, dist, calib, seconds) -> dict[str, Any]:
+def _summary(layers, plan, method, n_seg, start, dist, calib, seconds) -> dict[str, Any]:
+    """The quant report's fields (``QuantReport.from_dict``) plus the run facts."""
+    formats = {f.name: f for f in plan.values()}
     bits = numel = 0
     for r in layers.values():
         out_f, in_f = r["shape"]
-        bits += parse_format(r["format"]).bits_per_weight(in_f) * out_f * in_f
+        bits += formats[r["format"]].bits_per_weight(in_f) * out_f * in_f
         bits += kept_bits(out_f, r.get("kept_columns", 0))  # the fp16 side matrix
         numel += out_f * in_f
     errors = [r["rel_output_error"] for r in layers.values()]

@@ -2,7 +2,7 @@
 
 import pytest
 
-from pipeline.quant.formats import GRAMMAR, Format, parse_format
+from pipeline.quant.formats import GRAMMAR, Format, as_format, parse_format
 
 ALL_FORMATS = (
     [
@@ -66,3 +66,10 @@ def test_bits_per_weight_exact(name, in_features, bits):
 def test_bits_per_weight_rejects_empty_rows():
     with pytest.raises(ValueError, match="in_features"):
         parse_format("int4g128").bits_per_weight(0)
+
+
+def test_only_names_are_parsed_and_formats_pass_through_as_format():
+    fmt = parse_format("int4g128")
+    with pytest.raises(ValueError, match="must be a string, got Format"):
+        parse_format(fmt)
+    assert as_format(fmt) is fmt and as_format("int4g128") == fmt

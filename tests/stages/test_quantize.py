@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
 
+from pipeline.config import QuantConfig
 from pipeline.models import StreamingCheckpoint
 from pipeline.models.synthetic import write_synthetic_checkpoint
+from pipeline.quant.allocate import make_plan
+from pipeline.quant.formats import parse_format
 from pipeline.stages.quantize import load_plan
+from pipeline.streaming.quant_report import QuantReport
 
 TINY = dict(hidden=32, layers=3, intermediate=48, heads=4, kv_heads=2, vocab=61)
 
@@ -23,13 +26,16 @@ def src(tmp_path_factory) -> Path:
 
 def test_plan_from_bitplan_or_uniform_recipe(src, tmp_path):
     config = StreamingCheckpoint(src).config
-    uniform = load_plan({}, config, ["int4g128"], ["lm_head", "embed_tokens"])
+    uniform = load_plan({}, config, QuantConfig(candidates=["int4g128"]))
     assert len(uniform) == 3 * 7 and "lm_head" not in uniform
-    assert load_plan({}, config, ["int8"], [])["lm_head"] == "int8"
-    (tmp_path / "alloc").mkdir()
-    bitplan = {"layers": {"lm_head": "int8", "model.layers.0.mlp.up_proj": "float"}}
-    (tmp_path / "alloc" / "bitplan.json").write_text(json.dumps(bitplan))
-    assert load_plan({"allocate": tmp_path / "alloc"}, config, ["int4"], []) == {"lm_head": "int8"}
+    assert uniform["model.layers.0.mlp.up_proj"] == parse_format("int4g128")
+    assert (
+        load_plan({}, config, QuantConfig(candidates=["int8"], keep_float=[]))["lm_head"].bits == 8
+    )
+    shapes = {"lm_head": (61, 32), "model.layers.0.mlp.up_proj": (48, 32)}
+    q = QuantConfig(candidates=["int8"], keep_float=["up_proj"])
+    make_plan(shapes, {}, [], q.recipe).save(tmp_path)
+    assert load_plan({"allocate": tmp_path}, config, q) == {"lm_head": parse_format("int8")}
 
 
 def test_stage_end_to_end_on_the_smoke_models(boot, tmp_path):
@@ -48,7 +54,7 @@ def test_stage_end_to_end_on_the_smoke_models(boot, tmp_path):
     n_lin = 7 * cfg.model.target.layers
     assert meta["method"] == "gptq" and set(meta["layers"].values()) == {"int4g128"}
     assert len(meta["layers"]) == n_lin  # lm_head is in quant.keep_float
-    report = json.loads((stage / "quant_report.json").read_text())
+    report = QuantReport.load(stage).to_dict()
     assert len(report["layers"]) == n_lin
     assert all(0 < r["rel_output_error"] < 0.5 for r in report["layers"].values())
     assert 4 < done["metrics"]["avg_bits"] < 4.5

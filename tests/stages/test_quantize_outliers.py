@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
 from pipeline import workflow
+from pipeline.analysis.report import SensitivityReport
 from pipeline.errors import ConfigError, LowbitError
 from pipeline.quant.allocate import kept_bits, layer_bits
+from pipeline.quant.plan import BitPlan
+from pipeline.streaming.quant_report import QuantReport
 from tests.conftest import make_cfg
 from tests.stages.conftest import boot_cfg
 
@@ -29,12 +30,12 @@ def test_kept_columns_reach_the_quantized_model_exactly(boot, tmp_path):
     cfg = boot_cfg(boot, tmp_path, "stages=[bootstrap,sensitivity,allocate,quantize]", *KEEP)
     done = workflow.run(cfg)
     run = tmp_path / "run"
-    report = json.loads((run / "sensitivity" / "sensitivity.json").read_text())
+    report = SensitivityReport.load(run / "sensitivity").to_dict()
     assert report["outliers"] == "keep_fp16" and report["outlier_cap"] == 0.05
     for layer in report["layers"]:
         assert len(layer["outlier_columns"]) <= int(0.05 * layer["shape"][1])
         assert ("dloss_keep" in layer) == bool(layer["outlier_columns"])
-    plan = json.loads((run / "allocate" / "bitplan.json").read_text())
+    plan = BitPlan.load(run / "allocate").to_dict()
     kept = plan["outlier_columns"]
     assert kept, "the spare bits buy side matrices"
     shapes = {la["name"]: la["shape"] for la in report["layers"]}
@@ -58,7 +59,7 @@ def test_kept_columns_reach_the_quantized_model_exactly(boot, tmp_path):
         assert not torch.equal(w[:, cols], fp.get_submodule(name).weight[:, cols])
     unkept = [n for n, f in plan["layers"].items() if f != "float" and n not in kept]
     assert all(model.get_submodule(n).keep_idx is None for n in unkept)
-    quant = json.loads((run / "quantize" / "quant_report.json").read_text())
+    quant = QuantReport.load(run / "quantize").to_dict()
     assert {n for n, r in quant["layers"].items() if "kept_columns" in r} == set(kept)
     assert quant["avg_bits"] == pytest.approx(plan["avg_bits"])
 

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from pipeline import workflow
+from pipeline.analysis.report import SensitivityReport
 from pipeline.errors import ConfigError
 from pipeline.quant.allocate import layer_bits
+from pipeline.quant.plan import BitPlan
 from tests.conftest import make_cfg
 from tests.stages.conftest import boot_cfg
 
@@ -24,7 +24,7 @@ def test_workflow_writes_sensitivity_and_bitplan(boot, tmp_path):
     cfg = boot_cfg(boot, tmp_path, "stages=[bootstrap,sensitivity,allocate]")
     done = workflow.run(cfg)
     run = tmp_path / "run"
-    report = json.loads((run / "sensitivity" / "sensitivity.json").read_text())
+    report = SensitivityReport.load(run / "sensitivity").to_dict()
     cands = list(cfg.quant.candidates)
     assert report["candidates"] == cands
     names = [layer["name"] for layer in report["layers"]]
@@ -43,7 +43,7 @@ def test_workflow_writes_sensitivity_and_bitplan(boot, tmp_path):
     for png in ("sensitivity_heatmap.png", "sensitivity_bars.png", "outliers.png"):
         assert (run / "sensitivity" / png).stat().st_size > 1000
 
-    plan = json.loads((run / "allocate" / "bitplan.json").read_text())
+    plan = BitPlan.load(run / "allocate").to_dict()
     assert set(plan["layers"]) == set(names)
     shapes = {layer["name"]: layer["shape"] for layer in report["layers"]}
     quantized = {n: f for n, f in plan["layers"].items() if f != "float"}
@@ -76,8 +76,8 @@ def test_streamed_stage_matches_the_loaded_one(boot, tmp_path, method):
                      "quant.segment_size=2")  # fmt: skip
         cfg = boot_cfg(boot, tmp_path / stream, "stages=[bootstrap,sensitivity]", *overrides)
         workflow.run(cfg)
-        path = tmp_path / stream / "run" / "sensitivity" / "sensitivity.json"
-        reports[stream] = json.loads(path.read_text())["layers"]
+        path = tmp_path / stream / "run" / "sensitivity"
+        reports[stream] = SensitivityReport.load(path).to_dict()["layers"]
     assert [la["name"] for la in reports["true"]] == [la["name"] for la in reports["false"]]
     for a, b in zip(reports["true"], reports["false"]):
         assert a["dloss"] == pytest.approx(b["dloss"], rel=1e-3), a["name"]
@@ -91,7 +91,7 @@ def test_combined_importance_feeds_the_allocator(boot, tmp_path):
                    "stage.sensitivity.hutchinson_probes=1")  # fmt: skip
     done = workflow.run(cfg)
     run = tmp_path / "run"
-    report = json.loads((run / "sensitivity" / "sensitivity.json").read_text())
+    report = SensitivityReport.load(run / "sensitivity").to_dict()
     weights = report["importance"]["weights"]
     assert report["method"] == "combined" and len(report["importance"]["fit_layers"]) == 6
     assert set(weights) == {"fisher", "hutchinson", "gptq_proxy"} and any(weights.values())
@@ -100,7 +100,7 @@ def test_combined_importance_feeds_the_allocator(boot, tmp_path):
     for la in layers.values():
         for f, v in la["dloss"].items():
             assert v == pytest.approx(sum(w * la["estimators"][m][f] for m, w in weights.items()))
-    plan = json.loads((run / "allocate" / "bitplan.json").read_text())
+    plan = BitPlan.load(run / "allocate").to_dict()
     assert plan["score"] == "combined" and plan["importance_weights"] == weights
     quantized = {n: f for n, f in plan["layers"].items() if f != "float"}
     assert plan["predicted_dloss"] == pytest.approx(

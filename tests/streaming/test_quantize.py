@@ -15,6 +15,7 @@ from pipeline.errors import LowbitError
 from pipeline.models import CheckpointError, StreamingCheckpoint
 from pipeline.models.quantized import load_quantized, quantized_modules
 from pipeline.models.synthetic import write_synthetic_checkpoint
+from pipeline.quant.formats import Format, parse_format
 from pipeline.quant.gptq import HessianAccumulator, gptq_quantize
 from pipeline.quant.qtensor import QTensor
 from pipeline.quant.sequential import QuantOptions
@@ -23,6 +24,7 @@ from pipeline.streaming import StreamOptions, quantize_checkpoint
 TINY = dict(hidden=32, layers=3, intermediate=48, heads=4, kv_heads=2, vocab=61)
 OPTS = QuantOptions("gptq", block_size=16, damp=0.01, act_order=True)
 BATCH = 4
+INT4, INT3 = parse_format("int4g32"), parse_format("int3g32")
 WALK = StreamOptions(segment_size=2, batch_size=BATCH, act_budget_gb=2.0, progress=False)
 
 
@@ -41,14 +43,14 @@ def calib() -> torch.Tensor:
     return torch.randint(0, TINY["vocab"], (6, 12), generator=torch.Generator().manual_seed(0))
 
 
-def plan_for(layers: int = 3) -> dict[str, str]:
+def plan_for(layers: int = 3) -> dict[str, Format]:
     """Mixed formats; layer 1's o_proj stays float (not listed)."""
     plan = {}
     for i in range(layers):
         for lin in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            plan[f"model.layers.{i}.self_attn.{lin}"] = "int4g32" if lin != "o_proj" else "int3g32"
+            plan[f"model.layers.{i}.self_attn.{lin}"] = INT4 if lin != "o_proj" else INT3
         for lin in ("gate_proj", "up_proj", "down_proj"):
-            plan[f"model.layers.{i}.mlp.{lin}"] = "int3g32"
+            plan[f"model.layers.{i}.mlp.{lin}"] = INT3
     del plan["model.layers.1.self_attn.o_proj"]
     return plan
 
@@ -166,7 +168,8 @@ def test_resume_after_crash_gives_identical_codes(src, calib, ref, tmp_path, bud
     # `ref` is what the uninterrupted run gives (test_streaming_equals_whole_model_recipe).
     got = stored_codes(out)
     assert all(torch.equal(got[n], ref[n]) for n in ref)
-    assert json.loads((out / "lowbit_quant.json").read_text())["layers"] == plan_for()
+    names = {n: f.name for n, f in plan_for().items()}
+    assert json.loads((out / "lowbit_quant.json").read_text())["layers"] == names
 
 
 def _rank_worker(rank: int, src: str, calib: torch.Tensor, tmp: str) -> None:

@@ -10,8 +10,7 @@ import pytest
 from pipeline.config import QuantConfig
 from pipeline.errors import ConfigError
 from pipeline.quant.allocate import kept_bits, layer_bits
-from pipeline.stages.allocate import make_plan
-from tests.stages.test_allocate import CANDS, instance
+from tests.quant.test_plan import CANDS, instance, plan_of
 
 
 def with_outliers(seed: int, gain: float = 0.2):
@@ -56,7 +55,7 @@ def brute_force(shapes, layers, items, budget):
 def test_plan_is_optimal_over_formats_and_kept_columns(seed):
     shapes, layers, fused = with_outliers(seed)
     q = QuantConfig(candidates=CANDS, budget_bits=3.5, keep_float=["lm_head"], outliers="keep_fp16")
-    plan = make_plan(shapes, layers, fused, q)
+    plan = plan_of(shapes, layers, fused, q)
     items = [*fused, ["model.layers.0.self_attn.o_proj"], ["model.layers.1.self_attn.o_proj"]]
     assert plan["predicted_dloss"] == pytest.approx(brute_force(shapes, layers, items, 3.5))
     kept = plan["outlier_columns"]
@@ -75,16 +74,16 @@ def test_plan_is_optimal_over_formats_and_kept_columns(seed):
 def test_columns_are_kept_only_where_worth_their_bytes():
     shapes, layers, fused = with_outliers(0, gain=1.0)  # keeping gains nothing
     q = QuantConfig(candidates=CANDS, budget_bits=3.5, keep_float=["lm_head"], outliers="keep_fp16")
-    assert make_plan(shapes, layers, fused, q)["outlier_columns"] == {}
+    assert plan_of(shapes, layers, fused, q)["outlier_columns"] == {}
 
 
 def test_none_plans_as_before_and_records_no_columns():
     shapes, layers, fused = with_outliers(1)
     q = QuantConfig(candidates=CANDS, budget_bits=3.5, keep_float=["lm_head"])
-    plan = make_plan(shapes, layers, fused, q)
+    plan = plan_of(shapes, layers, fused, q)
     assert "outlier_columns" not in plan and "kept_bytes" not in plan
     bare = {n: {"dloss": layer["dloss"]} for n, layer in layers.items()}
-    assert plan == make_plan(shapes, bare, fused, q)
+    assert plan == plan_of(shapes, bare, fused, q)
 
 
 def test_keep_fp16_with_a_single_candidate_still_chooses_columns():
@@ -92,7 +91,7 @@ def test_keep_fp16_with_a_single_candidate_still_chooses_columns():
     budget = 4.9  # int4g32 and room for some side matrices
     q = QuantConfig(candidates=["int4g32"], budget_bits=budget, keep_float=["lm_head"],
                     outliers="keep_fp16")  # fmt: skip
-    plan = make_plan(shapes, layers, fused, q)
+    plan = plan_of(shapes, layers, fused, q)
     assert plan["outlier_columns"] and plan["avg_bits"] <= budget
 
 
@@ -100,7 +99,7 @@ def test_keep_fp16_needs_sensitivity_and_a_budget():
     shapes, _, fused = instance(0)
     q = QuantConfig(candidates=["int4g32"], budget_bits=5.0, keep_float=[], outliers="keep_fp16")
     with pytest.raises(ConfigError, match=r"quant\.outliers.*sensitivity"):
-        make_plan(shapes, {}, fused, q)
+        plan_of(shapes, {}, fused, q)
     with pytest.raises(ConfigError, match=r"quant\.budget_bits.*keep_fp16"):
         QuantConfig(candidates=["int4g32"], outliers="keep_fp16").check("quant")
     for cap in (0.0, 0.3):

@@ -1,0 +1,82 @@
+"""The quant report (``quant_report.json``): what quantization did to each linear.
+
+It holds only what the weights determine (no times), so a resumed or forced rerun leaves its
+digest, and every reader's fingerprint, unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+from pipeline import handoff
+
+RUN_FACTS = ("seconds", "resumed_segments")  # vary from run to run with the same result
+
+
+@dataclass(frozen=True)
+class QuantLayer:
+    format: str
+    shape: tuple[int, int]
+    gptq_loss: float
+    rel_output_error: float  # ‖(W − Q)X‖ / ‖WX‖ on the calibration inputs
+    kept_columns: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {**dataclasses.asdict(self), "shape": list(self.shape)}
+        if not self.kept_columns:
+            del out["kept_columns"]
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> QuantLayer:
+        kw = {k: v for k, v in data.items() if k not in RUN_FACTS}
+        return cls(**{**kw, "shape": tuple(data["shape"])})
+
+
+@dataclass(frozen=True)
+class QuantReport:
+    FILENAME: ClassVar[str] = "quant_report.json"
+    SCHEMA: ClassVar[str] = "lowbit.quant_report"
+    VERSION: ClassVar[int] = 1
+
+    method: str
+    segments: int
+    world_size: int
+    calib_samples: int
+    calib_seq_len: int
+    quantized_layers: int
+    avg_bits: float
+    mean_rel_output_error: float
+    max_rel_output_error: float
+    layers: dict[str, QuantLayer]
+
+    @property
+    def rel_output_error(self) -> dict[str, float]:
+        """``{linear name: relative output error}``."""
+        return {n: r.rel_output_error for n, r in self.layers.items()}
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        out["layers"] = {n: r.to_dict() for n, r in self.layers.items()}
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> QuantReport:
+        """From the file, or from ``quantize_checkpoint``'s summary (its run facts dropped)."""
+        kw = {k: v for k, v in data.items() if k not in RUN_FACTS}
+        return cls(
+            **{**kw, "layers": {n: QuantLayer.from_dict(r) for n, r in kw["layers"].items()}}
+        )
+
+    def save(self, path_or_dir: str | Path) -> Path:
+        path = handoff.resolve(path_or_dir, self.FILENAME)
+        handoff.save(path, self.SCHEMA, self.VERSION, self.to_dict())
+        return path
+
+    @classmethod
+    def load(cls, path_or_dir: str | Path) -> QuantReport:
+        path = handoff.resolve(path_or_dir, cls.FILENAME)
+        return handoff.load(path, cls.SCHEMA, cls.VERSION, "quantize", cls.from_dict)
