@@ -56,6 +56,12 @@ from pipeline.config import ModelConfig, RunConfig, positive
 from pipeline.data.scenarios import SCENARIOS
 from pipeline.data.text import load_splits
 from pipeline.errors import ConfigError
+from pipeline.evaluation.acceptance import (
+    acceptance_table,
+    column,
+    heldout_scenarios,
+    plot_acceptance,
+)
 from pipeline.io import write_json
 from pipeline.lit.fit import (
     Fit,
@@ -74,12 +80,6 @@ from pipeline.models.quantized import (
     load_model,
     read_quant_meta,
     save_quantized_model,
-)
-from pipeline.speculative.evaluation import (
-    acceptance_table,
-    column,
-    heldout_scenarios,
-    plot_acceptance,
 )
 from pipeline.stages import StageIO
 

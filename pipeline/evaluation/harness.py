@@ -1,18 +1,10 @@
 """Downstream tasks through EleutherAI's lm-evaluation-harness, on models already in memory.
 
-Perplexity says how far a low-bit model drifted; a multiple-choice benchmark says whether the
-drift changes its answers. :func:`run_lm_eval` wraps each model (FP or ``load_quantized``: both
-are transformers ``PreTrainedModel`` instances, the latter with ``FakeQuantLinear`` modules)
-in lm-eval's ``HFLM`` and runs ``simple_evaluate`` on the configured tasks, so the numbers are
-lm-eval's own and comparable with published ones (same prompts, same default seeds).
-
-Nothing is downloaded: the call runs with the hub and datasets offline, so a task's data must
-be in the local datasets cache or in files named by a task YAML under ``include_path``. Every
-task is loaded once before any model runs, so missing data or an unknown name fails fast with
-one message naming the task; the process keeps its environment and RNG state afterwards.
-
-Trade-off: lm-eval is an optional dependency (``pip install 'lowbit[eval]'``), imported only
-when tasks are configured; the stage works without it when ``tasks`` is empty.
+Perplexity says how far a low-bit model drifted; a benchmark says whether its answers changed.
+Each model (FP or fake-quant, both ``PreTrainedModel``) runs in lm-eval's ``HFLM`` through
+``simple_evaluate``, so scores are comparable with published ones. Nothing is downloaded: task
+data must be in the local datasets cache or named by a task YAML under ``include_path``.
+lm-eval is optional (``pip install 'lowbit[eval]'``), imported only when tasks are configured.
 """
 
 from __future__ import annotations
@@ -43,20 +35,12 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class LmEvalConfig:
-    """lm-eval tasks run on every target model; an empty ``tasks`` list turns them off.
+    """lm-eval tasks run on every target model; an empty ``tasks`` list turns them off."""
 
-    Attributes:
-        tasks: lm-eval task (or group) names, built-in or defined under ``include_path``.
-        num_fewshot: Few-shot examples per prompt; None keeps each task's default.
-        limit: Documents per task: an int count, or a float in (0, 1) for a fraction.
-        include_path: A directory of extra task YAMLs (e.g. a local copy of a benchmark).
-        batch_size: Requests per forward pass.
-    """
-
-    tasks: list[str] = field(default_factory=list)
-    num_fewshot: int | None = None
-    limit: int | float | None = None
-    include_path: str | None = None
+    tasks: list[str] = field(default_factory=list)  # task or group names
+    num_fewshot: int | None = None  # None keeps each task's default
+    limit: int | float | None = None  # documents per task: a count, or a fraction in (0, 1)
+    include_path: str | None = None  # a directory of extra task YAMLs
     batch_size: int = 8
 
     def check(self, prefix: str) -> None:
@@ -85,23 +69,11 @@ class LmEvalConfig:
 def run_lm_eval(
     models: dict[str, nn.Module], tokenizer: Any, cfg: LmEvalConfig, device: torch.device | str
 ) -> dict[str, dict[str, dict[str, float]]]:
-    """Run ``cfg.tasks`` on every model with lm-eval.
+    """``{model: {task: {metric: value}}}`` of ``cfg.tasks`` (empty without tasks).
 
-    Args:
-        models: ``{name: causal LM}``, transformers ``PreTrainedModel`` instances (FP or
-            loaded by ``load_quantized``). Each is moved to ``device`` for its run and back.
-        tokenizer: The HF tokenizer shared by the models.
-        cfg: Tasks and their settings.
-        device: Where the models run.
-
-    Returns:
-        ``{model name: {task: {metric: value}}}`` with lm-eval's numeric metrics (``acc``,
-        ``acc_norm``, ``acc_stderr``...); a metric under a filter other than ``none`` is named
-        ``<metric>_<filter>``. Empty when ``cfg.tasks`` is.
-
-    Raises:
-        LowbitError: lm-eval is missing, a task is unknown, or its data is not available
-            offline; the message names the task and ``include_path``.
+    Each model moves to ``device`` for its run and back. A metric under a filter other than
+    ``none`` is named ``<metric>_<filter>``. Raises LowbitError naming the task when lm-eval is
+    missing, a task is unknown or its data is not available offline.
     """
     if not cfg.tasks:
         return {}
@@ -187,9 +159,8 @@ def _fmt(metrics: dict[str, float]) -> str:
 def _isolated(device: torch.device) -> Iterator[None]:
     """Hub and datasets offline, and the caller's RNG state back afterwards.
 
-    huggingface_hub and datasets read their offline switches once, at import, so the module
-    flags are set along with the environment. simple_evaluate reseeds python, numpy and torch
-    with lm-eval's defaults (kept: they make scores comparable); the states are restored.
+    The hub and datasets read their offline switches at import, so their module flags are set
+    too; simple_evaluate reseeds every RNG with lm-eval's defaults, so the states are restored.
     """
     import datasets.config
     import huggingface_hub.constants as hub

@@ -1,0 +1,85 @@
+"""EvalResult: what the evaluate stage measured, the one reader and writer of its ``eval.json``."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+from pipeline.errors import LowbitError
+from pipeline.evaluation.acceptance import column
+from pipeline.evaluation.harness import lm_eval_metrics
+from pipeline.io import write_json
+
+SCHEMA_VERSION = 1  # files written before the version was recorded are version 1
+FILENAME = "eval.json"
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    """Every measurement of one run; optional ones are empty (or None) when not taken.
+
+    Attributes:
+        ppl: {model: perplexity} on the standard protocol.
+        ppl_protocol: {"split", "window", "windows", "tokens"} the perplexities were scored on.
+        acceptance: {"draft@target": {scenario: on-line alpha, "mean": ...}}.
+        speculative: acceptance_table's {"draft@target": {scenario: {metric: value}}}.
+        costs: {"draft@target": {"cost_ratio": c, "verify_cost": {gamma: v}}} when adaptive.
+        error_flow: {low-bit model: relative hidden-state error after each decoder layer}.
+        lm_eval: {model: {task: {metric: value}}} from lm-evaluation-harness.
+        speed: pipeline.runtime.speed.decode_speed's {"plain": ..., "speculative": ...}.
+    """
+
+    ppl: dict[str, float]
+    ppl_protocol: dict[str, int | str] | None = None
+    acceptance: dict[str, dict[str, float]] = field(default_factory=dict)
+    speculative: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
+    costs: dict[str, dict] | None = None
+    error_flow: dict[str, list[float]] = field(default_factory=dict)
+    lm_eval: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
+    speed: dict | None = None
+
+    @staticmethod
+    def path(out_dir: Path | str) -> Path:
+        return Path(out_dir) / FILENAME
+
+    def save(self, out_dir: Path | str) -> Path:
+        path = self.path(out_dir)
+        write_json(path, {"version": SCHEMA_VERSION, **asdict(self)}, indent=1)
+        return path
+
+    @classmethod
+    def load(cls, out_dir: Path | str) -> EvalResult:
+        path = cls.path(out_dir)
+        try:
+            raw = json.loads(path.read_text())
+        except (OSError, ValueError) as err:
+            raise LowbitError(f"cannot read {path} ({err}): re-run the evaluate stage") from None
+        version = raw.pop("version", 1) if isinstance(raw, dict) else None
+        if version != SCHEMA_VERSION and version is not None:
+            raise LowbitError(
+                f"{path} has schema version {version!r}, this lowbit reads {SCHEMA_VERSION}: "
+                "upgrade lowbit, or re-run the evaluate stage to rewrite it"
+            )
+        if version is None or "ppl" not in raw:
+            raise LowbitError(f"{path} holds no perplexities: re-run the evaluate stage")
+        known = {f.name for f in fields(cls)}
+        kwargs = {k: v for k, v in raw.items() if k in known}
+        for cost in (kwargs.get("costs") or {}).values():  # JSON keys are strings; gamma is int
+            cost["verify_cost"] = {int(g): v for g, v in cost["verify_cost"].items()}
+        return cls(**kwargs)
+
+    def metrics(self) -> dict[str, float]:
+        """Flat scalars for the tracker: ppl, last-layer drift, lm-eval, alpha, tau, speed."""
+        out = {f"ppl_{k}": v for k, v in self.ppl.items()}
+        out.update({f"error_flow_last_{k}": v[-1] for k, v in self.error_flow.items()})
+        out.update(lm_eval_metrics(self.lm_eval))
+        for pair, per in self.acceptance.items():
+            key = pair.replace("@", "-vs-")
+            out.update({f"alpha_{key}_{s}": v for s, v in per.items()})
+            out[f"tau_{key}_mean"] = column(self.speculative, pair, "tau")["mean"]
+        speed = self.speed or {"plain": {}, "speculative": {}}
+        out.update({f"tok_s_{k}": v["tokens_per_s"] for k, v in speed["plain"].items()})
+        for pair, v in speed["speculative"].items():
+            out[f"speedup_{pair.replace('@', '-vs-')}"] = v["speedup"]
+        return out
