@@ -137,25 +137,11 @@ def acceptance_table(
     batch_size: int = 8,
     seed: int = 0,
 ) -> Table:
-    """Acceptance of every (draft, target) pair on every scenario.
+    """{"draft@target": {scenario: {"alpha_tf", "alpha", "acceptance_rate", "tau", "gamma"}}}.
 
-    Args:
-        targets: {name: causal LM} verifying models (eval mode).
-        drafts: {name: causal LM} proposing models with the targets' tokenizer.
-        scenarios: {scenario: prompts}, prompts of one scenario sharing one length.
-        pairs: (draft, target) names to measure; default every combination.
-        gamma: draft length per round (without ``adaptive``).
-        adaptive: ``adaptive(draft, target)`` gives a fresh draft-length window, one per
-            scenario; None = fixed ``gamma``.
-        temperature: decoding temperature of both models (0 = greedy).
-        temperature_schedule: the draft samples on the decoding-step temperature schedule.
-        new_tokens: tokens generated after each prompt.
-        max_prompts: prompts per scenario used for decoding (all of them for alpha_tf).
-        batch_size: prompts per teacher-forced forward.
-        seed: sampling seed (prompt i uses seed + i).
-
-    Returns:
-        {"draft@target": {scenario: {"alpha_tf", "alpha", "acceptance_rate", "tau", "gamma"}}}.
+    ``pairs`` default to every combination; ``adaptive(draft, target)`` gives a fresh window per
+    scenario (None: fixed ``gamma``); ``max_prompts`` per scenario are decoded, prompt i with
+    seed + i, while alpha_tf uses all of them; temperature 0 is greedy.
     """
     pairs = list(pairs) if pairs is not None else [(d, t) for t in targets for d in drafts]
     table: Table = {}

@@ -1,10 +1,7 @@
-"""Downstream tasks through EleutherAI's lm-evaluation-harness, on models already in memory.
+"""Downstream tasks through lm-evaluation-harness on models in memory: did the drift change answers?
 
-Perplexity says how far a low-bit model drifted; a benchmark says whether its answers changed.
-Each model (FP or fake-quant, both ``PreTrainedModel``) runs in lm-eval's ``HFLM`` through
-``simple_evaluate``, so scores are comparable with published ones. Nothing is downloaded: task
-data must be in the local datasets cache or named by a task YAML under ``include_path``.
-lm-eval is optional (``pip install 'lowbit[eval]'``), imported only when tasks are configured.
+Scores are lm-eval's own (``simple_evaluate`` on ``HFLM``), comparable with published ones. Nothing
+is downloaded: task data comes from the local datasets cache or task YAMLs under ``include_path``.
 """
 
 from __future__ import annotations
@@ -89,15 +86,16 @@ def run_lm_eval(
     out: dict[str, dict[str, dict[str, float]]] = {}
     with _isolated(torch.device(device)):
         manager = TaskManager(include_path=cfg.include_path)
-        for task in cfg.tasks:  # build each task once up front: a bad name or missing data
-            try:  # fails here, in one line, and a failure inside a model run stays visible
+        for task in cfg.tasks:  # a bad name or missing data fails here, before any model runs
+            try:
                 get_task_dict([task], manager)
             except Exception as err:  # lm-eval raises KeyError, ValueError, OSError, ...
                 raise LowbitError(_task_error(task, cfg, err)) from None
         for name, model in models.items():
             home = next(model.parameters()).device
-            lm = HFLM(pretrained=model.to(device).eval(), tokenizer=tokenizer,
-                      batch_size=cfg.batch_size)  # fmt: skip
+            lm = HFLM(
+                pretrained=model.to(device).eval(), tokenizer=tokenizer, batch_size=cfg.batch_size
+            )
             try:
                 results = lm_eval.simple_evaluate(
                     model=lm,
@@ -157,17 +155,17 @@ def _fmt(metrics: dict[str, float]) -> str:
 
 @contextlib.contextmanager
 def _isolated(device: torch.device) -> Iterator[None]:
-    """Hub and datasets offline, and the caller's RNG state back afterwards.
-
-    The hub and datasets read their offline switches at import, so their module flags are set
-    too; simple_evaluate reseeds every RNG with lm-eval's defaults, so the states are restored.
-    """
+    """Hub and datasets offline (their module flags too: read once, at import), and the RNG
+    states simple_evaluate reseeds restored afterwards."""
     import datasets.config
     import huggingface_hub.constants as hub
 
     env = {k: os.environ.get(k) for k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")}
-    flags = [(hub, "HF_HUB_OFFLINE"), (datasets.config, "HF_HUB_OFFLINE"),
-             (datasets.config, "HF_DATASETS_OFFLINE")]  # fmt: skip
+    flags = [
+        (hub, "HF_HUB_OFFLINE"),
+        (datasets.config, "HF_HUB_OFFLINE"),
+        (datasets.config, "HF_DATASETS_OFFLINE"),
+    ]
     saved = [(mod, name, getattr(mod, name)) for mod, name in flags if hasattr(mod, name)]
     py_rng, np_rng = random.getstate(), np.random.get_state()
     os.environ.update(dict.fromkeys(env, "1"))

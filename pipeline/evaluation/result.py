@@ -17,27 +17,16 @@ FILENAME = "eval.json"
 
 @dataclass(frozen=True)
 class EvalResult:
-    """Every measurement of one run; optional ones are empty (or None) when not taken.
-
-    Attributes:
-        ppl: {model: perplexity} on the standard protocol.
-        ppl_protocol: {"split", "window", "windows", "tokens"} the perplexities were scored on.
-        acceptance: {"draft@target": {scenario: on-line alpha, "mean": ...}}.
-        speculative: acceptance_table's {"draft@target": {scenario: {metric: value}}}.
-        costs: {"draft@target": {"cost_ratio": c, "verify_cost": {gamma: v}}} when adaptive.
-        error_flow: {low-bit model: relative hidden-state error after each decoder layer}.
-        lm_eval: {model: {task: {metric: value}}} from lm-evaluation-harness.
-        speed: pipeline.runtime.speed.decode_speed's {"plain": ..., "speculative": ...}.
-    """
+    """Every measurement of one run; pairs are keyed "draft@target", unmeasured fields empty."""
 
     ppl: dict[str, float]
-    ppl_protocol: dict[str, int | str] | None = None
-    acceptance: dict[str, dict[str, float]] = field(default_factory=dict)
+    ppl_protocol: dict[str, int | str] | None = None  # split, window, windows, tokens scored
+    acceptance: dict[str, dict[str, float]] = field(default_factory=dict)  # on-line alpha
     speculative: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
-    costs: dict[str, dict] | None = None
-    error_flow: dict[str, list[float]] = field(default_factory=dict)
+    costs: dict[str, dict] | None = None  # {"cost_ratio": c, "verify_cost": {gamma: v}}
+    error_flow: dict[str, list[float]] = field(default_factory=dict)  # error after each layer
     lm_eval: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
-    speed: dict | None = None
+    speed: dict | None = None  # pipeline.runtime.speed.decode_speed's result
 
     @staticmethod
     def path(out_dir: Path | str) -> Path:

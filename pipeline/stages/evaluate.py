@@ -6,7 +6,6 @@ ran); the measurements are pipeline.evaluation's, saved as one EvalResult.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 
 from pipeline import runmodels
@@ -34,8 +33,6 @@ NEEDS: tuple[str, ...] = ("bootstrap",)
 USES: tuple[str, ...] = ("quantize", "distill", "reinforce")
 SECTIONS = ("model", "data")
 DISTRIBUTED = False
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
