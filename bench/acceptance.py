@@ -43,18 +43,18 @@ from bench._common import add_goal_args, goal, parsed_tables, report_goals, unme
 from pipeline import runmodels
 from pipeline.config import DataConfig, ModelConfig
 from pipeline.data.text import load_splits
+from pipeline.evaluation.acceptance import (
+    acceptance_table,
+    column,
+    heldout_scenarios,
+    plot_acceptance,
+)
 from pipeline.models.hf import load_tokenizer
 from pipeline.models.quantized import load_model
 from pipeline.quant.fakequant import FakeQuantLinear
 from pipeline.runtime.inmemory import to_runtime
 from pipeline.runtime.speed import decode_speed, format_speed
-from pipeline.speculative.evaluation import (
-    acceptance_table,
-    column,
-    heldout_scenarios,
-    pair_name,
-    plot_acceptance,
-)
+from pipeline.speculative.stats import pair_name
 
 SELF_FORMATS = {"self_int3": "int3g128", "self_int2": "int2g64"}
 COLUMNS = (

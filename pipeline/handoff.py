@@ -35,7 +35,11 @@ def load(path: Path, schema: str, version: int, writer: str, build: Callable[[di
     found, v = data.pop("schema", schema), data.pop("schema_version", 1)
     if found != schema:
         raise LowbitError(f"{path} is a {found} file, not {schema}; rerun the {writer} stage")
-    if not isinstance(v, int) or v > version:
+    if not isinstance(v, int) or v < 1:
+        raise LowbitError(
+            f"{path} has schema version {v!r}, which no lowbit writes; rerun the {writer} stage"
+        )
+    if v > version:
         raise LowbitError(
             f"{path} is {schema} version {v}, newer than this lowbit reads ({version}): "
             f"upgrade lowbit, or rerun the {writer} stage with this one"

@@ -1,14 +1,14 @@
-"""`report.md`: the outcome of a run on one page, written after every workflow.
-
-It is assembled only from what the stages wrote (their `_done.json`, `eval.json`, plots,
-artifact manifest), so it is the same whether a stage ran now or in an earlier invocation.
-"""
+"""`report.md`: a run's outcome on one page, from what the stages wrote alone (so it is the same
+whether a stage ran now or in an earlier invocation)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+from pipeline.analysis.errorflow import format_error_flow
+from pipeline.errors import LowbitError
+from pipeline.evaluation.result import EvalResult
 from pipeline.hardware import describe
 from pipeline.stages import ORDER
 
@@ -52,28 +52,40 @@ def _machines(run_dir: Path) -> list[str]:
     return ["", *[f"- {', '.join(stages)}: {line}" for line, stages in seen.items()]]
 
 
-def _eval_tables(ev: dict) -> list[str]:
-    proto = ev.get("ppl_protocol")
-    where = "held-out windows"
+def _eval_tables(ev: EvalResult) -> list[str]:
+    proto, where = ev.ppl_protocol, "held-out windows"
     if proto:
         where = f"{proto['split']} split, {proto['windows']} windows x {proto['window']}, "
         where += f"{proto['tokens']:,} tokens"
     out = [f"## Perplexity ({where})", "", "| model | ppl |", "|---|---|"]
-    out += [f"| {k} | {v:.3f} |" for k, v in ev.get("ppl", {}).items()]
-    acc = ev.get("acceptance", {})
-    if acc:
-        scenarios = list(dict.fromkeys(s for per in acc.values() for s in per))
+    out += [f"| {k} | {v:.3f} |" for k, v in ev.ppl.items()]
+    if ev.acceptance:
+        scenarios = list(dict.fromkeys(s for per in ev.acceptance.values() for s in per))
         out += ["", "## Acceptance α (draft@target, per scenario)", ""]
         out += ["| pair | " + " | ".join(scenarios) + " |", "|---" * (len(scenarios) + 1) + "|"]
-        for pair, per in acc.items():
+        for pair, per in ev.acceptance.items():
             cells = [f"{per[s]:.3f}" if s in per else "" for s in scenarios]
             out.append(f"| {pair} | " + " | ".join(cells) + " |")
-    if ev.get("speed"):
+    if ev.speed:
         from pipeline.runtime.speed import format_speed
 
         out += ["", "## Decode speed (batch 1, as the runtime runs each model)", ""]
-        out += format_speed(ev["speed"])
-    return out + _lm_eval_table(ev.get("lm_eval", {}))
+        out += format_speed(ev.speed)
+    out += _lm_eval_table(ev.lm_eval)
+    if ev.error_flow:
+        out += ["", "## Error flow (relative hidden-state error after each decoder layer)", ""]
+        out += format_error_flow(ev.error_flow).splitlines()
+    return out
+
+
+def _evaluation(run_dir: Path) -> list[str]:
+    folder = run_dir / "evaluate"
+    if not EvalResult.path(folder).exists():
+        return []
+    try:
+        return _eval_tables(EvalResult.load(folder))
+    except LowbitError as err:  # the report still shows the other stages
+        return [f"Evaluation not shown: {err}"]
 
 
 def _lm_eval_table(res: dict) -> list[str]:
@@ -115,13 +127,7 @@ def write_report(run_dir: Path) -> Path:
     """Write `<run_dir>/report.md` from the stage folders present; returns its path."""
     lines = [f"# lowbit run `{run_dir.name}`", "", "## Stages", "", *_stage_table(run_dir)]
     lines += [*_machines(run_dir), ""]
-    ev = _load(run_dir / "evaluate" / "eval.json")
-    if ev:
-        lines += _eval_tables(ev)
-    flow = run_dir / "evaluate" / "error_flow.md"
-    if flow.exists():
-        lines += ["", "## Error flow (relative hidden-state error after each decoder layer)", ""]
-        lines += flow.read_text().splitlines()
+    lines += _evaluation(run_dir)
     plots = [p for s in ORDER for p in sorted((run_dir / s).glob("*.png"))]
     if plots:
         lines += ["", "## Plots", ""]

@@ -30,7 +30,7 @@ CASES = {
     "compressed-tensors": (
         "tests/export/test_compressed_tensors.py::test_decompressing_gives_the_same_weights"
     ),
-    "lm-eval": "tests/analysis/test_harness.py::test_config_is_validated_on_entry",
+    "lm-eval": "tests/evaluation/test_harness.py::test_config_is_validated_on_entry",
 }
 # What each failure line says is missing (also where this machine lacks Slurm or AVX2 itself).
 WHY = {

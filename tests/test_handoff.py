@@ -16,6 +16,7 @@ OWNERS = {
     "sensitivity.json": "pipeline/analysis/report.py",
     "bitplan.json": "pipeline/quant/plan.py",
     "quant_report.json": "pipeline/streaming/quant_report.py",
+    "eval.json": "pipeline/evaluation/result.py",
 }
 # readers that still open the file themselves, until they use the owner's load
 PENDING: set[tuple[str, str]] = set()

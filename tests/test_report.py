@@ -1,22 +1,23 @@
-"""report.md: built from the stage folders alone; eval.json's lm_eval scores become one table."""
+"""report.md: built from the stage folders alone; lm_eval scores become one table."""
 
 from __future__ import annotations
 
 import json
 
+from pipeline.evaluation.result import FILENAME, EvalResult
 from pipeline.report import write_report
 
 
 def test_lm_eval_scores_render_as_task_by_model_table(tmp_path):
-    ev = {
-        "ppl": {"target_fp": 12.0, "target_quantized": 13.5},
-        "lm_eval": {
+    ev = EvalResult(
+        ppl={"target_fp": 12.0, "target_quantized": 13.5},
+        lm_eval={
             "target_fp": {"arc_easy": {"acc": 0.5, "acc_stderr": 0.01, "acc_norm": 0.48}},
             "target_quantized": {"arc_easy": {"acc": 0.45, "acc_stderr": 0.012}},
         },
-    }
+    )
     (tmp_path / "evaluate").mkdir()
-    (tmp_path / "evaluate" / "eval.json").write_text(json.dumps(ev))
+    ev.save(tmp_path / "evaluate")
     lines = write_report(tmp_path).read_text().splitlines()
 
     i = lines.index("## Downstream tasks (lm-evaluation-harness)")
@@ -26,10 +27,21 @@ def test_lm_eval_scores_render_as_task_by_model_table(tmp_path):
     assert not any("stderr" in line for line in lines[i:])
 
 
-def test_no_lm_eval_section_without_scores(tmp_path):
+def test_no_lm_eval_section_without_scores_and_the_error_flow_from_the_result(tmp_path):
     (tmp_path / "evaluate").mkdir()
-    (tmp_path / "evaluate" / "eval.json").write_text(json.dumps({"ppl": {"target_fp": 12.0}}))
-    assert "Downstream" not in write_report(tmp_path).read_text()
+    EvalResult(ppl={"target_fp": 12.0}, error_flow={"quantized": [0.01, 0.02]}).save(
+        tmp_path / "evaluate"
+    )
+    text = write_report(tmp_path).read_text()
+    assert "Downstream" not in text and "## Error flow" in text and "0.02" in text
+
+
+def test_an_unreadable_evaluation_leaves_one_line_and_the_rest_of_the_report(tmp_path):
+    (tmp_path / "evaluate").mkdir()
+    (tmp_path / "evaluate" / FILENAME).write_text(json.dumps({"schema_version": 99, "ppl": {}}))
+    lines = write_report(tmp_path).read_text().splitlines()
+    assert "## Stages" in lines and "## Perplexity" not in "\n".join(lines)
+    assert any(line.startswith("Evaluation not shown: ") and "99" in line for line in lines)
 
 
 def test_the_report_says_which_machine_and_commit_the_timings_come_from(tmp_path):

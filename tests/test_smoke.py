@@ -7,6 +7,7 @@ import subprocess
 
 from mlflow.tracking import MlflowClient
 
+from pipeline.evaluation.result import EvalResult
 from tests.conftest import CLI_TIMEOUT, WORKFLOW_TIMEOUT, lowbit_cmd, make_cfg
 
 
@@ -15,19 +16,19 @@ def test_smoke_workflow_writes_every_stage(smoke_run):
     for stage in stages:
         done = json.loads((smoke_run["run_dir"] / stage / "_done.json").read_text())
         assert done["stage"] == stage and done["outputs"]
-    ev = json.loads((smoke_run["run_dir"] / "evaluate" / "eval.json").read_text())
+    ev = EvalResult.load(smoke_run["run_dir"] / "evaluate")
     # The bootstrap target is clearly better than the draft.
-    assert ev["ppl"]["target_fp"] < ev["ppl"]["draft_fp"]
+    assert ev.ppl["target_fp"] < ev.ppl["draft_fp"]
     # The standard protocol: the whole test split (smoke caps nothing), at the training length.
-    proto = ev["ppl_protocol"]
+    proto = ev.ppl_protocol
     assert proto["split"] == "test" and proto["window"] == 64
     assert proto["windows"] > 100 and proto["tokens"] == proto["windows"] * 63
-    assert 0 < ev["acceptance"]["draft_fp@target_fp"]["mix"] <= 1
+    assert 0 < ev.acceptance["draft_fp@target_fp"]["mix"] <= 1
     # Speed as the runtime decodes: the low-bit target on packed kernels, every pair vs theory.
-    speed = ev["speed"]
+    speed = ev.speed
     assert speed["plain"]["target_fp"]["kernels"] == "float (F.linear)"
     assert "pack" in speed["plain"]["target_distilled"]["kernels"]
-    assert set(speed["speculative"]) == set(ev["acceptance"])
+    assert set(speed["speculative"]) == set(ev.acceptance)
     assert all(r["theoretical_speedup"] > 0 for r in speed["speculative"].values())
     assert "## Decode speed" in (smoke_run["run_dir"] / "report.md").read_text()
 

@@ -7,9 +7,9 @@ import json
 import logging
 from pathlib import Path
 
+from pipeline.evaluation.acceptance import acceptance_table, column, plot_acceptance
 from pipeline.io import write_json
 from pipeline.lit.fit import Fit
-from pipeline.speculative.evaluation import acceptance_table, column, plot_acceptance
 
 log = logging.getLogger(__name__)
 

@@ -16,9 +16,8 @@ from pipeline.runtime.backends import kernel_summary
 from pipeline.speculative.adaptive import AdaptiveGamma
 from pipeline.speculative.cost import measure_cost_ratio, measure_verify_cost
 from pipeline.speculative.decoding import plain_generate, speculative_generate
-from pipeline.speculative.evaluation import decode_prompts, pair_name
 from pipeline.speculative.metrics import theoretical_speedup
-from pipeline.speculative.stats import SpecStats
+from pipeline.speculative.stats import SpecStats, decode_prompts, pair_name
 
 __all__ = ["decode_speed", "format_speed", "slow_lowbit"]
 
@@ -163,7 +162,7 @@ def format_speed(speed: dict, fp: str = "target_fp") -> list[str]:
         f"| {n} | {r['tokens_per_s']:.1f} | {r['kernels']} |" for n, r in speed["plain"].items()
     ]
 
-    def gamma(r: dict) -> str:  # eval.json written before the draft length was recorded: "-"
+    def gamma(r: dict) -> str:  # rows recorded before the draft length was: "-"
         return f"{r['gamma']:.1f}" if "gamma" in r else "-"
 
     if speed["speculative"]:

@@ -6,9 +6,17 @@ tested; ``alpha_hat`` averages beta over tested positions, an unbiased estimate 
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-__all__ = ["SpecStats"]
+import torch
+
+__all__ = ["SpecStats", "decode_prompts", "pair_name"]
+
+
+def pair_name(draft: str, target: str) -> str:
+    """The key of a (draft, target) pair in every table of results: ``<draft>@<target>``."""
+    return f"{draft}@{target}"
 
 
 @dataclass
@@ -97,3 +105,13 @@ class SpecStats:
         out.position_accepted = add(self.position_accepted, other.position_accepted)
         out.position_verified = add(self.position_verified, other.position_verified)
         return out
+
+
+def decode_prompts(fn, prompts: Iterable[torch.Tensor], seed: int) -> SpecStats:
+    """Merged stats of ``fn(prompt, generator)`` over the prompts, prompt i seeded seed + i."""
+    total = SpecStats()
+    for i, prompt in enumerate(prompts):
+        # The same seed per prompt for every model, so plain and speculative runs draw alike.
+        _, stats = fn(prompt, torch.Generator(device=prompt.device).manual_seed(seed + i))
+        total = total.merge(stats)
+    return total

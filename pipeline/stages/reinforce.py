@@ -20,6 +20,7 @@ from pipeline.config import ModelConfig, RunConfig, positive
 from pipeline.data.scenarios import SCENARIOS
 from pipeline.data.text import load_splits
 from pipeline.errors import ConfigError
+from pipeline.evaluation.acceptance import heldout_scenarios
 from pipeline.lit import reinforce_report as rr
 from pipeline.lit.config import RENAMED
 from pipeline.lit.fit import Selection, check_fit_trainer, fit_validated
@@ -33,7 +34,6 @@ from pipeline.lit.reinforce import (
 )
 from pipeline.models.hf import load_causal_lm, load_tokenizer
 from pipeline.models.quantized import is_quantized_dir, load_model
-from pipeline.speculative.evaluation import heldout_scenarios
 from pipeline.stages import StageIO
 
 NEEDS: tuple[str, ...] = ("bootstrap",)

@@ -11,9 +11,9 @@ from pipeline import workflow
 from pipeline.config import data_cfg
 from pipeline.data.text import load_splits
 from pipeline.errors import ConfigError
+from pipeline.evaluation.acceptance import heldout_scenarios
 from pipeline.lit import reinforce_report
 from pipeline.models.hf import load_causal_lm, load_tokenizer
-from pipeline.speculative.evaluation import heldout_scenarios
 from pipeline.speculative.metrics import teacher_forced_acceptance
 from pipeline.stages import reinforce
 from tests.conftest import smoke_cfg

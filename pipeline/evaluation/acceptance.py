@@ -1,52 +1,57 @@
-"""Acceptance of draft/target pairs per scenario: the numbers evaluate, reinforce and bench report.
+"""Acceptance of draft/target pairs per scenario: the tables evaluate, reinforce and bench report.
 
-For every (draft, target, scenario) three views of acceptance are measured on the scenario's
-held-out prompts (see :mod:`pipeline.speculative.metrics` for the definitions):
-
-- ``alpha_tf``: teacher-forced alpha, mean sum_x min(p, q) over every position of the prompts
-  (one forward per model, deterministic, the corpus text as context);
-- ``alpha``: the on-line alpha of real speculative decoding, mean beta over the positions whose
-  acceptance test ran while generating ``new_tokens`` after each prompt (the draft's own
-  continuations as context, Rao-Blackwellised so a few prompts suffice);
-- ``acceptance_rate`` (accepted / drafted) and ``tau`` (tokens per target call, bonus included).
-
-Decoding runs with a fixed gamma, or adaptively (``adaptive``): one
-:class:`~pipeline.speculative.adaptive.AdaptiveGamma` per pair and scenario, its window running
-on across the scenario's prompts as it would across a server's requests; ``gamma`` in the table
-is then the mean draft length it chose. ``temperature_schedule`` makes the draft sample on the
-schedule of :mod:`pipeline.speculative.schedule` over each generation's decoding steps.
-
-Speed is measured apart, on the models as the runtime runs them (``pipeline.runtime.speed``):
-acceptance is a property of the distributions, speed of the kernels.
+Per (draft, target, scenario), on the scenario's held-out prompts (definitions in
+:mod:`pipeline.speculative.metrics`): ``alpha_tf`` teacher-forced on the prompts; ``alpha`` the
+on-line alpha of real speculative decoding (Rao-Blackwellised, so a few prompts suffice);
+``acceptance_rate``, ``tau`` and the mean draft length ``gamma``. With ``adaptive`` each pair and
+scenario gets one AdaptiveGamma whose window runs on across prompts, as across a server's requests.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
 
 import torch
 
 from pipeline.progress import progress
 from pipeline.speculative.adaptive import AdaptiveGamma
+from pipeline.speculative.cost import measure_cost_ratio, measure_verify_cost
 from pipeline.speculative.decoding import speculative_generate
 from pipeline.speculative.metrics import teacher_forced_acceptance
-from pipeline.speculative.stats import SpecStats
+from pipeline.speculative.stats import decode_prompts, pair_name
 
 __all__ = [
     "acceptance_table",
+    "adaptive_gamma",
     "column",
-    "decode_prompts",
     "heldout_scenarios",
-    "pair_name",
+    "measure_costs",
     "plot_acceptance",
+    "report_acceptance",
+    "run_pairs",
 ]
 
+log = logging.getLogger(__name__)
+
 Table = dict[str, dict[str, dict[str, float]]]  # "draft@target" -> scenario -> metric -> value
+Adaptive = Callable[[str, str], AdaptiveGamma]
 
 
-def pair_name(draft: str, target: str) -> str:
-    """The key of a pair in eval.json and reinforce.json: ``<draft>@<target>``."""
-    return f"{draft}@{target}"
+def run_pairs(targets: Iterable[str], drafts: Iterable[str]) -> list[tuple[str, str]]:
+    """The (draft, target) pairs a run evaluates among the models it has.
+
+    FP draft vs FP target; FP and reinforced drafts vs the final low-bit target; and
+    self-speculation, the low-bit target drafting for its FP self.
+    """
+    targets, drafts = set(targets), set(drafts)
+    final = next((t for t in ("target_distilled", "target_quantized") if t in targets), None)
+    pairs = [("draft_fp", "target_fp")] if "draft_fp" in drafts else []
+    if final:
+        pairs += [(d, final) for d in ("draft_fp", "draft_reinforced") if d in drafts]
+        pairs.append((final, "target_fp"))
+    return pairs
 
 
 def heldout_scenarios(
@@ -73,14 +78,42 @@ def heldout_scenarios(
     )
 
 
-def decode_prompts(fn, prompts: Iterable[torch.Tensor], seed: int) -> SpecStats:
-    """Merged stats of ``fn(prompt, generator)`` over the prompts, prompt i seeded seed + i."""
-    total = SpecStats()
-    for i, prompt in enumerate(prompts):
-        # The same seed per prompt for every model, so plain and speculative runs draw alike.
-        _, stats = fn(prompt, torch.Generator(device=prompt.device).manual_seed(seed + i))
-        total = total.merge(stats)
-    return total
+def measure_costs(
+    models: Mapping[str, torch.nn.Module],
+    pairs: Iterable[tuple[str, str]],
+    prompt: list[int],
+    gammas: Iterable[int],
+) -> dict[str, dict]:
+    """``{pair: {"cost_ratio": c, "verify_cost": {gamma: v}}}``, v timed once per target."""
+    ids = torch.as_tensor([prompt], dtype=torch.long)
+    pairs, gammas = list(pairs), list(gammas)
+    verify = {
+        t: measure_verify_cost(models[t], gammas, input_ids=ids)
+        for t in dict.fromkeys(t for _, t in pairs)
+    }
+    return {
+        pair_name(d, t): {
+            "cost_ratio": measure_cost_ratio(models[t], models[d], input_ids=ids),
+            "verify_cost": verify[t],
+        }
+        for d, t in pairs
+    }
+
+
+def adaptive_gamma(costs: Mapping[str, dict], gamma_min: int, gamma_max: int, window: int):
+    """``make(draft, target)``: a fresh AdaptiveGamma priced with that pair's measured costs."""
+
+    def make(draft: str, target: str) -> AdaptiveGamma:
+        cost = costs[pair_name(draft, target)]
+        return AdaptiveGamma(
+            gamma_min,
+            gamma_max,
+            window,
+            cost_ratio=cost["cost_ratio"],
+            verify_cost=cost["verify_cost"],
+        )
+
+    return make
 
 
 def _device(model: torch.nn.Module) -> torch.device:
@@ -96,7 +129,7 @@ def acceptance_table(
     *,
     pairs: Iterable[tuple[str, str]] | None = None,
     gamma: int = 4,
-    adaptive: Callable[[str, str], AdaptiveGamma] | None = None,
+    adaptive: Adaptive | None = None,
     temperature: float = 1.0,
     temperature_schedule: bool = False,
     new_tokens: int = 32,
@@ -104,41 +137,24 @@ def acceptance_table(
     batch_size: int = 8,
     seed: int = 0,
 ) -> Table:
-    """Acceptance (and optionally speed) of every (draft, target) pair on every scenario.
+    """{"draft@target": {scenario: {"alpha_tf", "alpha", "acceptance_rate", "tau", "gamma"}}}.
 
-    Args:
-        targets: {name: causal LM} verifying models (eval mode).
-        drafts: {name: causal LM} proposing models with the targets' tokenizer.
-        scenarios: {scenario: prompts}, prompts of one scenario sharing one length.
-        pairs: (draft, target) names to measure; default every combination.
-        gamma: draft length per round (without ``adaptive``).
-        adaptive: ``adaptive(draft, target)`` gives a fresh adaptive draft length for a pair,
-            one per scenario (its cost ratio measured on that pair); None = fixed ``gamma``.
-        temperature: decoding temperature of both models (0 = greedy).
-        temperature_schedule: the draft samples on the decoding-step temperature schedule.
-        new_tokens: tokens generated after each prompt.
-        max_prompts: prompts per scenario used for decoding (all of them for alpha_tf).
-        batch_size: prompts per teacher-forced forward.
-        seed: sampling seed (prompt i uses seed + i).
-
-    Returns:
-        {"draft@target": {scenario: {"alpha_tf", "alpha", "acceptance_rate", "tau", "gamma"}}}.
+    ``pairs`` default to every combination; ``adaptive(draft, target)`` gives a fresh window per
+    scenario (None: fixed ``gamma``); ``max_prompts`` per scenario are decoded, prompt i with
+    seed + i, while alpha_tf uses all of them; temperature 0 is greedy.
     """
     pairs = list(pairs) if pairs is not None else [(d, t) for t in targets for d in drafts]
     table: Table = {}
     cells = [(d, t, scen) for d, t in pairs for scen in scenarios]
-    # Decoding is the long part (a prompt takes seconds on a large model): off a terminal a log
-    # line at most every 30 s, counting prompts over every cell. `zip` asks `decoded` for the
-    # next count as each prompt starts, which counts the one before it as done.
+    # `zip` asks `decoded` for the next count as each prompt starts, counting the last one done.
     n_decode = sum(len(scenarios[scen][:max_prompts]) for _, _, scen in cells)
     decoded = iter(progress(range(n_decode), "acceptance: prompts decoded", unit="prompt"))
     for draft_name, target_name, scen in cells:
         target, draft = targets[target_name], drafts[draft_name]
-        dev = _device(target)
         ids = torch.as_tensor(scenarios[scen], dtype=torch.long)  # (N, L)
         batches = [ids[i : i + batch_size] for i in range(0, len(ids), batch_size)]
         m = {"alpha_tf": teacher_forced_acceptance(target, draft, batches, temperature)}
-        decode = [p[None].to(dev) for p in ids[:max_prompts]]
+        decode = [p[None].to(_device(target)) for p in ids[:max_prompts]]
         window = adaptive(draft_name, target_name) if adaptive is not None else None
 
         def spec(x, g, target=target, draft=draft, window=window):
@@ -174,17 +190,25 @@ def column(table: Table, pair: str, metric: str = "alpha") -> dict[str, float]:
     return values
 
 
+def report_acceptance(table: Table, out_dir: Path) -> dict[str, dict[str, float]]:
+    """``{pair: {scenario: alpha, "mean": ...}}``; logs alpha and tau, plots acceptance.png."""
+    import matplotlib.pyplot as plt
+
+    alpha = {pair: column(table, pair, "alpha") for pair in table}
+    for pair, per in alpha.items():
+        log.info("evaluate: α %-36s %s", pair, "  ".join(f"{s} {v:.3f}" for s, v in per.items()))
+        tau = column(table, pair, "tau")["mean"]
+        log.info("evaluate: τ %-36s %.2f tokens per target call", pair, tau)
+    fig = plot_acceptance(alpha, ylabel="on-line acceptance α", title="acceptance per scenario")
+    fig.savefig(out_dir / "acceptance.png", dpi=120)
+    plt.close(fig)  # pyplot keeps every open figure alive
+    return alpha
+
+
 def plot_acceptance(
     series: Mapping[str, Mapping[str, float]], *, ylabel: str = "acceptance", title: str = ""
 ):
-    """Grouped bars: one group per scenario, one bar per series (e.g. before / after).
-
-    Args:
-        series: {label: {scenario: value}}, e.g. from :func:`column`.
-
-    Returns:
-        The matplotlib Figure (the caller saves or logs it).
-    """
+    """Grouped bars, one group per scenario and one bar per series; returns the Figure."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display on cluster nodes

@@ -17,9 +17,9 @@ import datasets.config
 import pytest
 import torch
 
-from pipeline.analysis.harness import LmEvalConfig, lm_eval_metrics, run_lm_eval
 from pipeline.config import parse
 from pipeline.errors import ConfigError, LowbitError
+from pipeline.evaluation.harness import LmEvalConfig, lm_eval_metrics, run_lm_eval
 from pipeline.models.hf import save_hf, train_tokenizer
 from pipeline.models.quantized import load_quantized, save_quantized_model
 from pipeline.quant.fakequant import FakeQuantLinear

@@ -1,8 +1,8 @@
-"""Per-scenario acceptance tables and their plot."""
+"""Per-scenario acceptance tables, their plot, the pairs a run measures and their costs."""
 
 import torch
 
-from pipeline.speculative.evaluation import acceptance_table, column, plot_acceptance
+from pipeline.evaluation.acceptance import acceptance_table, column, plot_acceptance
 
 VOCAB = 64
 
@@ -71,7 +71,7 @@ def test_adaptive_draft_length_per_pair_and_scenario(target, stranger):
 
 
 def test_the_temperature_schedule_reaches_the_decoder(target, stranger, monkeypatch):
-    from pipeline.speculative import evaluation
+    from pipeline.evaluation import acceptance as evaluation
 
     seen = []
     real = evaluation.speculative_generate
@@ -87,3 +87,50 @@ def test_the_temperature_schedule_reaches_the_decoder(target, stranger, monkeypa
             temperature_schedule=on,
         )  # fmt: skip
     assert seen == [False, False, True, True]
+
+
+def test_the_adaptive_draft_length_is_priced_with_the_measured_costs(monkeypatch):
+    from pipeline.evaluation import acceptance
+    from tests.speculative.conftest import perturbed, tiny_llama
+
+    # Stand-in timings (cost.py's own tests time real models): c by draft, v by gamma.
+    timed = []
+
+    def cost_ratio(target, draft, input_ids):
+        timed.append(("c", draft.tag))
+        return {"near": 0.5, "small": 0.05}[draft.tag]
+
+    def verify_cost(target, gammas, input_ids):
+        timed.append(("v", target.tag))
+        return {g: 1.0 + g / 10 for g in gammas}
+
+    monkeypatch.setattr(acceptance, "measure_cost_ratio", cost_ratio)
+    monkeypatch.setattr(acceptance, "measure_verify_cost", verify_cost)
+    target = tiny_llama(0)
+    models = {"t": target, "near": perturbed(target, 0.004, seed=1), "small": tiny_llama(2)}
+    for name, m in models.items():
+        m.tag = name
+    pairs = [("near", "t"), ("small", "t")]
+    costs = acceptance.measure_costs(models, pairs, list(range(16)), range(2, 6))
+    assert sorted(timed) == [("c", "near"), ("c", "small"), ("v", "t")]  # v once per target
+    assert costs["small@t"]["cost_ratio"] == 0.05 and costs["near@t"]["cost_ratio"] == 0.5
+    assert costs["near@t"]["verify_cost"] == {2: 1.2, 3: 1.3, 4: 1.4, 5: 1.5}
+    make = acceptance.adaptive_gamma(costs, 2, 5, 64)
+    window = make("small", "t")
+    assert window.cost_ratio == 0.05 and window.verify_cost == costs["small@t"]["verify_cost"]
+    assert (window.gamma_min, window.gamma_max, window._rounds.maxlen) == (2, 5, 64)
+    assert make("small", "t") is not window  # a fresh window per scenario
+
+
+def test_run_pairs_take_the_final_low_bit_target_and_self_speculation():
+    from pipeline.evaluation.acceptance import run_pairs
+
+    assert run_pairs(["target_fp"], ["draft_fp"]) == [("draft_fp", "target_fp")]
+    targets = ["target_fp", "target_quantized", "target_distilled"]
+    assert run_pairs(targets, ["draft_fp", "draft_reinforced"]) == [
+        ("draft_fp", "target_fp"),
+        ("draft_fp", "target_distilled"),
+        ("draft_reinforced", "target_distilled"),
+        ("target_distilled", "target_fp"),
+    ]
+    assert run_pairs(["target_fp", "target_quantized"], []) == [("target_quantized", "target_fp")]

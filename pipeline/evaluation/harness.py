@@ -1,18 +1,7 @@
-"""Downstream tasks through EleutherAI's lm-evaluation-harness, on models already in memory.
+"""Downstream tasks through lm-evaluation-harness on models in memory: did the drift change answers?
 
-Perplexity says how far a low-bit model drifted; a multiple-choice benchmark says whether the
-drift changes its answers. :func:`run_lm_eval` wraps each model (FP or ``load_quantized``: both
-are transformers ``PreTrainedModel`` instances, the latter with ``FakeQuantLinear`` modules)
-in lm-eval's ``HFLM`` and runs ``simple_evaluate`` on the configured tasks, so the numbers are
-lm-eval's own and comparable with published ones (same prompts, same default seeds).
-
-Nothing is downloaded: the call runs with the hub and datasets offline, so a task's data must
-be in the local datasets cache or in files named by a task YAML under ``include_path``. Every
-task is loaded once before any model runs, so missing data or an unknown name fails fast with
-one message naming the task; the process keeps its environment and RNG state afterwards.
-
-Trade-off: lm-eval is an optional dependency (``pip install 'lowbit[eval]'``), imported only
-when tasks are configured; the stage works without it when ``tasks`` is empty.
+Scores are lm-eval's own (``simple_evaluate`` on ``HFLM``), comparable with published ones. Nothing
+is downloaded: task data comes from the local datasets cache or task YAMLs under ``include_path``.
 """
 
 from __future__ import annotations
@@ -43,20 +32,12 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class LmEvalConfig:
-    """lm-eval tasks run on every target model; an empty ``tasks`` list turns them off.
+    """lm-eval tasks run on every target model; an empty ``tasks`` list turns them off."""
 
-    Attributes:
-        tasks: lm-eval task (or group) names, built-in or defined under ``include_path``.
-        num_fewshot: Few-shot examples per prompt; None keeps each task's default.
-        limit: Documents per task: an int count, or a float in (0, 1) for a fraction.
-        include_path: A directory of extra task YAMLs (e.g. a local copy of a benchmark).
-        batch_size: Requests per forward pass.
-    """
-
-    tasks: list[str] = field(default_factory=list)
-    num_fewshot: int | None = None
-    limit: int | float | None = None
-    include_path: str | None = None
+    tasks: list[str] = field(default_factory=list)  # task or group names
+    num_fewshot: int | None = None  # None keeps each task's default
+    limit: int | float | None = None  # documents per task: a count, or a fraction in (0, 1)
+    include_path: str | None = None  # a directory of extra task YAMLs
     batch_size: int = 8
 
     def check(self, prefix: str) -> None:
@@ -85,23 +66,11 @@ class LmEvalConfig:
 def run_lm_eval(
     models: dict[str, nn.Module], tokenizer: Any, cfg: LmEvalConfig, device: torch.device | str
 ) -> dict[str, dict[str, dict[str, float]]]:
-    """Run ``cfg.tasks`` on every model with lm-eval.
+    """``{model: {task: {metric: value}}}`` of ``cfg.tasks`` (empty without tasks).
 
-    Args:
-        models: ``{name: causal LM}``, transformers ``PreTrainedModel`` instances (FP or
-            loaded by ``load_quantized``). Each is moved to ``device`` for its run and back.
-        tokenizer: The HF tokenizer shared by the models.
-        cfg: Tasks and their settings.
-        device: Where the models run.
-
-    Returns:
-        ``{model name: {task: {metric: value}}}`` with lm-eval's numeric metrics (``acc``,
-        ``acc_norm``, ``acc_stderr``...); a metric under a filter other than ``none`` is named
-        ``<metric>_<filter>``. Empty when ``cfg.tasks`` is.
-
-    Raises:
-        LowbitError: lm-eval is missing, a task is unknown, or its data is not available
-            offline; the message names the task and ``include_path``.
+    Each model moves to ``device`` for its run and back. A metric under a filter other than
+    ``none`` is named ``<metric>_<filter>``. Raises LowbitError naming the task when lm-eval is
+    missing, a task is unknown or its data is not available offline.
     """
     if not cfg.tasks:
         return {}
@@ -117,15 +86,16 @@ def run_lm_eval(
     out: dict[str, dict[str, dict[str, float]]] = {}
     with _isolated(torch.device(device)):
         manager = TaskManager(include_path=cfg.include_path)
-        for task in cfg.tasks:  # build each task once up front: a bad name or missing data
-            try:  # fails here, in one line, and a failure inside a model run stays visible
+        for task in cfg.tasks:  # a bad name or missing data fails here, before any model runs
+            try:
                 get_task_dict([task], manager)
             except Exception as err:  # lm-eval raises KeyError, ValueError, OSError, ...
                 raise LowbitError(_task_error(task, cfg, err)) from None
         for name, model in models.items():
             home = next(model.parameters()).device
-            lm = HFLM(pretrained=model.to(device).eval(), tokenizer=tokenizer,
-                      batch_size=cfg.batch_size)  # fmt: skip
+            lm = HFLM(
+                pretrained=model.to(device).eval(), tokenizer=tokenizer, batch_size=cfg.batch_size
+            )
             try:
                 results = lm_eval.simple_evaluate(
                     model=lm,
@@ -185,18 +155,17 @@ def _fmt(metrics: dict[str, float]) -> str:
 
 @contextlib.contextmanager
 def _isolated(device: torch.device) -> Iterator[None]:
-    """Hub and datasets offline, and the caller's RNG state back afterwards.
-
-    huggingface_hub and datasets read their offline switches once, at import, so the module
-    flags are set along with the environment. simple_evaluate reseeds python, numpy and torch
-    with lm-eval's defaults (kept: they make scores comparable); the states are restored.
-    """
+    """Hub and datasets offline (their module flags too: read once, at import), and the RNG
+    states simple_evaluate reseeds restored afterwards."""
     import datasets.config
     import huggingface_hub.constants as hub
 
     env = {k: os.environ.get(k) for k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")}
-    flags = [(hub, "HF_HUB_OFFLINE"), (datasets.config, "HF_HUB_OFFLINE"),
-             (datasets.config, "HF_DATASETS_OFFLINE")]  # fmt: skip
+    flags = [
+        (hub, "HF_HUB_OFFLINE"),
+        (datasets.config, "HF_HUB_OFFLINE"),
+        (datasets.config, "HF_DATASETS_OFFLINE"),
+    ]
     saved = [(mod, name, getattr(mod, name)) for mod, name in flags if hasattr(mod, name)]
     py_rng, np_rng = random.getstate(), np.random.get_state()
     os.environ.update(dict.fromkeys(env, "1"))

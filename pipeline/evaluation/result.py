@@ -1,0 +1,66 @@
+"""EvalResult: what the evaluate stage measured, the one reader and writer of its ``eval.json``."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+from pipeline import handoff
+from pipeline.evaluation.acceptance import column
+from pipeline.evaluation.harness import lm_eval_metrics
+
+SCHEMA_VERSION = 1  # files written before the version was recorded are version 1
+FILENAME = "eval.json"
+SCHEMA = "lowbit.eval"
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    """Every measurement of one run; pairs are keyed "draft@target", unmeasured fields empty."""
+
+    ppl: dict[str, float]
+    ppl_protocol: dict[str, int | str] | None = None  # split, window, windows, tokens scored
+    acceptance: dict[str, dict[str, float]] = field(default_factory=dict)  # on-line alpha
+    speculative: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
+    costs: dict[str, dict] | None = None  # {"cost_ratio": c, "verify_cost": {gamma: v}}
+    error_flow: dict[str, list[float]] = field(default_factory=dict)  # error after each layer
+    lm_eval: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
+    speed: dict | None = None  # pipeline.runtime.speed.decode_speed's result
+
+    @staticmethod
+    def path(out_dir: Path | str) -> Path:
+        return Path(out_dir) / FILENAME
+
+    def save(self, out_dir: Path | str) -> Path:
+        path = self.path(out_dir)
+        handoff.save(path, SCHEMA, SCHEMA_VERSION, asdict(self))
+        return path
+
+    @classmethod
+    def load(cls, out_dir: Path | str) -> EvalResult:
+        return handoff.load(cls.path(out_dir), SCHEMA, SCHEMA_VERSION, "evaluate", cls._build)
+
+    @classmethod
+    def _build(cls, raw: dict) -> EvalResult:
+        raw.pop("version", None)  # the key files written before the shared header used
+        known = {f.name for f in fields(cls)}
+        kwargs = {k: v for k, v in raw.items() if k in known}
+        kwargs["ppl"] = raw["ppl"]
+        for cost in (kwargs.get("costs") or {}).values():  # JSON keys are strings; gamma is int
+            cost["verify_cost"] = {int(g): v for g, v in cost["verify_cost"].items()}
+        return cls(**kwargs)
+
+    def metrics(self) -> dict[str, float]:
+        """Flat scalars for the tracker: ppl, last-layer drift, lm-eval, alpha, tau, speed."""
+        out = {f"ppl_{k}": v for k, v in self.ppl.items()}
+        out.update({f"error_flow_last_{k}": v[-1] for k, v in self.error_flow.items()})
+        out.update(lm_eval_metrics(self.lm_eval))
+        for pair, per in self.acceptance.items():
+            key = pair.replace("@", "-vs-")
+            out.update({f"alpha_{key}_{s}": v for s, v in per.items()})
+            out[f"tau_{key}_mean"] = column(self.speculative, pair, "tau")["mean"]
+        speed = self.speed or {"plain": {}, "speculative": {}}
+        out.update({f"tok_s_{k}": v["tokens_per_s"] for k, v in speed["plain"].items()})
+        for pair, v in speed["speculative"].items():
+            out[f"speedup_{pair.replace('@', '-vs-')}"] = v["speedup"]
+        return out
