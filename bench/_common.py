@@ -41,6 +41,14 @@ def compose(overrides: Sequence[str]):
         return hydra_compose(config_name="config", overrides=list(overrides))
 
 
+def stage_cfg(name: str, *overrides: str):
+    """The parsed ``stage.<name>`` that ``lowbit <overrides>`` would hand the stage."""
+    from pipeline.workflow import stage_config
+
+    quiet = [] if any(o.startswith("tracking=") for o in overrides) else ["tracking=none"]
+    return stage_config(compose([*quiet, *overrides]), name)[0]
+
+
 def quantize_uniform(
     src: str | Path, out_dir: Path, plan: dict[str, str], calib, *, quant, batch_size: int,
     work_dir: Path, dtype=None, stream: bool = True,

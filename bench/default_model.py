@@ -37,6 +37,7 @@ from bench._common import (
     quantize_uniform,
     report_goals,
     result_table,
+    stage_cfg,
     unmeasured,
     write_result,
 )
@@ -73,12 +74,11 @@ def rtn_ppl(model, fmt: str, win, names: set[str]) -> float:
 def gptq_ppl(target: Path, fmt: str, calib, win, names: list[str], q) -> float:
     from pipeline.models.hf import perplexity
     from pipeline.models.quantized import load_quantized
-    from pipeline.stages import quantize
 
     out = Path(tempfile.mkdtemp(prefix="lowbit-default-model-"))
     quantize_uniform(
         target, out / "model", {n: fmt for n in names}, calib,
-        quant=dataclasses.replace(q, method="gptq"), batch_size=quantize.CONFIG().batch_size,
+        quant=dataclasses.replace(q, method="gptq"), batch_size=stage_cfg("quantize").batch_size,
         work_dir=out / "work",
     )  # fmt: skip
     return perplexity(load_quantized(out / "model"), win)

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from bench._common import parsed_tables, write_result
+from bench._common import parsed_tables, stage_cfg, write_result
 
 RECIPES = ("int2g64", "int3g128", "int4g128", "int4g128-sym", "int8", "exp4g128")
 
@@ -124,7 +124,6 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     from pipeline.export import ExportError, export_artifact
     from pipeline.runtime import load
-    from pipeline.stages import export
 
     metrics: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -149,7 +148,9 @@ def main() -> None:
             qdir = quantize_dir(model, fp16, fmt, root / f"q-{fmt}")
             for target in ("lowbit", "ascend"):
                 art = root / f"a-{fmt}-{target}"
-                opts = export.CONFIG(format=target, widen=True).options()  # the rest: defaults
+                opts = stage_cfg(
+                    "export", f"stage.export.format={target}", "stage.export.widen=true"
+                ).options()
                 try:
                     manifest = export_artifact(qdir, art, opts)
                 except ExportError as e:

@@ -35,6 +35,7 @@ from bench._common import (
     goal,
     parsed_tables,
     report_goals,
+    stage_cfg,
     unmeasured,
     write_result,
 )
@@ -50,7 +51,6 @@ from pipeline.config import data_cfg
 from pipeline.data.text import Corpus
 from pipeline.dist import Dist
 from pipeline.models.hf import load_causal_lm, load_tokenizer
-from pipeline.stages import sensitivity
 
 
 def held_out_rho(predicted, measured, fit: list[str], held: list[str]) -> tuple[dict, dict]:
@@ -84,7 +84,8 @@ def fit_goals(held: dict[str, dict[str, float]], formats: list[str]) -> list[dic
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("target", help="FP target HF dir")
-    ap.add_argument("--fit-layers", type=int, default=sensitivity.CONFIG().fit_layers)
+    stage = stage_cfg("sensitivity")
+    ap.add_argument("--fit-layers", type=int, default=stage.fit_layers)
     ap.add_argument("--splits", type=int, default=50, help="random fit/held-out splits")
     ap.add_argument("--blocks-only", action="store_true", help="decoder-block linears only")
     ap.add_argument("--json", help="also write every measurement to this file")
@@ -98,7 +99,7 @@ def main() -> int:
         cfg.quant.calib.samples, cfg.quant.calib.seq_len, cfg.seed
     )  # (S, T): the stage's windows
     cands = list(cfg.quant.candidates)
-    probes = sensitivity.CONFIG().hutchinson_probes
+    probes = stage.hutchinson_probes
     t0 = time.time()
     reports = {m: analyze(model, calib, cands, m, probes=probes, seed=cfg.seed) for m in METHODS}
     predicted = {m: {la["name"]: la["dloss"] for la in r["layers"]} for m, r in reports.items()}

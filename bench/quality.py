@@ -52,6 +52,7 @@ from bench._common import (
     result_table,
     rss_mib,
     run_child,
+    stage_cfg,
     unmeasured,
     write_csv,
     write_result,
@@ -118,9 +119,9 @@ def lowbit_rows(args, base: list[str], target: Path, calib, win, fp_ppl: float) 
     from pipeline.models.adapters import linear_names
     from pipeline.models.hf import perplexity
     from pipeline.models.quantized import load_quantized
-    from pipeline.stages import quantize
 
     q = quant_cfg(compose(base))
+    batch = stage_cfg("quantize", *base).batch_size
     rows = []
     names = linear_names(AutoConfig.from_pretrained(target), include_lm_head=False)
     tmp = Path(tempfile.mkdtemp(prefix="lowbit-quality-"))
@@ -132,7 +133,7 @@ def lowbit_rows(args, base: list[str], target: Path, calib, win, fp_ppl: float) 
                 rep = quantize_uniform(
                     target, out / "model", {n: fmt for n in names}, calib,
                     quant=dataclasses.replace(q, method=method),
-                    batch_size=quantize.CONFIG().batch_size, work_dir=out / "work",
+                    batch_size=batch, work_dir=out / "work",
                 )  # fmt: skip
                 seconds = time.perf_counter() - t0
             ppl = perplexity(load_quantized(out / "model"), win)

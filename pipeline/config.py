@@ -168,7 +168,7 @@ class ModelConfig:
     """The target and its draft. The defaults are the embedded ones: the bootstrap stage trains
     them on the built-in corpus (no hub downloads), sized so that in about six minutes on 2 CPU
     cores the target is trained far enough to react to quantization as real LLMs do (RTN int2g64
-    costs it > 8% perplexity; see docs/benchmarks.md)."""
+    costs it > 8% perplexity: `bench/default_model.py` checks it)."""
 
     target: ModelSpec = field(default_factory=ModelSpec)
     # A user target with a null draft path: no draft (the target drafts for itself).
@@ -272,7 +272,7 @@ class QuantConfig:
     outlier_cap: float = 0.01  # largest fraction of a layer's input columns kept
     calib: CalibConfig = field(default_factory=CalibConfig)
 
-    # Derived views a stage may read when its SECTIONS hold the fields they derive from.
+    # Derived views a stage may read when its `sections` hold the fields they derive from.
     DERIVED: ClassVar[dict[str, tuple[str, ...]]] = {"formats": ("candidates",)}
 
     @functools.cached_property
@@ -366,7 +366,7 @@ SHARED: dict[str, type] = {
     "quant": QuantConfig,
     "tracking": TrackingConfig,
 }
-# The sections a stage may list in its SECTIONS, whole (`quant`) or by field (`quant.calib`).
+# The sections a stage may list in its `sections`, whole (`quant`) or by field (`quant.calib`).
 RUN_SECTIONS = ("name", "model", "data", "quant", "trainer")
 
 
@@ -378,7 +378,7 @@ def _plain(value: Any) -> Any:
 
 
 class Fields:
-    """Some fields of a parsed section: what a stage gets when its SECTIONS names them
+    """Some fields of a parsed section: what a stage gets when its `sections` names them
     (`quant.calib`) rather than the whole section. Reading any other field raises, so a field the
     stage reads is always one its fingerprint holds (sensitivity is not rerun when only
     `quant.budget_bits` changes, and cannot read it by mistake)."""
@@ -394,7 +394,7 @@ class Fields:
             return getattr(self._source, name)
         if name not in self._values:
             raise AttributeError(
-                f"{self._section}.{name} is not in the stage's SECTIONS (it lists "
+                f"{self._section}.{name} is not in the stage's sections (it lists "
                 f"{', '.join(f'{self._section}.{k}' for k in self._values)}); add it there"
             )
         return self._values[name]
@@ -409,7 +409,7 @@ class Fields:
 @dataclass(frozen=True)
 class RunConfig:
     """The run-wide settings a stage receives beside its own `stage.<name>`: the sections it lists
-    in SECTIONS, the others None, so its fingerprint holds only what it reads."""
+    in `sections`, the others None, so its fingerprint holds only what it reads."""
 
     seed: int
     name: str | None = None

@@ -14,7 +14,6 @@ import logging
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 from pipeline import __version__, stages
@@ -31,24 +30,23 @@ PENDING = "<pending>"
 
 @dataclass(frozen=True)
 class Stage:
-    """A stage as the workflow runs it: its module and the parsed configs `run` receives."""
+    """A stage as the workflow runs it: its declaration and the parsed configs `run` receives."""
 
     name: str
-    mod: ModuleType
-    cfg: Any  # the parsed stage.<name> (an instance of mod.CONFIG)
-    run: RunConfig  # only the sections mod.SECTIONS lists are set
+    decl: Any  # its pipeline.stages.Stage
+    cfg: Any  # the parsed stage.<name> (an instance of decl.config)
+    run: RunConfig  # only the sections decl.sections lists are set
 
     def skip_reason(self) -> str | None:
-        skip = getattr(self.mod, "skip_reason", None)
+        skip = self.decl.skip_reason
         return skip(self.cfg, self.run) if skip else None
 
     def check(self) -> None:
-        check = getattr(self.mod, "check", None)
-        if check:
-            check(self.cfg, self.run)
+        if self.decl.check:
+            self.decl.check(self.cfg, self.run)
 
     def reads(self) -> set[str]:
-        return set(self.mod.NEEDS) | set(getattr(self.mod, "USES", ()))
+        return set(self.decl.needs) | set(self.decl.uses)
 
     def config_record(self) -> dict[str, Any]:
         """The config the fingerprint hashes, as plain JSON values (kept in `_done.json`)."""

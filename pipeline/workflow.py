@@ -1,7 +1,7 @@
 """Runs the configured stages in order, each exactly once per fingerprint.
 
 The config is parsed once (`plan`); each stage's `run(cfg, run, io)` gets its parsed
-`stage.<name>`, a RunConfig of the sections it lists in SECTIONS, and a StageIO, and
+`stage.<name>`, a RunConfig of the sections it lists, and a StageIO, and
 `pipeline.stageplan` decides from their fingerprint which stages run. A stage writes into
 `<run_dir>/.<stage>.tmp/`, renamed into place with its `_done.json`, so a crash never leaves a
 half-written stage folder; crash-surviving work goes to `<run_dir>/.work/<stage>-<fingerprint>/`.
@@ -53,9 +53,9 @@ log = logging.getLogger(__name__)
 
 def make_stage(cfg: DictConfig, name: str, run: RunConfig) -> Stage:
     """Parse `stage.<name>` and cut the stage's view of `run` (every section parsed)."""
-    mod = stages.load(name)
-    parsed = parse(cfg.get("stage", {}).get(name), mod.CONFIG, f"stage.{name}")
-    return Stage(name, mod, parsed, run.view(tuple(mod.SECTIONS)))
+    decl = stages.load(name)
+    parsed = parse(cfg.get("stage", {}).get(name), decl.config, f"stage.{name}")
+    return Stage(name, decl, parsed, run.view(tuple(decl.sections)))
 
 
 def stage_config(cfg: DictConfig, name: str) -> tuple[Any, RunConfig]:
@@ -105,7 +105,7 @@ def plan(cfg: DictConfig, run_dir: Path) -> Plan:
     chosen = [make_stage(cfg, name, run) for name in selected]
     for stage in chosen:
         stage.check()
-        for need in stage.mod.NEEDS:
+        for need in stage.decl.needs:
             if need in selected or read_done(run_dir / need) is not None:
                 continue
             if not make_stage(cfg, need, run).skip_reason():
@@ -302,8 +302,8 @@ def _run_stage(step: Step, run_dir: Path, dist: Dist, tracker: Tracker) -> dict:
     with _stage_log(log_path):
         log.info("%-12s running (fingerprint %s) on %s: %s", name, fp[:12], device_line(), step.why)
         try:
-            runs_here = stage.mod.DISTRIBUTED or dist.is_main
-            metrics = stage.mod.run(stage.cfg, stage.run, io) if runs_here else {}
+            runs_here = stage.decl.distributed or dist.is_main
+            metrics = stage.decl.run(stage.cfg, stage.run, io) if runs_here else {}
         except BaseException as e:  # KeyboardInterrupt too: the run is marked, the tmp dir dropped
             error = e
             metrics = {}

@@ -76,7 +76,7 @@ def test_every_option_composes_and_every_key_is_known(override, tmp_path):
     for name, schema in SHARED.items():
         parse(cfg[name], schema, name)
     for name in stages.ORDER:
-        parse(cfg.stage[name], stages.load(name).CONFIG, f"stage.{name}")
+        parse(cfg.stage[name], stages.load(name).config, f"stage.{name}")
     trainer_kwargs(cfg.trainer)
     assert set(cfg.stage) == set(stages.ORDER)
     for name in cfg.stages:  # and the checks across sections of the stages it runs
@@ -92,7 +92,7 @@ def test_the_default_config_is_the_dataclass_defaults(monkeypatch):
         composed.update(flat(parse(cfg[name], schema, name), f"{name}."))
         defaults.update(flat(schema(), f"{name}."))
     for name in stages.ORDER:
-        schema = stages.load(name).CONFIG
+        schema = stages.load(name).config
         composed.update(flat(parse(cfg.stage[name], schema, f"stage.{name}"), f"stage.{name}."))
         defaults.update(flat(schema(), f"stage.{name}."))
     assert set(composed) == set(defaults)
@@ -127,7 +127,7 @@ def test_overrides_reach_the_parsed_config(overrides, key, value):
     section, rest = key.split(".", 1)
     if section == "stage":
         name, field = rest.split(".", 1)
-        got = flat(parse(cfg.stage[name], stages.load(name).CONFIG, f"stage.{name}"))[field]
+        got = flat(parse(cfg.stage[name], stages.load(name).config, f"stage.{name}"))[field]
     else:
         got = flat(parse(cfg[section], SHARED[section], section))[rest]
     assert got == value

@@ -126,3 +126,11 @@ def test_detects_a_cycle():
     # the checker itself: a planted cycle is found, a chain is not
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "bench").glob("*.py")), ids=lambda p: p.name)
+def test_benchmarks_import_engines_not_stages(path):
+    # the registry (pipeline.stages.register_configs, for Hydra's defaults) is not a stage
+    stage_modules = {f"pipeline.stages.{p.stem}" for p in (PACKAGE / "stages").glob("[!_]*.py")}
+    bad = sorted(_imports(path) & stage_modules)
+    assert not bad, f"{path.name} imports {bad}: use the engine below the stage"

@@ -6,8 +6,8 @@ smoke workflow test); they write files and count their runs.
 
 from __future__ import annotations
 
+import dataclasses
 import json
-import types
 from pathlib import Path
 
 import pytest
@@ -29,14 +29,7 @@ def toy(name, needs=(), sections=(), fail=None):
             raise RuntimeError(f"{name} crashed")
         return {"value": len(CALLS)}
 
-    return types.SimpleNamespace(
-        NEEDS=needs,
-        USES=(),
-        SECTIONS=sections,
-        DISTRIBUTED=False,
-        CONFIG=REAL[name].CONFIG,
-        run=run,
-    )
+    return stages.Stage(config=REAL[name].config, run=run, sections=sections, needs=needs)
 
 
 REAL = {name: stages.load(name) for name in ("bootstrap", "sensitivity", "evaluate")}
@@ -87,9 +80,9 @@ def test_a_stage_gets_its_parsed_config_and_only_its_sections(toy_stages, tmp_pa
         seen.update(cfg=cfg, run=run, io=io)
         return {}
 
-    toy_stages["sensitivity"].run = run
+    toy_stages["sensitivity"] = dataclasses.replace(toy_stages["sensitivity"], run=run)
     workflow.run(cfg(tmp_path, "stage.sensitivity.batch_size=3"))
-    assert isinstance(seen["cfg"], REAL["sensitivity"].CONFIG) and seen["cfg"].batch_size == 3
+    assert isinstance(seen["cfg"], REAL["sensitivity"].config) and seen["cfg"].batch_size == 3
     got = seen["run"]
     assert got.seed == 0 and got.quant.budget_bits == 3.0
     assert got.model is None and got.data is None and got.trainer is None and got.name is None
@@ -114,12 +107,13 @@ def test_a_stage_listing_fields_gets_only_those_and_reruns_only_for_them(toy_sta
         seen["run"] = run
         return {}
 
-    toy_stages["sensitivity"].SECTIONS = ("quant.candidates", "quant.calib")
-    toy_stages["sensitivity"].run = run
+    toy_stages["sensitivity"] = dataclasses.replace(
+        toy_stages["sensitivity"], sections=("quant.candidates", "quant.calib"), run=run
+    )
     workflow.run(cfg(tmp_path))
     q = seen["run"].quant
     assert q.calib.samples == 64 and len(q.candidates) > 1
-    with pytest.raises(AttributeError, match="quant.budget_bits is not in the stage's SECTIONS"):
+    with pytest.raises(AttributeError, match="quant.budget_bits is not in the stage's sections"):
         q.budget_bits  # noqa: B018
     CALLS.clear()
     workflow.run(cfg(tmp_path, "quant.budget_bits=2.5"))
@@ -133,8 +127,10 @@ def test_check_and_skip_reason_get_the_parsed_config(toy_stages, tmp_path):
         if run.quant.budget_bits < 2:
             raise ConfigError("quant.budget_bits", "is too low for this toy")
 
-    toy_stages["sensitivity"].check = check
-    toy_stages["evaluate"].skip_reason = lambda cfg, run: f"gamma is {cfg.gamma}"
+    toy_stages["sensitivity"] = dataclasses.replace(toy_stages["sensitivity"], check=check)
+    toy_stages["evaluate"] = dataclasses.replace(
+        toy_stages["evaluate"], skip_reason=lambda cfg, run: f"gamma is {cfg.gamma}"
+    )
     with pytest.raises(ConfigError, match="too low"):
         workflow.run(cfg(tmp_path, "quant.budget_bits=1.5"))
     assert CALLS == []
@@ -152,14 +148,18 @@ def test_force_reruns_chosen_stages(toy_stages, tmp_path):
 
 
 def test_crash_keeps_earlier_stages_and_leaves_no_partial_folder(toy_stages, tmp_path):
-    toy_stages["sensitivity"].run = toy("sensitivity", fail=lambda io: True).run
+    toy_stages["sensitivity"] = dataclasses.replace(
+        toy_stages["sensitivity"], run=toy("sensitivity", fail=lambda io: True).run
+    )
     with pytest.raises(StageFailed, match="sensitivity failed: RuntimeError: sensitivity crashed"):
         workflow.run(cfg(tmp_path))
     assert (tmp_path / "bootstrap" / "_done.json").exists()
     assert not (tmp_path / "sensitivity").exists()
     assert not list(tmp_path.glob(".sensitivity.tmp*"))
     # The next run resumes at the crashed stage.
-    toy_stages["sensitivity"].run = toy("sensitivity").run
+    toy_stages["sensitivity"] = dataclasses.replace(
+        toy_stages["sensitivity"], run=toy("sensitivity").run
+    )
     CALLS.clear()
     workflow.run(cfg(tmp_path))
     assert CALLS == ["sensitivity", "evaluate"]
@@ -168,7 +168,9 @@ def test_crash_keeps_earlier_stages_and_leaves_no_partial_folder(toy_stages, tmp
 def test_failed_rerun_keeps_the_previous_result(toy_stages, tmp_path):
     workflow.run(cfg(tmp_path))
     before = (tmp_path / "evaluate" / "_done.json").read_text()
-    toy_stages["evaluate"].run = toy("evaluate", fail=lambda io: True).run
+    toy_stages["evaluate"] = dataclasses.replace(
+        toy_stages["evaluate"], run=toy("evaluate", fail=lambda io: True).run
+    )
     with pytest.raises(StageFailed):
         workflow.run(cfg(tmp_path, "data.eval_windows=5"))
     assert (tmp_path / "evaluate" / "_done.json").read_text() == before
@@ -176,7 +178,9 @@ def test_failed_rerun_keeps_the_previous_result(toy_stages, tmp_path):
 
 def test_a_crash_is_one_line_and_its_traceback_is_in_the_stage_log(toy_stages, tmp_path, caplog):
     caplog.set_level("INFO")  # as the CLI's logging config does
-    toy_stages["sensitivity"].run = toy("sensitivity", fail=lambda io: True).run
+    toy_stages["sensitivity"] = dataclasses.replace(
+        toy_stages["sensitivity"], run=toy("sensitivity", fail=lambda io: True).run
+    )
     with pytest.raises(StageFailed) as err:
         workflow.run(cfg(tmp_path))
     line = str(err.value)
@@ -336,7 +340,7 @@ def test_each_stage_reports_its_own_peak_memory_and_device(toy_stages, tmp_path,
         (io.out_dir / "out.txt").write_text(str(float(block.sum())))
         return {}
 
-    toy_stages["bootstrap"].run = hungry
+    toy_stages["bootstrap"] = dataclasses.replace(toy_stages["bootstrap"], run=hungry)
     caplog.set_level("INFO")
     done = workflow.run(cfg(tmp_path))
     peaks = {s: done[s]["metrics"]["peak_rss_mib"] for s in ("bootstrap", "sensitivity")}

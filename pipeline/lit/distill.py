@@ -38,7 +38,7 @@ class DistillHParams:
     weight_lr: float = 1e-5  # latent weights, when `weights` trains (train.lr: scales, norms)
     float_lr: float = 2e-3  # embeddings and lm_head, when `float` trains
     weight_decay: float = 0.0
-    # `weights` made the default target worse at every lr tried (docs/benchmarks.md).
+    # `weights` made the default target worse at every lr tried (`bench/distill_effect.py`).
     trainable: list[str] = field(default_factory=lambda: ["scales", "norms", "float"])
     alpha: float = 1.0  # weight of KL(p_teacher || p_student) at temperature tau
     beta: float = 0.1  # weight of the per-layer matching term (0 disables it)

@@ -14,7 +14,7 @@ from torch import Tensor, nn
 from pipeline.runtime import cpu_ext
 
 NAME = "f32rows"  # the kernel name ``kernel_summary`` reports
-MIN_ROWS, MAX_ROWS = 1, 12  # the token rows where it beats sgemm (docs/benchmarks.md)
+MIN_ROWS, MAX_ROWS = 1, 12  # the token rows where it beats sgemm (`bench/float_rows.py`)
 MIN_BYTES = 4 * 2**20  # smaller weights stay on F.linear: not measured to gain
 
 

@@ -1,24 +1,18 @@
-"""The stages, one module each, run in ORDER. A stage module exposes:
+"""The stages, one module each, run in ORDER; each declares itself as `STAGE = Stage(...)`.
 
-NEEDS: tuple[str, ...]      earlier stages whose outputs it requires
-USES: tuple[str, ...]       earlier stages whose outputs it uses when they exist
-SECTIONS: tuple[str, ...]   run-wide sections it reads, from pipeline.config.RUN_SECTIONS
-DISTRIBUTED: bool           run on every rank (True) or on rank 0 while the others wait
-CONFIG: type                the frozen dataclass of `stage.<name>`: its keys and defaults
-
-run(cfg, run, io) -> dict            do the work into io.out_dir, return metrics; `cfg` is the
-                                     parsed stage.<name>, `run` a pipeline.config.RunConfig with
-                                     only SECTIONS set, `io` a StageIO
-check(cfg, run) -> None              (optional) checks across sections, before any compute
-skip_reason(cfg, run) -> str | None  (optional) why the stage is not needed with this config
+`run(cfg, run, io) -> dict` does the work into io.out_dir and returns metrics: `cfg` is the
+parsed stage.<name>, `run` a RunConfig with only `sections` set, `io` a StageIO. `check` (checks
+across sections, before any compute) and `skip_reason` (why the stage is not needed) are optional.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import ModuleType
+from typing import Any
 
 from pipeline.dist import Dist
 from pipeline.errors import ConfigError
@@ -64,10 +58,48 @@ class StageIO:
             return str(path)
 
 
-def load(name: str) -> ModuleType:
+@dataclass(frozen=True)
+class Stage:
+    """A stage's declaration: its config schema, its work and what it reads."""
+
+    config: type  # the frozen dataclass of `stage.<name>`: its keys and defaults
+    run: Callable[[Any, Any, StageIO], dict]
+    sections: tuple[str, ...]  # run-wide sections it reads (pipeline.config.RUN_SECTIONS)
+    needs: tuple[str, ...] = ()  # earlier stages whose outputs it requires
+    uses: tuple[str, ...] = ()  # earlier stages whose outputs it reads when they exist
+    distributed: bool = False  # run on every rank, or on rank 0 while the others wait
+    check: Callable[[Any, Any], None] | None = None
+    skip_reason: Callable[[Any, Any], str | None] | None = None
+
+    def problems(self, name: str) -> list[str]:
+        """What is wrong with this declaration as stage `name` (empty when nothing)."""
+        from pipeline.config import RUN_SECTIONS
+
+        earlier = ORDER[: ORDER.index(name)] if name in ORDER else ()
+        out = [] if dataclasses.is_dataclass(self.config) else ["config is not a dataclass"]
+        out += [f"{n} is not callable" for n in ("run", "check", "skip_reason")
+                if getattr(self, n) is not None and not callable(getattr(self, n))]  # fmt: skip
+        out += [f"reads {s!r}, not an earlier stage" for s in self.needs + self.uses
+                if s not in earlier]  # fmt: skip
+        out += [f"section {s!r} is not one of {RUN_SECTIONS}" for s in self.sections
+                if s.split(".")[0] not in RUN_SECTIONS]  # fmt: skip
+        return out
+
+
+def load(name: str) -> Stage:
+    """Stage `name`'s declaration, checked; a broken one fails here, before any stage runs."""
     if name not in ORDER:
         raise ConfigError("stages", f"contains unknown stage {name!r}", ", ".join(ORDER))
-    return importlib.import_module(f"pipeline.stages.{name}")
+    return _declared(name)
+
+
+def _declared(name: str) -> Stage:
+    stage = getattr(importlib.import_module(f"pipeline.stages.{name}"), "STAGE", None)
+    if not isinstance(stage, Stage):
+        raise TypeError(f"pipeline.stages.{name} must define STAGE = Stage(...)")
+    if problems := stage.problems(name):
+        raise TypeError(f"pipeline.stages.{name}.STAGE: {'; '.join(problems)}")
+    return stage
 
 
 def register_configs() -> None:
@@ -80,6 +112,6 @@ def register_configs() -> None:
     from pipeline.config import defaults_node
 
     # Not `load`, which tests replace with stand-ins.
-    schemas = {name: importlib.import_module(f"pipeline.stages.{name}").CONFIG for name in ORDER}
+    schemas = {name: _declared(name).config for name in ORDER}
     node = defaults_node(schemas)
     ConfigStore.instance().store(name=DEFAULTS_NODE, node=node)

@@ -20,12 +20,7 @@ from pipeline.config import ModelConfig, RunConfig, positive
 from pipeline.errors import ConfigError
 from pipeline.quant.allocate import check_budget, items_of, keep_float, kept_bits, make_plan
 from pipeline.quant.plan import BitPlan
-from pipeline.stages import StageIO
-
-NEEDS: tuple[str, ...] = ("sensitivity",)
-USES: tuple[str, ...] = ("bootstrap",)
-SECTIONS = ("model", "quant")
-DISTRIBUTED = False
+from pipeline.stages import Stage, StageIO
 
 log = logging.getLogger(__name__)
 
@@ -38,9 +33,6 @@ class AllocateConfig:
 
     def check(self, prefix: str) -> None:
         positive(prefix, max_units=self.max_units)
-
-
-CONFIG = AllocateConfig
 
 
 def _config_shapes(m: ModelConfig) -> LayerShapes | None:
@@ -131,3 +123,13 @@ def _plot(plan: BitPlan, shapes: dict, budget: float | None, out_dir: Path) -> N
         hline_label="budget",
         colors=colors,
     )
+
+
+STAGE = Stage(
+    config=AllocateConfig,
+    run=run,
+    needs=("sensitivity",),
+    uses=("bootstrap",),
+    sections=("model", "quant"),
+    check=check,
+)

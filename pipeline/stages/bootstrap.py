@@ -27,11 +27,7 @@ from pipeline.lit.trainer import (
     training_owned,
 )
 from pipeline.models.hf import new_llama, perplexity, save_hf, train_tokenizer
-from pipeline.stages import StageIO
-
-NEEDS: tuple[str, ...] = ()
-SECTIONS = ("model", "data", "trainer")
-DISTRIBUTED = True  # trains with the configured Lightning strategy on every rank
+from pipeline.stages import Stage, StageIO
 
 log = logging.getLogger(__name__)
 
@@ -61,9 +57,6 @@ class BootstrapConfig:
             lr=self.lr,
             checkpoint_every=self.checkpoint_every,
         )
-
-
-CONFIG = BootstrapConfig
 
 
 def skip_reason(cfg: BootstrapConfig, run: RunConfig) -> str | None:
@@ -172,3 +165,13 @@ def run(cfg: BootstrapConfig, run: RunConfig, io: StageIO) -> dict:
             save_hf(model, tokenizer, io.out_dir / tag)
     metrics.update(val_window=val.window, val_tokens=val.tokens)
     return metrics
+
+
+STAGE = Stage(
+    config=BootstrapConfig,
+    run=run,
+    sections=("model", "data", "trainer"),
+    distributed=True,  # trains with the configured Lightning strategy on every rank
+    check=check,
+    skip_reason=skip_reason,
+)

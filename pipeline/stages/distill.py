@@ -31,13 +31,8 @@ from pipeline.lit.fit import Selection, best_weights, check_fit_trainer, fit_val
 from pipeline.lit.losses import layer_weights
 from pipeline.models.hf import load_tokenizer
 from pipeline.models.quantized import save_quantized_model
-from pipeline.stages import StageIO
+from pipeline.stages import Stage, StageIO
 from pipeline.streaming.quant_report import QuantReport
-
-NEEDS: tuple[str, ...] = ("quantize",)
-USES: tuple[str, ...] = ("bootstrap",)
-SECTIONS: tuple[str, ...] = ("model", "data", "trainer")
-DISTRIBUTED = True  # every rank trains under the Lightning strategy
 
 log = logging.getLogger(__name__)
 
@@ -61,9 +56,6 @@ class DistillConfig(DistillHParams):
     def check(self, prefix: str) -> None:
         super().check(prefix)
         positive(prefix, seq_len=self.seq_len, val_windows=self.val_windows)
-
-
-CONFIG = DistillConfig
 
 
 def check(cfg: DistillConfig, run: RunConfig) -> None:
@@ -134,3 +126,14 @@ def _layer_errors(quantize_dir: Path) -> dict[str, float]:
         return QuantReport.load(quantize_dir).rel_output_error
     except LowbitError as e:
         raise LowbitError(f"{e}; or set stage.distill.layer_weights=uniform") from None
+
+
+STAGE = Stage(
+    config=DistillConfig,
+    run=run,
+    needs=("quantize",),
+    uses=("bootstrap",),
+    sections=("model", "data", "trainer"),
+    distributed=True,  # every rank trains under the Lightning strategy
+    check=check,
+)

@@ -27,12 +27,7 @@ from pipeline.evaluation.result import EvalResult
 from pipeline.evaluation.speed import runtime_speed
 from pipeline.models.hf import load_tokenizer
 from pipeline.models.quantized import load_model
-from pipeline.stages import StageIO
-
-NEEDS: tuple[str, ...] = ("bootstrap",)
-USES: tuple[str, ...] = ("quantize", "distill", "reinforce")
-SECTIONS = ("model", "data")
-DISTRIBUTED = False
+from pipeline.stages import Stage, StageIO
 
 
 @dataclass(frozen=True)
@@ -83,9 +78,6 @@ class EvaluateConfig:
         for i, s in enumerate(self.scenarios):
             if s not in SCENARIOS:
                 raise ConfigError(f"{prefix}.scenarios[{i}]", f"is {s!r}", ", ".join(SCENARIOS))
-
-
-CONFIG = EvaluateConfig
 
 
 def _models(run: RunConfig, inputs: dict) -> tuple[dict, dict]:
@@ -174,3 +166,12 @@ def run(cfg: EvaluateConfig, run: RunConfig, io: StageIO) -> dict:
     result = EvalResult(**fields)
     result.save(io.out_dir)
     return result.metrics()
+
+
+STAGE = Stage(
+    config=EvaluateConfig,
+    run=run,
+    needs=("bootstrap",),
+    uses=("quantize", "distill", "reinforce"),
+    sections=("model", "data"),
+)

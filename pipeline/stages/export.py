@@ -22,14 +22,7 @@ from pipeline.config import RunConfig, positive
 from pipeline.errors import ConfigError, LowbitError
 from pipeline.export import ExportError, ExportOptions, export_artifact
 from pipeline.quant.formats import Format
-from pipeline.stages import StageIO
-
-NEEDS: tuple[str, ...] = ("quantize",)
-USES: tuple[str, ...] = ("bootstrap", "distill", "reinforce")
-# model: which draft goes along (model.draft.path); quant: the formats checked against `format`;
-# name: the registered model's default name.
-SECTIONS = ("name", "model", "quant.candidates", "quant.outliers")
-DISTRIBUTED = False
+from pipeline.stages import Stage, StageIO
 
 log = logging.getLogger(__name__)
 
@@ -73,9 +66,6 @@ class ExportConfig:
         return ExportOptions(
             self.format, self.widen, self.shard_bytes, self.float_dtype, self.w8a8_dynamic
         )
-
-
-CONFIG = ExportConfig
 
 
 def check_candidates(p: ExportConfig, formats: tuple[Format, ...]) -> None:
@@ -170,3 +160,15 @@ def run(cfg: ExportConfig, run: RunConfig, io: StageIO) -> dict:
         "quantized_layers": float(len(manifest["layers"])),
         "export_seconds": seconds,
     }
+
+
+STAGE = Stage(
+    config=ExportConfig,
+    run=run,
+    needs=("quantize",),
+    uses=("bootstrap", "distill", "reinforce"),
+    # model: which draft goes along; quant: the formats checked against `format`; name: the
+    # registered model's default name
+    sections=("name", "model", "quant.candidates", "quant.outliers"),
+    check=check,
+)

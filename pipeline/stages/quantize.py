@@ -20,14 +20,9 @@ from pipeline.quant.allocate import keep_float
 from pipeline.quant.formats import Format
 from pipeline.quant.plan import BitPlan
 from pipeline.runmodels import fp_target
-from pipeline.stages import StageIO
+from pipeline.stages import Stage, StageIO
 from pipeline.streaming import StreamOptions, quant_options, quantize_checkpoint
 from pipeline.streaming.quant_report import QuantReport
-
-NEEDS: tuple[str, ...] = ("bootstrap",)  # the FP target (skipped when model.target.path is set)
-USES: tuple[str, ...] = ("allocate",)  # the bit plan when allocate ran, else the uniform recipe
-SECTIONS: tuple[str, ...] = ("model", "data", "quant")
-DISTRIBUTED = True  # calibration windows split over ranks, Hessians all-reduced
 
 log = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -43,9 +38,6 @@ class QuantizeConfig:
 
     def check(self, prefix: str) -> None:
         positive(prefix, batch_size=self.batch_size)
-
-
-CONFIG = QuantizeConfig
 
 
 def load_plan(inputs: dict[str, Path], config: Any, q: QuantConfig) -> dict[str, Format]:
@@ -121,3 +113,13 @@ def run(cfg: QuantizeConfig, run: RunConfig, io: StageIO) -> dict:
         seconds = {n: r["seconds"] for n, r in summary["layers"].items()}
         io.log.log_dict(seconds, "layer_seconds.json")
     return {k: v for k, v in summary.items() if isinstance(v, int | float)}
+
+
+STAGE = Stage(
+    config=QuantizeConfig,
+    run=run,
+    needs=("bootstrap",),  # the FP target (skipped when model.target.path is set)
+    uses=("allocate",),  # the bit plan when allocate ran, else the uniform recipe
+    sections=("model", "data", "quant"),
+    distributed=True,  # calibration windows split over ranks, Hessians all-reduced
+)

@@ -34,12 +34,7 @@ from pipeline.lit.reinforce import (
 )
 from pipeline.models.hf import load_causal_lm, load_tokenizer
 from pipeline.models.quantized import is_quantized_dir, load_model
-from pipeline.stages import StageIO
-
-NEEDS: tuple[str, ...] = ("bootstrap",)
-USES: tuple[str, ...] = ("quantize", "distill")
-SECTIONS: tuple[str, ...] = ("model", "data", "trainer")
-DISTRIBUTED = True  # trains with the configured Lightning strategy on every rank
+from pipeline.stages import Stage, StageIO
 
 log = logging.getLogger(__name__)
 
@@ -73,9 +68,6 @@ class ReinforceConfig(ReinforceHParams):
             )
         if self.prompt_len < 2 or self.long_len < 2:
             raise ConfigError(f"{prefix}.prompt_len", "and long_len must be >= 2")
-
-
-CONFIG = ReinforceConfig
 
 
 def skip_reason(cfg: ReinforceConfig, run: RunConfig) -> str | None:
@@ -175,3 +167,15 @@ def _scenarios(cfg: ReinforceConfig, seed: int, io, tokenizer, docs, split: str,
     out = build() if io.dist.is_main else None
     io.dist.barrier()
     return out if out is not None else build()
+
+
+STAGE = Stage(
+    config=ReinforceConfig,
+    run=run,
+    needs=("bootstrap",),
+    uses=("quantize", "distill"),
+    sections=("model", "data", "trainer"),
+    distributed=True,  # trains with the configured Lightning strategy on every rank
+    check=check,
+    skip_reason=skip_reason,
+)

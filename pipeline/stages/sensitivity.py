@@ -23,23 +23,7 @@ from pipeline.errors import ConfigError, LowbitError
 from pipeline.models.hf import load_tokenizer
 from pipeline.quant.formats import Format
 from pipeline.runmodels import fp_target
-from pipeline.stages import StageIO
-
-NEEDS: tuple[str, ...] = ("bootstrap",)
-USES: tuple[str, ...] = ()
-# quant by field: a new budget or method reuses the analysis
-SECTIONS: tuple[str, ...] = (
-    "model",
-    "data",
-    "quant.candidates",
-    "quant.float_fallback",
-    "quant.calib",
-    "quant.activation_budget_gb",
-    "quant.segment_size",
-    "quant.outliers",
-    "quant.outlier_cap",
-)
-DISTRIBUTED = True
+from pipeline.stages import Stage, StageIO
 
 log = logging.getLogger(__name__)
 
@@ -77,9 +61,6 @@ class SensitivityConfig:
                 f"loaded model; set {prefix}.method=fisher or gptq_proxy, or "
                 f"{prefix}.stream=false",
             )
-
-
-CONFIG = SensitivityConfig
 
 
 def check(cfg: SensitivityConfig, run: RunConfig) -> None:
@@ -176,3 +157,25 @@ def write_plots(report: SensitivityReport, formats: tuple[Format, ...], out_dir:
                log_y=True)  # fmt: skip
     plots.bars([layer.outlier_share for layer in layers], names, out_dir / "outliers.png",
                "share of outlier input channels (MAD rule)", "share")  # fmt: skip
+
+
+STAGE = Stage(
+    config=SensitivityConfig,
+    run=run,
+    needs=("bootstrap",),
+    # quant by field: a new budget or method reuses the analysis
+    sections=(
+        "model",
+        "data",
+        "quant.candidates",
+        "quant.float_fallback",
+        "quant.calib",
+        "quant.activation_budget_gb",
+        "quant.segment_size",
+        "quant.outliers",
+        "quant.outlier_cap",
+    ),
+    distributed=True,
+    check=check,
+    skip_reason=skip_reason,
+)
