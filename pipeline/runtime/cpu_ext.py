@@ -9,6 +9,7 @@ extension builds at first use; a failed build costs one warning and callers keep
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import functools
 import logging
 import os
@@ -22,6 +23,7 @@ from pipeline.hardware import cpu_flags
 log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
+NAME = "lowbit_cpu"
 SOURCES = ("bindings.cpp", "w4a8.cpp", "f32_rows.cpp")
 ENV = "LOWBIT_CPU_ISA"
 ISAS = ("avx512", "avx2")  # best first
@@ -85,15 +87,24 @@ def forced_isa(name: str | None) -> Iterator[None]:
 
 
 def _load() -> ModuleType:
-    from torch.utils.cpp_extension import load
+    from torch.utils.cpp_extension import _get_build_directory, load
 
-    # -fopenmp: at::parallel_for is an OpenMP region compiled into this extension
-    return load(
-        name="lowbit_cpu",
-        sources=[str(_CSRC / s) for s in SOURCES],
-        extra_cflags=["-O3", "-fopenmp"],
-        extra_ldflags=["-fopenmp"],
-    )
+    build = Path(_get_build_directory(NAME, verbose=False))
+    # torch guards every load with a lock file it deletes when done, so a build killed midway
+    # leaves one that every later load waits on forever. An flock dies with its holder: while
+    # this process holds it no other lowbit load runs, and a lock file left there is stale.
+    with open(build.parent / f"{NAME}.flock", "w") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)
+        if (build / "lock").exists():
+            log.warning("runtime: removing a stale build lock left by a killed build: %s", build)
+            (build / "lock").unlink()
+        # -fopenmp: at::parallel_for is an OpenMP region compiled into this extension
+        return load(
+            name=NAME,
+            sources=[str(_CSRC / s) for s in SOURCES],
+            extra_cflags=["-O3", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+        )
 
 
 @functools.cache

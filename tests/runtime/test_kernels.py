@@ -318,3 +318,25 @@ def test_without_a_compiler_int_layers_keep_int4pack_and_float_ones_f_linear(tmp
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.split() == ["True", "int4pack", "Linear"]  # float layers stay F.linear
     assert proc.stderr.count("CPU kernels did not build") == 1  # one warning, not per call
+
+
+@built
+def test_a_lock_left_by_a_killed_build_does_not_stall_the_next_load(tmp_path):
+    # torch's build lock outlives a killed build; without lowbit's flock every load waited forever
+    import shutil
+
+    from torch.utils.cpp_extension import _get_build_directory
+
+    build = tmp_path / cpu_ext.NAME
+    shutil.copytree(_get_build_directory(cpu_ext.NAME, verbose=False), build)  # mtimes kept
+    (build / "lock").touch()
+    script = (
+        "import logging\n"
+        "logging.basicConfig()\n"
+        "from pipeline.runtime import cpu_ext\n"
+        "print(cpu_ext.loaded() is not None)\n"
+    )
+    proc = _run(script, TORCH_EXTENSIONS_DIR=str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["True"] and "stale build lock" in proc.stderr
+    assert not (build / "lock").exists()
