@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 from pipeline.errors import LowbitError
 from pipeline.io import write_json
@@ -48,3 +48,25 @@ def load(path: Path, schema: str, version: int, writer: str, build: Callable[[di
         return build(data)
     except (KeyError, TypeError, ValueError) as err:
         raise LowbitError(f"{path} is malformed ({err!r}); rerun the {writer} stage") from None
+
+
+class HandOff:
+    """Base of a typed hand-off file: ``save``/``load`` through its ``to_dict``/``from_dict``."""
+
+    FILENAME: ClassVar[str]
+    SCHEMA: ClassVar[str]
+    VERSION: ClassVar[int]
+    WRITER: ClassVar[str]  # the stage that writes it: the one a bad file asks to rerun
+
+    @classmethod
+    def path(cls, path_or_dir: str | Path) -> Path:
+        return resolve(path_or_dir, cls.FILENAME)
+
+    def save(self, path_or_dir: str | Path) -> Path:
+        path = self.path(path_or_dir)
+        save(path, self.SCHEMA, self.VERSION, self.to_dict())
+        return path
+
+    @classmethod
+    def load(cls: type[T], path_or_dir: str | Path) -> T:
+        return load(cls.path(path_or_dir), cls.SCHEMA, cls.VERSION, cls.WRITER, cls.from_dict)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, ClassVar
 
 from pipeline import handoff
@@ -43,12 +42,13 @@ _OPTIONAL = {"outlier_columns", "dloss_keep", "estimators"}
 
 
 @dataclass(frozen=True)
-class SensitivityReport:
+class SensitivityReport(handoff.HandOff):
     """Every scored layer of the target, in model order, and how the scores were estimated."""
 
     FILENAME: ClassVar[str] = "sensitivity.json"
     SCHEMA: ClassVar[str] = "lowbit.sensitivity"
     VERSION: ClassVar[int] = 1
+    WRITER: ClassVar[str] = "sensitivity"
 
     method: str  # fisher | hutchinson | gptq_proxy | combined
     weighting: str | None
@@ -83,16 +83,6 @@ class SensitivityReport:
     def from_dict(cls, data: dict[str, Any]) -> SensitivityReport:
         layers = tuple(LayerScore.from_dict(la) for la in data["layers"])
         return cls(**{**data, "layers": layers})
-
-    def save(self, path_or_dir: str | Path) -> Path:
-        path = handoff.resolve(path_or_dir, self.FILENAME)
-        handoff.save(path, self.SCHEMA, self.VERSION, self.to_dict())
-        return path
-
-    @classmethod
-    def load(cls, path_or_dir: str | Path) -> SensitivityReport:
-        path = handoff.resolve(path_or_dir, cls.FILENAME)
-        return handoff.load(path, cls.SCHEMA, cls.VERSION, "sensitivity", cls.from_dict)
 
 
 _REQUIRED = {

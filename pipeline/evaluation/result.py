@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
-from pathlib import Path
+from typing import ClassVar
 
 from pipeline import handoff
 from pipeline.evaluation.acceptance import column
@@ -15,8 +15,13 @@ SCHEMA = "lowbit.eval"
 
 
 @dataclass(frozen=True)
-class EvalResult:
+class EvalResult(handoff.HandOff):
     """Every measurement of one run; pairs are keyed "draft@target", unmeasured fields empty."""
+
+    FILENAME: ClassVar[str] = FILENAME
+    SCHEMA: ClassVar[str] = SCHEMA
+    VERSION: ClassVar[int] = SCHEMA_VERSION
+    WRITER: ClassVar[str] = "evaluate"
 
     ppl: dict[str, float]
     ppl_protocol: dict[str, int | str] | None = None  # split, window, windows, tokens scored
@@ -27,22 +32,11 @@ class EvalResult:
     lm_eval: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
     speed: dict | None = None  # pipeline.runtime.speed.decode_speed's result
 
-    @staticmethod
-    def path(out_dir: Path | str) -> Path:
-        return Path(out_dir) / FILENAME
-
-    def save(self, out_dir: Path | str) -> Path:
-        path = self.path(out_dir)
-        handoff.save(path, SCHEMA, SCHEMA_VERSION, asdict(self))
-        return path
+    def to_dict(self) -> dict:
+        return asdict(self)
 
     @classmethod
-    def load(cls, out_dir: Path | str) -> EvalResult:
-        return handoff.load(cls.path(out_dir), SCHEMA, SCHEMA_VERSION, "evaluate", cls._build)
-
-    @classmethod
-    def _build(cls, raw: dict) -> EvalResult:
-        raw.pop("version", None)  # the key files written before the shared header used
+    def from_dict(cls, raw: dict) -> EvalResult:
         known = {f.name for f in fields(cls)}
         kwargs = {k: v for k, v in raw.items() if k in known}
         kwargs["ppl"] = raw["ppl"]

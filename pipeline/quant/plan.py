@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, ClassVar
 
 from pipeline import handoff
@@ -26,12 +25,13 @@ class Recipe:
 
 
 @dataclass(frozen=True)
-class BitPlan:
+class BitPlan(handoff.HandOff):
     """Every planned layer's format (``float``: not quantized) and what the plan costs."""
 
     FILENAME: ClassVar[str] = "bitplan.json"
     SCHEMA: ClassVar[str] = "lowbit.bitplan"
     VERSION: ClassVar[int] = 1
+    WRITER: ClassVar[str] = "allocate"
 
     layers: dict[str, Format]
     budget_bits: float | None
@@ -74,16 +74,6 @@ class BitPlan:
         kw["layers"] = {n: parse_format(f) for n, f in data["layers"].items()}
         kw["candidates"] = tuple(parse_format(f) for f in data["candidates"])
         return cls(**kw)
-
-    def save(self, path_or_dir: str | Path) -> Path:
-        path = handoff.resolve(path_or_dir, self.FILENAME)
-        handoff.save(path, self.SCHEMA, self.VERSION, self.to_dict())
-        return path
-
-    @classmethod
-    def load(cls, path_or_dir: str | Path) -> BitPlan:
-        path = handoff.resolve(path_or_dir, cls.FILENAME)
-        return handoff.load(path, cls.SCHEMA, cls.VERSION, "allocate", cls.from_dict)
 
 
 _REQUIRED = {f.name for f in dataclasses.fields(BitPlan) if f.default is dataclasses.MISSING}

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, ClassVar
 
 from pipeline import handoff
@@ -37,10 +36,11 @@ class QuantLayer:
 
 
 @dataclass(frozen=True)
-class QuantReport:
+class QuantReport(handoff.HandOff):
     FILENAME: ClassVar[str] = "quant_report.json"
     SCHEMA: ClassVar[str] = "lowbit.quant_report"
     VERSION: ClassVar[int] = 1
+    WRITER: ClassVar[str] = "quantize"
 
     method: str
     segments: int
@@ -70,13 +70,3 @@ class QuantReport:
         return cls(
             **{**kw, "layers": {n: QuantLayer.from_dict(r) for n, r in kw["layers"].items()}}
         )
-
-    def save(self, path_or_dir: str | Path) -> Path:
-        path = handoff.resolve(path_or_dir, self.FILENAME)
-        handoff.save(path, self.SCHEMA, self.VERSION, self.to_dict())
-        return path
-
-    @classmethod
-    def load(cls, path_or_dir: str | Path) -> QuantReport:
-        path = handoff.resolve(path_or_dir, cls.FILENAME)
-        return handoff.load(path, cls.SCHEMA, cls.VERSION, "quantize", cls.from_dict)
