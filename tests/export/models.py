@@ -82,7 +82,7 @@ def tokens(n: int = 12, batch: int = 2, vocab: int = 260, seed: int = 0) -> torc
 
 def export_options(**changes: Any) -> ExportOptions:
     """The options the export stage builds from its config's defaults, with ``changes``."""
-    from pipeline.stages.export import CONFIG
+    from pipeline.stages.export import ExportConfig
 
-    cfg = CONFIG(**changes)
+    cfg = ExportConfig(**changes)
     return ExportOptions(**{f.name: getattr(cfg, f.name) for f in fields(ExportOptions)})
