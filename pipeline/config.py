@@ -1,10 +1,7 @@
 """The config schema: every default, and the typed views the stages receive.
 
-The dataclasses here (shared sections) and in each stage module (`CONFIG`, its `stage.<name>`)
-hold every default; Hydra composes on them (`defaults_node`) and conf/ adds only the choices of
-each option. The workflow parses each section once with `parse`, so a misspelt key, a wrong type
-or a value outside its choices fails before any compute, with one message naming the key and
-what is allowed.
+The dataclasses here and in the stage modules hold every default (conf/ adds only choices);
+`parse` rejects a bad key, type or value before any compute, naming the key.
 """
 
 from __future__ import annotations
@@ -90,11 +87,7 @@ def _name(hint: Any) -> str:
 
 
 def parse(node: Any, schema: type[T], prefix: str) -> T:
-    """Validate `node` against the dataclass `schema`; unknown keys are rejected.
-
-    A schema may define `check(self, prefix)` for checks that involve several fields or the
-    file system; it raises ConfigError.
-    """
+    """Validate `node` against `schema`, rejecting unknown keys, then run its `check(prefix)`."""
     data = to_plain(node)
     if data is None:
         data = {}
@@ -128,17 +121,12 @@ def positive(prefix: str, **values: float) -> None:
             raise ConfigError(f"{prefix}.{name}", f"must be > 0, got {v}")
 
 
-# ---------------------------------------------------------------- shared sections
-# These dataclasses are the defaults: Hydra gets them as plain dicts (`pipeline.stages.
-# register_configs`), and the YAML under conf/ holds only the choices of each option.
 @dataclass(frozen=True)
 class ModelSpec:
     """One model: a local HF checkpoint, or the size of the one bootstrap trains."""
 
     path: str | None = None  # a local HF checkpoint dir replaces the bootstrap model
-    # The dtype the checkpoint is loaded in; "auto" keeps the saved one (float32 for the
-    # bootstrap models, usually bfloat16 for a hub LLM: half the memory of float32). Stages
-    # that train a model upcast what they train themselves.
+    # "auto" keeps the saved dtype; stages that train a model upcast what they train.
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     layers: int = 4
     hidden: int = 128
@@ -165,19 +153,14 @@ class TokenizerSpec:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The target and its draft. The defaults are the embedded ones: the bootstrap stage trains
-    them on the built-in corpus (no hub downloads), sized so that in about six minutes on 2 CPU
-    cores the target is trained far enough to react to quantization as real LLMs do (RTN int2g64
-    costs it > 8% perplexity: `bench/default_model.py` checks it)."""
+    """Target and draft, sized to react to quantization as LLMs do (bench/default_model.py)."""
 
     target: ModelSpec = field(default_factory=ModelSpec)
     # A user target with a null draft path: no draft (the target drafts for itself).
     draft: ModelSpec = field(default_factory=lambda: ModelSpec(layers=1))
     tokenizer: TokenizerSpec = field(default_factory=TokenizerSpec)
     allow_bin: bool = False  # load .bin pickles (unsafe) instead of refusing them
-    # transformers' device_map for whole-model loads: null loads onto the stage's device
-    # directly; "auto" spreads a model too large for one device over all of them (needs
-    # accelerate); "cuda:1" pins one device.
+    # transformers' device_map: null = the stage's device, "auto" = spread over all, "cuda:1".
     device_map: str | None = None
 
     def check(self, prefix: str) -> None:
@@ -192,8 +175,7 @@ class ModelConfig:
             )
 
     def load_options(self, role: Literal["target", "draft"]) -> dict[str, Any]:
-        """The keyword arguments of ``pipeline.models.hf.load_causal_lm`` / ``quantized.
-        load_model`` this section sets for ``role``: ``dtype`` and ``device_map``."""
+        """The ``dtype`` and ``device_map`` keyword arguments of the model loaders for ``role``."""
         spec = self.target if role == "target" else self.draft
         return {"dtype": spec.dtype, "device_map": self.device_map}
 
@@ -204,9 +186,7 @@ BUILTIN_PACKAGES = ("torch", "numpy", "scipy", "transformers", "pandas", "sklear
 
 @dataclass(frozen=True)
 class DataConfig:
-    """The corpus. A null path is the built-in one: the docstrings of the standard library and of
-    `builtin_packages` (read offline, deterministic for a given environment; see
-    pipeline/data/corpus.py)."""
+    """The corpus; a null path is the built-in one (pipeline/data/corpus.py)."""
 
     path: str | None = None
     text_field: str = "text"
@@ -217,10 +197,9 @@ class DataConfig:
     test_fraction: float = 0.05
     # Perplexity window; null: the model's context up to 2048 (user models), seq_len (bootstrap).
     eval_seq_len: int | None = None
-    # null: score the whole test split (the standard protocol); N: N windows spread evenly over it.
+    # null: the whole test split; N: N windows spread evenly over it.
     eval_windows: int | None = None
     builtin_packages: list[str] = field(default_factory=lambda: list(BUILTIN_PACKAGES))
-    # The built-in corpus stops here (about 3.7 M training tokens at vocab 2048).
     builtin_max_chars: int | None = 12_000_000
 
     def check(self, prefix: str) -> None:
@@ -250,8 +229,7 @@ class CalibConfig:
 
 @dataclass(frozen=True)
 class QuantConfig:
-    """The recipe. The defaults are a uniform one (every linear in candidates[0]); conf/quant/
-    mixed.yaml, the default option, lets sensitivity pick per-layer formats under budget_bits."""
+    """The recipe; the defaults are uniform (candidates[0]), conf/quant/mixed.yaml mixes formats."""
 
     method: Literal["gptq", "rtn"] = "gptq"
     candidates: list[str] = field(default_factory=lambda: ["int4g128"])
@@ -264,10 +242,7 @@ class QuantConfig:
     act_order: bool = True
     damp: float = 0.01
     block_size: int = 128
-    # Activation outlier input channels (MAD rule, pipeline.analysis.capture) are few but carry
-    # most of a layer's output error (LLM.int8(), SpQR): keep_fp16 lets allocate keep up to
-    # outlier_cap of each layer's input columns as an exact fp16 side matrix, paid for from
-    # budget_bits like any wider format. none: every column quantized.
+    # Outlier columns carry most of the error (SpQR): keep_fp16 keeps up to outlier_cap in fp16.
     outliers: Literal["none", "keep_fp16"] = "none"
     outlier_cap: float = 0.01  # largest fraction of a layer's input columns kept
     calib: CalibConfig = field(default_factory=CalibConfig)
@@ -326,15 +301,8 @@ class QuantConfig:
 
 @dataclass(frozen=True)
 class TrackingConfig:
-    """MLflow. The default is a local store in the working directory; `mlflow ui
-    --backend-store-uri sqlite:///mlflow.db` shows it.
+    """MLflow: the command line > MLFLOW_TRACKING_URI / MLFLOW_EXPERIMENT_NAME > these defaults."""
 
-    Precedence: `tracking.uri=...` on the command line > MLFLOW_TRACKING_URI > the default (the
-    experiment likewise with MLFLOW_EXPERIMENT_NAME).
-    """
-
-    # MLflow's own variables replace these defaults, as they do for any MLflow script, so a
-    # shell or job set up for MLflow needs no lowbit override (applied in defaults_node).
     ENV: ClassVar[dict[str, str]] = {
         "uri": "MLFLOW_TRACKING_URI",
         "experiment": "MLFLOW_EXPERIMENT_NAME",
@@ -358,8 +326,7 @@ class TrackingConfig:
             )
 
 
-# The schema of every shared section that has one (`trainer` is lightning.Trainer's arguments,
-# checked by pipeline.lit.trainer; `cluster` is read by Hydra's launcher only).
+# `trainer` is checked by pipeline.lit.trainer; `cluster` is read by Hydra's launcher only.
 SHARED: dict[str, type] = {
     "model": ModelConfig,
     "data": DataConfig,
@@ -378,10 +345,7 @@ def _plain(value: Any) -> Any:
 
 
 class Fields:
-    """Some fields of a parsed section: what a stage gets when its `sections` names them
-    (`quant.calib`) rather than the whole section. Reading any other field raises, so a field the
-    stage reads is always one its fingerprint holds (sensitivity is not rerun when only
-    `quant.budget_bits` changes, and cannot read it by mistake)."""
+    """The fields a stage names (`quant.calib`); others raise, so its fingerprint is whole."""
 
     def __init__(self, section: str, values: dict[str, Any], source: Any = None) -> None:
         self._section, self._values, self._source = section, values, source
@@ -408,8 +372,7 @@ class Fields:
 
 @dataclass(frozen=True)
 class RunConfig:
-    """The run-wide settings a stage receives beside its own `stage.<name>`: the sections it lists
-    in `sections`, the others None, so its fingerprint holds only what it reads."""
+    """What a stage gets beside `stage.<name>`: its `sections`, the others None."""
 
     seed: int
     name: str | None = None
@@ -421,8 +384,7 @@ class RunConfig:
     )
 
     def view(self, sections: tuple[str, ...]) -> RunConfig:
-        """This config with only `sections` (and the seed) set; `section.field` entries give
-        that section as Fields holding just the named fields."""
+        """This config with only `sections` (and the seed) set; `section.field` gives Fields."""
         whole = {s for s in sections if "." not in s}
         parts: dict[str, list[str]] = {}
         for s in sections:
@@ -462,9 +424,7 @@ def run_config(cfg: DictConfig) -> RunConfig:
 
 
 def _defaults(schema: type) -> dict[str, Any]:
-    """A schema's defaults; a field it names an environment variable for (its ``ENV``) becomes
-    ``${oc.env:VAR,'default'}``, resolved when the config is read: the variable when it is set,
-    else the default, and a command-line value replaces both."""
+    """A schema's defaults; a field in its ``ENV`` becomes ``${oc.env:VAR,'default'}``."""
     node = dataclasses.asdict(schema())
     for key, var in getattr(schema, "ENV", {}).items():
         node[key] = f"${{oc.env:{var},'{node[key]}'}}"
@@ -472,11 +432,7 @@ def _defaults(schema: type) -> dict[str, Any]:
 
 
 def defaults_node(stage_schemas: dict[str, type]) -> dict[str, Any]:
-    """The defaults of every section with a schema, as the plain dict Hydra composes on.
-
-    Plain, not structured: OmegaConf would type-check with its own messages; `parse` keeps the
-    one-line ConfigError naming the key.
-    """
+    """Every section's defaults as a plain dict (not structured, so `parse` gives the errors)."""
     node: dict[str, Any] = {k: _defaults(schema) for k, schema in SHARED.items()}
     node["stage"] = {name: stage_defaults(schema) for name, schema in stage_schemas.items()}
     node["stages"] = list(stage_schemas)
@@ -499,9 +455,8 @@ def tracking_cfg(cfg: DictConfig) -> TrackingConfig:
     return parse(cfg.tracking, TrackingConfig, "tracking")
 
 
-# ---------------------------------------------------------------- renamed keys
-# A schema's RENAMED ({old key: new dotted key}) keeps old names working for one release. Hydra
-# refuses a command-line key missing from the defaults, so each old key is there with a marker.
+# A schema's RENAMED ({old key: new dotted key}) keeps old names for one release; Hydra refuses a
+# command-line key missing from the defaults, so each old key is there with a marker.
 def renamed_marker(new: str) -> str:
     return f"(renamed: {new})"
 

@@ -1,11 +1,8 @@
 """Precision-aware distillation: a fake-quant student learns from its frozen FP teacher.
 
-The loss is `pipeline.lit.losses.distill_loss`; what trains is `trainable` (`pipeline.lit.qat`).
-The teacher is a registered submodule so that ZeRO-3 shards it like the student; it stays frozen
-and out of checkpoints (reloaded on resume). Validation scores every window on every rank, so
-the number is exact and identical everywhere. With `reweight_every` = N the layer weights become
-every N steps the normalised per-layer distances of that step's batch, summed over ranks; they
-are then a persistent buffer, so a resumed run continues with them.
+The teacher is a submodule so ZeRO-3 shards it, frozen and out of checkpoints; every rank scores
+every validation window. `reweight_every` = N resets the layer weights every N steps to that
+step's normalised per-layer distances (summed over ranks; a persistent buffer, kept on resume).
 """
 
 from __future__ import annotations
@@ -204,7 +201,6 @@ class DistillModule(L.LightningModule):
         per_layer = terms.pop("layers")
         self.log_dict({f"loss/{k}": v.detach() for k, v in terms.items()}, on_step=True)
         if self.hp.reweight_every:
-            # The weights this step's loss used, one curve per layer.
             self.log_dict({f"distill/layer_w/{i}": w for i, w in enumerate(self.layer_w)})
             err = self._layer_err
             self._layer_err = per_layer if err is None else err + per_layer
@@ -286,8 +282,7 @@ class DistillModule(L.LightningModule):
 
 
 class DistillData(WindowData):
-    """Step-indexed training windows (`pipeline.lit.lm.RandomWindows`) and, optionally, fixed
-    validation windows `val` (W, T), scored whole on every rank."""
+    """Step-indexed training windows and, optionally, fixed validation windows `val` (W, T)."""
 
     def __init__(
         self,

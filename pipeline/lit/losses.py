@@ -1,13 +1,11 @@
 """The two training stages' losses, pure tensor math (the LightningModules wrap them).
 
 Distillation (Hinton et al. 2015; OneBit): τ²·KL(p_teacher ‖ p_student) at temperature τ (τ² keeps
-the gradient's size whatever τ; forward KL is mode-covering, as perplexity is) plus β·Σ_l w_l·d_l,
-d_l the layer's attention-map distance or relative hidden-state error, w_l larger where the
-quantizer hurt more. Dense layer-local gradients, at the price of tying the student to the
-teacher's internal solution; β sets how hard.
+the gradient's size; forward KL is mode-covering, as perplexity is) plus β·Σ_l w_l·d_l: d_l the
+layer's attention-map or hidden-state distance, w_l larger where quantization hurt more.
 
-Reinforce: the draft proposes gamma tokens, the frozen target verifies them as speculative
-decoding would (:func:`pipeline.speculative.rollout.draft_rollout`), and the loss is
+Reinforce: the frozen target verifies the draft's gamma tokens as speculative decoding would
+(:func:`pipeline.speculative.rollout.draft_rollout`); the loss is
 
     pg_weight * -(A * sum_k log q_T(x_k))             A = R - moving baseline,
   + tvd_weight * TVD(p, q) on the verified positions   (= 1 - expected acceptance there),
@@ -15,10 +13,9 @@ decoding would (:func:`pipeline.speculative.rollout.draft_rollout`), and the los
   + kl_weight * KL(q || q_start)                        (anchor to the starting draft),
 
 with R = w_a * accepted / gamma + w_t * (accepted + 1) / ((gamma * c + 1) * (gamma + 1)).
-Position k is verified with probability prod_{j<k} beta_j, so the TVD averaged over verified
-positions is an unbiased estimate of the pathwise gradient of the expected accepted length; the
-policy gradient carries the part through the sampled tokens. Tokens after the first rejection
-influence no reward and are left out (pure variance).
+Position k is verified with probability prod_{j<k} beta_j, so the TVD over verified positions is
+an unbiased pathwise gradient of the expected accepted length; the policy gradient carries the part
+through the sampled tokens. Tokens after the first rejection affect no reward and are left out.
 """
 
 from __future__ import annotations
@@ -103,8 +100,7 @@ def layer_weights(errors: Mapping[str, float], num_layers: int) -> Tensor:
 
 
 def normalised(errors: Tensor) -> Tensor:
-    """Per-layer errors (L,) -> weights w_l = e_l / Σ e, uniform when no error is positive.
-    Every weighting goes through here, so the matching term keeps its scale."""
+    """Errors (L,) -> weights e_l / Σ e (uniform when none is positive), for every weighting."""
     errors = errors.detach().float()
     if not errors.sum() > 0:
         return torch.full_like(errors, 1.0 / errors.numel())
@@ -166,7 +162,6 @@ class LossWeights:
 def logits_at(model: torch.nn.Module, sequences: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """Logits of ``sequences`` (B, S) at the positions ``rows`` (K,) -> (B, K, V)."""
     if "logits_to_keep" in inspect.signature(model.forward).parameters:
-        # Only these rows go through the vocabulary projection.
         return model(input_ids=sequences, logits_to_keep=rows.to(sequences.device)).logits
     return model(input_ids=sequences).logits[:, rows.to(sequences.device)]
 
@@ -210,9 +205,7 @@ def reinforce_loss(
         context_positions=rows,
     )
     ver = ro.verification
-    # (B, G) positions whose acceptance test ran: the accepted prefix and the first rejection.
     mask = torch.arange(gamma, device=ver.n_verified.device) < ver.n_verified[:, None]
-    # One draft forward (with grad) for the context rows, if any, and the proposals.
     proposed = torch.arange(t - 1, t + gamma - 1)
     keep = proposed if rows is None else torch.cat([rows, proposed])
     q_all = logits_at(draft, ro.sequences, keep)  # (B, K + G, V_q)

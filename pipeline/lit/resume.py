@@ -1,12 +1,9 @@
 """Exact resume of a training stage: a rerun from `last.ckpt` writes the bytes an uninterrupted
-run writes. That needs the same batches (indexed by step, `pipeline.lit.lm`), the same state
-(Lightning's checkpoint plus the global random streams, saved by `ResumeCheckpoint`), and
-checkpoints every `every` steps, at the last step and after each validation: never before a
-step's validation, since Lightning resumes a batch-end checkpoint past that validation.
-
-`last.ckpt` is written to a temporary name and renamed (a kill mid-write keeps the previous one),
-and holds only tensors and plain values, so it loads with `weights_only=True`: data, never code.
-DeepSpeed's sharded directories are read by DeepSpeed itself (trust them as the run's own only).
+run writes. That needs the same batches (indexed by step, `pipeline.lit.lm`), the same state (the
+checkpoint plus every rank's random streams) and checkpoints never before a step's validation,
+since Lightning resumes a batch-end checkpoint past that validation. `last.ckpt` is renamed into
+place and loads with `weights_only=True` (data, never code); DeepSpeed reads its own sharded
+directories (trust them as the run's own only).
 """
 
 from __future__ import annotations
@@ -32,16 +29,14 @@ def ckpt_interval(every: int | None, max_steps: int) -> int:
 
 
 def resume_path(work_dir: Path) -> Path:
-    """The checkpoint a rerun resumes from (a directory under DeepSpeed). When a kill hit the
-    swap of two DeepSpeed directories, the previous one, set aside, is returned."""
+    """The checkpoint a rerun resumes from; the set-aside one if a kill hit a DeepSpeed swap."""
     last = Path(work_dir) / CKPT_DIR / "last.ckpt"
     old = set_aside(last)
     return old if old.exists() and not last.exists() else last
 
 
 def resume_from(work_dir: Path, dist) -> str | None:
-    """The checkpoint a rerun resumes from, or None; rank 0 looks and every rank gets its answer
-    (`dist`: the workflow's `pipeline.dist.Dist`), so no rank resumes alone."""
+    """The checkpoint a rerun resumes from, or None; rank 0 decides for all: none resumes alone."""
     last = resume_path(work_dir)
     return dist.broadcast(str(last) if dist.is_main and last.exists() else None)
 
@@ -180,13 +175,10 @@ def best_and_last(
     every: int | None = None,
     val_every: int | None = None,
 ) -> tuple[L.Callback, list[L.Callback]]:
-    """A training stage's checkpoints: `best.ckpt` by the validation `monitor`, `last.ckpt` to
-    resume from (after each validation, and every `every` steps when given), both in work_dir;
-    and early stopping after `patience` checks (None: off)."""
+    """`best.ckpt` by `monitor`, `last.ckpt` to resume from, early stopping after `patience`."""
     from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 
     dirpath = Path(work_dir) / CKPT_DIR
-    # `best` is one fixed name, overwritten by each new best, right after a validation.
     best = ModelCheckpoint(
         dirpath=str(dirpath),
         filename="best",

@@ -1,16 +1,12 @@
 """GPTQ: one-shot weight quantization with second-order error feedback (Frantar et al., 2023).
 
-The layer-output error ||W X - Q X||^2 is a quadratic in W with Hessian H = 2 X X^T / N. Columns
-are quantized one at a time; column q's rounding error is pushed onto the later columns through
-row q of the upper Cholesky factor U of H^-1 (H^-1 = U^T U), the optimal (OBS) update; updates
-within a block apply eagerly, the rest as one matmul per block. Choices made here:
-* lambda = damp * mean(diag H), raised 10x (with a warning) until H + lambda I factorises;
-  dead inputs (H_ii = 0) get H_ii = 1 and weight 0.
-* A group's parameters are fitted (``fmt.codec``) when its first column comes up, on its current
-  weights including the block's pending updates. act_order permutes columns by decreasing H_ii;
-  groups stay contiguous in the original order (no g_idx at export).
-* Kept (fp16 outlier) columns go last with error 0: every other column's error is compensated
-  onto them, and the compensated values are stored (their dense codes are never read).
+The error ||W X - Q X||^2 is quadratic in W with Hessian H = 2 X X^T / N. Columns are quantized in
+turn; column q's rounding error goes onto the later columns through row q of the upper Cholesky
+factor U of H^-1 = U^T U (the optimal OBS update): eagerly within a block, one matmul beyond it.
+* lambda = damp * mean(diag H), x10 until H + lambda I factorises; dead inputs get H_ii = 1, w = 0.
+* A group is fitted when its first column comes up, on its current (updated) weights; act_order
+  permutes by decreasing H_ii, groups stay contiguous in the original order (no g_idx).
+* Kept fp16 columns go last with error 0: they absorb the others' error, stored as updated.
 * The loss 1/2 sum (w - q)^2 / U_qq^2 is the mean ||(W - Q) x||^2 over calibration x (lambda = 0).
 """
 
@@ -65,7 +61,7 @@ class HessianAccumulator:
 
 def _inverse_cholesky(H: Tensor, damp: float) -> Tensor:
     """Upper Cholesky factor U of (H + lambda I)^-1, raising lambda until it factorises."""
-    mean_diag = H.diagonal().mean().abs().clamp_min(1e-12)  # scale of the dampening
+    mean_diag = H.diagonal().mean().abs().clamp_min(1e-12)
     eye = torch.eye(H.shape[0], dtype=H.dtype, device=H.device)
     for attempt in range(MAX_DAMP_TRIES):
         d = damp if attempt == 0 else max(damp, 1e-3) * 10**attempt
@@ -94,11 +90,7 @@ def gptq_quantize(
     act_order: bool = False,
     keep: Tensor | None = None,
 ) -> tuple[QTensor, float]:
-    """Quantize a weight (out, in) with GPTQ given its Hessian (in, in); returns (qtensor, loss).
-
-    ``block_size``: columns per lazy-update block; ``damp``: relative dampening; ``act_order``:
-    columns by decreasing H_ii; ``keep``: input columns kept exactly in fp16.
-    """
+    """Quantize a weight (out, in) given its Hessian (in, in); ``keep``: input columns in fp16."""
     fmt = as_format(fmt)
     n_out, n_in = w.shape
     if H.shape != (n_in, n_in):
@@ -127,11 +119,7 @@ def gptq_quantize(
 def _permuted(
     w: Tensor, H: Tensor, act_order: bool, keep: Tensor | None
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """W^T (in, out) and H with dead inputs fixed, both in quantization order.
-
-    Returns (Wt, H, perm, kept): ``perm`` gives each position's original column; ``kept`` is
-    the mask over original columns (kept columns go last).
-    """
+    """(W^T, H, perm: each position's original column, kept: column mask) in quantization order."""
     n_in = w.shape[1]
     # W^T makes a weight column a contiguous row: faster rank-1 updates on CPU.
     Wt = w.detach().float().t().contiguous()
@@ -153,21 +141,17 @@ def _permuted(
 def _quantize_columns(
     Wt: Tensor, U: Tensor, perm: Tensor, kept: Tensor, fmt: Format, block_size: int
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """The GPTQ loop over permuted columns; updates ``Wt`` in place (kept columns' values).
-
-    Returns (codes, p1, p2, losses): codes (in, out) in permuted order, group parameters
-    (out, n_groups) and the per-output-row loss.
-    """
+    """The GPTQ loop, updating ``Wt`` in place; codes (in, out) come back in permuted order."""
     n_in, n_out = Wt.shape
     device = Wt.device
-    kept_at = kept[perm].tolist()  # whether each permuted position is kept
+    kept_at = kept[perm].tolist()
     pos_of = torch.argsort(perm)  # permuted position of each original column
     codec = fmt.codec
     G = fmt.group_len(n_in)
-    group_of = (perm // G).tolist()  # group of each permuted position
+    group_of = (perm // G).tolist()
     p1 = torch.zeros(n_out, fmt.n_groups(n_in), device=device)
     p2 = torch.zeros_like(p1)
-    rounders: dict[int, Callable[[Tensor], tuple[Tensor, Tensor]]] = {}  # group -> rounding
+    rounders: dict[int, Callable[[Tensor], tuple[Tensor, Tensor]]] = {}
     codes = torch.empty(n_in, n_out, dtype=torch.int64, device=device)
     losses = torch.zeros(n_out, device=device)
 
@@ -200,9 +184,8 @@ def _quantize_columns(
 def _current(
     Wt: Tensor, W1: Tensor, err: Tensor, U: Tensor, rows: Tensor, i1: int, i2: int
 ) -> Tensor:
-    """Current weights (G, out) of permuted columns ``rows`` inside block [i1, i2): ``W1`` for
-    columns in the block, else ``Wt`` minus the pending updates ``U[i1:i1+k, rows]^T @ err``.
-    """
+    """Current weights (G, out) of permuted ``rows``: ``W1`` inside block [i1, i2), else ``Wt``
+    minus the pending updates ``U[i1:i1+k, rows]^T @ err``."""
     inside = rows < i2
     out = Wt[rows] - U[i1 : i1 + err.shape[0], rows].t() @ err
     if inside.any():

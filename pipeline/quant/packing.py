@@ -1,24 +1,15 @@
-"""Bit packing of quantized codes (lowbit layout, Ascend int4 layouts).
+"""Bit packing of quantized codes (lowbit layout, Ascend int4 layouts); little-endian hosts only.
 
-lowbit layout (``pack_bits``), codes taken in row-major (flattened) order, result 1-D uint8:
-* 8-bit: one code per byte.
-* 4-bit: two per byte, low nibble first: ``byte[k] = c[2k] | c[2k+1] << 4``.
-* 2-bit: four per byte, lowest bits first: ``byte[k] = sum_j c[4k+j] << 2j``.
-* 3-bit: a dense little-endian bit stream, code i at stream bits 3i..3i+2, i.e. every 8 codes
-  fill 3 bytes: ``byte[3k+b] = bits 8b..8b+7 of sum_j c[8k+j] << 3j``.
+lowbit (``pack_bits``): codes in row-major order into 1-D uint8, lowest bits first:
+* 8-bit: a code per byte; 4-bit: ``byte[k] = c[2k] | c[2k+1] << 4``; 2-bit: ``sum_j c[4k+j] << 2j``.
+* 3-bit: a little-endian bit stream, code i at bits 3i..3i+2: 8 codes fill 3 bytes.
+The tail is zero-padded to whole bytes (3-byte triples for 3-bit); ``unpack_bits`` drops it.
 
-The tail is zero-padded to whole bytes (whole 3-byte triples for 3-bit); ``unpack_bits``
-takes the original numel or shape to drop it. The lane views assume a little-endian host.
-
-Ascend layouts (signed int4, two's-complement nibbles, low nibble first,
-``byte = (q_odd << 4) | (q_even & 0xF)``):
-* ``pack_int4_ascend(q, per_group=True)``: pairs along the output dim, int8 ``[n/2, k]``
-  (msModelSlim W4A16 per-group); ``per_group=False``: pairs along k, ``[n, k/2]``.
-* ``pack_int4_npu_int32(q)``: eight nibbles per int32 along the last dim, element 8j+i at
-  bits 4i..4i+3 (``torch_npu.npu_convert_weight_to_int4pack``): the bytes of the per-k
-  int8 packing read as little-endian int32.
-
-Only the low nibble of each value is kept (as msModelSlim does); callers pass q in [-8, 7].
+Ascend: signed int4 as two's-complement nibbles, ``byte = (q_odd << 4) | (q_even & 0xF)``
+(only the low nibble is kept; callers pass q in [-8, 7]):
+* ``pack_int4_ascend``: int8 ``[n/2, k]`` per_group (msModelSlim W4A16), else ``[n, k/2]``.
+* ``pack_int4_npu_int32``: the along-k bytes read as little-endian int32, element 8j+i at bits
+  4i..4i+3 (``torch_npu.npu_convert_weight_to_int4pack``).
 """
 
 from __future__ import annotations
@@ -44,9 +35,8 @@ def _check_bits(bits: int) -> None:
         raise ValueError(f"bits must be one of {PACKED_BITS}, got {bits}")
 
 
-# A stage moves a bit field up by k inside wider lanes with one fused multiply-add:
-# x + (x & mask) * (2**k - 1) == (x & ~mask) | (x & mask) << k when the moved bits land on
-# zeros. Unpacking spreads codes into bytes stage by stage; packing runs the inverse stages.
+# A stage moves a bit field up by k in one fused multiply-add (the moved bits land on zeros):
+# x + (x & mask) * (2**k - 1) == (x & ~mask) | (x & mask) << k. Packing runs the stages in reverse.
 _SPREAD4 = ((0xF0, 4),)  # int16 lane: byte b -> (b & 15) | (b >> 4) << 8
 _SPREAD2 = ((0x0C, 6),)  # int16 lane: nibble -> two 2-bit codes in two bytes
 _SPREAD3 = ((0xFFF000, 20), (0x00000FC000000FC0, 10), (0x0038003800380038, 5))  # int64 lane

@@ -1,29 +1,17 @@
 """QTensor: a quantized weight matrix (codes + group parameters) and its flat state dict.
 
-Code convention (what every other part of lowbit relies on):
-* ``codes``: unsigned integers, unpacked, shape ``[out, in]``, dtype uint8.
-* Groups run along the input dim inside each output row: column ``j`` belongs to group
-  ``j // G`` (``G = fmt.group_size``, or ``in`` for per-channel formats). Group parameters
-  have shape ``[out, n_groups]``; a trailing partial group is allowed.
-* ``int`` formats: ``W = (codes - zeros) * scales``. ``scales`` are fp16; ``zeros`` are uint8
-  code values in ``[0, 2**b - 1]`` for asymmetric formats and ``None`` for symmetric ones,
-  where the origin is the fixed code ``2**(b-1)``.
-* ``exp`` formats: ``W = lut[codes]`` per group (``codec.exponential``); ``scales`` holds the
-  base ``s`` and ``ratios`` the ratio ``r``, both fp16; ``zeros`` is None.
-* ``float``: ``codes`` is the int16 bit pattern of the fp16 weight (``codes.view(fp16)``);
-  no group parameters.
+* ``codes``: unpacked uint8 ``[out, in]``, column ``j`` in group ``j // G`` (``G = fmt.group_size``
+  or ``in``); group parameters ``[out, n_groups]``, the last group may be partial.
+* ``int``: ``W = (codes - zeros) * scales``, ``scales`` fp16, ``zeros`` uint8 codes in
+  ``[0, 2**b - 1]`` (asymmetric) or None (symmetric: the origin is the code ``2**(b-1)``).
+* ``exp``: ``W = lut[codes]`` per group (``codec.exponential``); ``scales``, ``ratios``: fp16 s, r.
+* ``float``: ``codes`` is the int16 bit pattern of the fp16 weight; no group parameters.
+* Kept columns (``keep_fp16``): ``W[:, keep_idx] = keep_vals``, ``keep_idx`` int32 ``[k]``
+  ascending, ``keep_vals`` fp16 ``[out, k]``; those columns' codes are stored but never read.
 
-Kept columns (``quant.outliers=keep_fp16``): ``keep_idx`` int32 ``[k]`` (ascending) and
-``keep_vals`` fp16 ``[out, k]`` override the decoded codes, ``W[:, keep_idx] = keep_vals``; the
-kept columns' codes are still stored (dense layout) but never read. None when nothing is kept.
-
-Export (Ascend, ``W = (q - offset) * scale``, q signed): ``signed()`` maps an int QTensor to
-``q = codes - 2**(b-1)`` (int8, in ``[-2**(b-1), 2**(b-1) - 1]``),
-``offset = zeros - 2**(b-1)`` (0 for symmetric) and ``scale`` as float32, which is exact.
-
-Serialization: ``to_state_dict(prefix)`` emits ``{prefix}.<field>`` for the fields present
-and ``{prefix}.format``, the format name as uint8 ASCII bytes, so a state dict alone rebuilds
-the QTensor. Each family's arithmetic is its codec's (``fmt.codec``).
+``signed()``: Ascend's ``W = (q - offset) * scale`` exactly, ``q = codes - 2**(b-1)`` int8,
+``offset = zeros - 2**(b-1)`` (0 if symmetric). ``to_state_dict(prefix)`` writes
+``{prefix}.<field>`` and ``{prefix}.format`` (the name in ASCII): a state dict rebuilds it alone.
 """
 
 from __future__ import annotations
@@ -134,9 +122,7 @@ class QTensor:
         return w.to(dtype)
 
     def signed(self) -> tuple[Tensor, Tensor, Tensor]:
-        """Ascend convention ``W = (q - offset) * scale``: q int8 [out, in], scale and offset
-        float32 [out, n_groups].
-        """
+        """Ascend's ``W = (q - offset) * scale``: q int8, scale and offset float32 (out, groups)."""
         if self.fmt.kind != "int":
             raise ValueError(
                 f"signed() needs an int format, got {self.fmt.name}; exp codes "

@@ -1,12 +1,9 @@
 """Sequential quantization of one decoder block (GPTQ's "true sequential" order).
 
-Each linear is quantized on the inputs it sees with every linear before it already quantized,
-so later layers compensate earlier rounding. Linears reading the same tensor form one group
-with one Hessian, e.g. (q, k, v) -> o -> (gate, up) -> down; a group's inputs are captured by a
-pre-hook that stops the forward there. With several ranks the Hessian (or RTN's error sums) is
-all-reduced, so every rank computes the same codes. Reported per layer: ``gptq_loss`` (mean
-``||(W - Q) x||^2``) and ``rel_output_error`` = ``||X (W - Q)^T|| / ||X W^T||``, for GPTQ from
-the Hessian: ``sqrt(tr(D H D^T) / tr(W H W^T))``, D = W - Q.
+Each linear sees the inputs of the already quantized linears before it, so later layers
+compensate earlier rounding. Linears reading one tensor share a Hessian ((q, k, v) -> o ->
+(gate, up) -> down), all-reduced over ranks so all compute the same codes. ``rel_output_error``
+is ``||X D^T|| / ||X W^T||``, D = W - Q; for GPTQ ``sqrt(tr(D H D^T) / tr(W H W^T))``.
 """
 
 from __future__ import annotations
@@ -27,9 +24,7 @@ from pipeline.quant.rtn import quantize_rtn
 
 @dataclass(frozen=True)
 class QuantOptions:
-    """How each linear is quantized (GPTQ fields: see ``gptq_quantize``); built from the run's
-    ``quant`` section, which holds the defaults.
-    """
+    """How each linear is quantized (see ``gptq_quantize``); defaults: the run's ``quant``."""
 
     method: str  # gptq | rtn
     block_size: int
@@ -94,14 +89,7 @@ def quantize_block(
     all_reduce: Callable[[Tensor], Tensor] | None = None,
     keep: dict[str, Sequence[int]] | None = None,
 ) -> tuple[dict[str, QTensor], dict[str, dict[str, Any]]]:
-    """Quantize the linears of ``block`` listed in ``formats`` (relative name: format), group
-    after group, leaving them holding their dequantized weights for the caller's final pass.
-
-    ``batches()`` yields this rank's (B, T, C) inputs; ``kwargs`` go to ``block.forward``;
-    ``groups`` come from ``block_groups``; ``all_reduce`` sums over ranks (None: one process);
-    ``keep`` maps names to input columns kept in fp16. Returns ({name: QTensor}, {name: report})
-    with format, gptq_loss, rel_output_error, seconds (and kept_columns).
-    """
+    """Quantize ``block``'s linears in ``formats`` group by group, leaving them dequantized."""
     keep = {n: c for n, c in (keep or {}).items() if len(c)}
     qtensors: dict[str, QTensor] = {}
     report: dict[str, dict[str, Any]] = {}
@@ -204,7 +192,7 @@ def _entry(
 ) -> dict[str, Any]:
     rel = (max(err, 0.0) / ref) ** 0.5 if ref > 0 else 0.0
     return {
-        "format": str(fmt),  # a Format's name
+        "format": str(fmt),
         "shape": list(w.shape),
         "gptq_loss": float(loss),
         "rel_output_error": float(rel),

@@ -1,9 +1,7 @@
 """Packed matmul kernels of the runtime's torch backend: which one a layer gets, and its call.
 
-The kernels read packed codes instead of dequantizing W on every call. Which format gets which
-kernel on which device, and why, is in docs/kernels.md (figures in docs/benchmarks.md).
-:func:`build` checks every chosen kernel against the reference on a random probe at load and
-falls back, with a warning, when one raises or disagrees beyond ``TOLERANCE``.
+Which format gets which kernel on which device, and why: docs/kernels.md. :func:`build` checks
+each chosen kernel against the reference at load and falls back when it disagrees.
 """
 
 from __future__ import annotations
@@ -167,8 +165,7 @@ class DenseBf16(Kernel):
 
 
 class SideColumns(nn.Module):
-    """Kept outlier columns: ``x[:, idx] @ S.T``, ``S = W[:, idx] - Wq[:, idx]``, added to the
-    output of whatever kernel runs the dense codes."""
+    """Kept outlier columns: ``x[:, idx] @ S.T``, ``S = W[:, idx] - Wq[:, idx]``, added on top."""
 
     def __init__(self, idx: Tensor, correction: Tensor, device: torch.device | str) -> None:
         super().__init__()
@@ -229,11 +226,7 @@ def build(
     check: bool = True,
     name: str = "",
 ) -> Kernel:
-    """The kernel for one layer on ``device``: the packed choice, or the reference.
-
-    ``check`` compares the chosen kernel with the reference on a random two-token probe and
-    falls back (warning with the layer's ``name``) when it raises or exceeds ``TOLERANCE``.
-    """
+    """The packed kernel for one layer, or the reference where ``check`` finds it off on a probe."""
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
     device = torch.device(device)

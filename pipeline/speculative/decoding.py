@@ -1,12 +1,9 @@
 """Speculative decoding with KV caches, and plain decoding as its baseline.
 
-Leviathan et al. (ICML 2023), Chen et al. (2023). Each round the draft proposes gamma tokens,
-the target scores them in ONE cached forward, and ``verify_draft`` keeps the accepted prefix
-plus one correction/bonus token. Cache invariant: after every round each cache holds a prefix
-of the committed sequence minus its last token (rejected drafts are cropped); positions are
-passed explicitly, so rotary phases stay right after a rollback. Works with any HF-style causal
-LM returning ``.logits`` and a croppable cache. Batch size 1: rounds accept different numbers
-of tokens per row, which would need ragged caches.
+Leviathan et al. (2023), Chen et al. (2023): the draft proposes gamma tokens, the target scores
+them in one cached forward, ``verify_draft`` keeps the accepted prefix plus one token. After every
+round each cache holds a prefix of the committed sequence minus its last token; positions are
+explicit, so rotary phases survive a rollback. Batch size 1: rows would need ragged caches.
 """
 
 from __future__ import annotations
@@ -53,9 +50,7 @@ class CachedLM:
         self.length = 0  # tokens held by the cache
 
     def forward(self, tokens: torch.Tensor, keep: int | torch.Tensor | None = None) -> torch.Tensor:
-        """Feed (B, n) tokens after the cached ones; logits (B, k, V) of the last ``keep`` rows
-        (int), of rows at these indices (1-D tensor) or of all (None).
-        """
+        """Feed (B, n) tokens after the cached ones; logits of the ``keep`` rows (None: all)."""
         n = tokens.shape[-1]
         position_ids = torch.arange(self.length, self.length + n, device=self.device)[None]
         kwargs = {} if self.cache is None else {self._cache_kw: self.cache}
@@ -130,12 +125,7 @@ def draft_block(
     *,
     probs: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Sample ``g`` tokens after ``pending`` (1, m), one cached forward each; the last stays unread.
-
-    ``temperature``: one, or one per token; 0 = greedy. ``vocab``: the target's. Returns (tokens,
-    q): (1, g) int64 proposals and the (1, g, vocab) probabilities each was sampled from, or None
-    for q with ``probs=False`` (greedy only).
-    """
+    """Sample ``g`` tokens after ``pending`` (1, m), the last unread; q is None if not ``probs``."""
     temps = [temperature] * g if isinstance(temperature, (int, float)) else list(temperature)
     if len(temps) != g:
         raise ValueError(f"draft_block got {len(temps)} temperatures for {g} tokens")
@@ -179,13 +169,8 @@ def speculative_generate(
     generator: torch.Generator | None = None,
     eos_token_id: int | list[int] | None = None,
 ) -> tuple[torch.Tensor, SpecStats]:
-    """Generate up to ``max_new_tokens`` tokens distributed as the target's, using a draft.
-
-    Batch size 1: ``input_ids`` is (1, T) or (T,). ``temperature`` applies to both models (0 =
-    greedy target decoding); ``adaptive`` (updated in place) overrides ``gamma`` per round;
-    ``temperature_schedule`` changes the draft's sampling only. Returns the (1, T + n) sequence
-    and the round statistics.
-    """
+    """Up to ``max_new_tokens`` tokens distributed as the target's; ``adaptive`` (updated in
+    place) overrides ``gamma``, ``temperature_schedule`` changes the draft's sampling only."""
     ids = _as_prompt(input_ids, max_new_tokens)
     if gamma < 1:
         raise ValueError(f"gamma must be >= 1, got {gamma}")
@@ -224,7 +209,6 @@ def speculative_generate(
         stats.record_round(g, n, len(new), ver.beta[0, :n_verified].tolist())
         if adaptive is not None:
             adaptive.update(n, n_verified)
-        # Drop rejected drafts: both caches keep a prefix of the committed sequence.
         tgt.rollback(len(seq) - 1)
         drf.rollback(min(drf.length, len(seq) - 1))
     stats.seconds = time.perf_counter() - start

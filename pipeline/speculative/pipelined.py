@@ -1,19 +1,15 @@
 """Pipelined speculative decoding: the draft proposes the next block while the target verifies.
 
-PEARL's post-verify (Liu et al., 2024). While the target verifies a block x_1..x_g, the draft
-samples a *bet* y_1..y_k that the block is accepted. y_1 takes the bonus position and is tested
-like any draft; if all is accepted, y_2..y_k are the next round's block, else they are dropped.
+PEARL's post-verify (Liu et al., 2024): while the target verifies a block x_1..x_g, the draft
+samples a *bet* y_1..y_k that it is accepted; y_1 is tested at the bonus position like any draft,
+and y_2..y_k are the next block if all is accepted.
 
-The output is still distributed as the target's: each round is a standard speculative round on
-the committed prefix s, since (1) every draft is sampled given s and the drafts before it (a
-won bet's rest after s + x + y_1, the next prefix); (2) each is tested against the target row
-at its own position, the correction from that row's residual; (3) whether a bet's rest is used
-depends only on the acceptance of x and y_1, and the draft has its own generator. A won round
-ends after y_1 without a bonus token, which the per-position guarantee allows; a copy of the
-last row stands in for verify_draft's bonus row and its token is discarded.
-
-The tokens for a given ``generator`` are the same for every overlap ("stream", "thread",
-"none", "auto"; docs/kernels.md).
+Exact: each round is a standard speculative round on the committed prefix s: every draft is
+sampled given s and the drafts before it (a won bet's rest given s + x + y_1) and tested against
+the target row at its own position; using a bet's rest depends only on x's and y_1's acceptance
+(the draft has its own generator). A won round ends after y_1 with no bonus (the guarantee is per
+position): a copy of the last row stands in for the bonus row, its token unused. The overlap never
+changes the tokens.
 """
 
 from __future__ import annotations
@@ -160,12 +156,8 @@ def measure_overlap_gain(
     n_warmup: int = 1,
     seed: int = 0,
 ) -> float:
-    """Sequential / threaded median time of whole greedy pipelined decodes (> 1: threads pay).
-
-    Whole decodes (``rounds`` blocks of gamma + 1 tokens after a random context), alternating
-    modes, because an isolated round hides the GIL the loop's Python holds between forwards.
-    CPU models only, under the current ``torch.set_num_threads``.
-    """
+    """Sequential / threaded median time of whole greedy decodes (> 1: threads pay), CPU only;
+    whole, because an isolated round hides the GIL the loop holds between forwards."""
     if rounds < 1 or gamma < 1:
         raise ValueError(f"need rounds >= 1 and gamma >= 1, got {rounds}, {gamma}")
     _check_cpu(target)
@@ -220,11 +212,7 @@ def _score_and_bet(
     produced: int,
     max_new_tokens: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple | None, int]:
-    """One round's forwards: the target scores ``block`` while the draft bets it is accepted.
-
-    Returns the drafts to verify (the bet's first token appended), their q and p, the bet or None,
-    and its length k.
-    """
+    """The target scores ``block`` while the draft bets; (drafts + y_1, q, p, bet or None, k)."""
     tokens, q = block
     g = tokens.shape[1]
     # If the bet wins, its k - 1 remaining tokens must leave room for next round's last token.
@@ -268,10 +256,7 @@ def pipelined_generate(
     eos_token_id: int | list[int] | None = None,
     overlap: str = "auto",
 ) -> tuple[torch.Tensor, SpecStats]:
-    """``speculative_generate`` drafting ahead: ``gamma`` drafts per block plus the bet's first
-    token; ``overlap`` is "auto", "stream", "thread" or "none" (docs/kernels.md). The draft's
-    generator is seeded from ``generator``.
-    """
+    """``speculative_generate`` drafting a bet ahead; ``overlap``: see docs/kernels.md."""
     ids = _as_prompt(input_ids, max_new_tokens)
     if gamma < 1:
         raise ValueError(f"gamma must be >= 1, got {gamma}")

@@ -1,11 +1,9 @@
 """Speculative sampling: the verification step that keeps the target's distribution.
 
-Leviathan et al. (ICML 2023), Chen et al. (2023). Draft token x_i ~ q_i is accepted with
-probability min(1, p_i(x_i) / q_i(x_i)); at the first rejection the correction token is sampled
-from norm(max(0, p_i - q_i)); if all are accepted a bonus token is sampled from p_{gamma+1}.
-Every emitted token is then distributed exactly as p, whatever q is: a bad draft costs speed,
-never quality. Vectorised over positions and a batch of rows; temperature 0 is greedy
-verification (accept iff the target's argmax, correction = argmax).
+Leviathan et al. (2023), Chen et al. (2023): draft x_i ~ q_i is accepted with probability
+min(1, p_i(x_i) / q_i(x_i)); the first rejection samples from norm(max(0, p_i - q_i)), and a full
+accept samples a bonus from p_{gamma+1}. Every token is then distributed exactly as p, whatever q:
+a bad draft costs speed, never quality. Temperature 0: accept iff the target's argmax.
 """
 
 from __future__ import annotations
@@ -71,11 +69,7 @@ def verify_draft(
     greedy: bool = False,
     generator: torch.Generator | None = None,
 ) -> Verification:
-    """Accept or reject a block of (B, G) draft tokens per row (the speculative sampling step).
-
-    ``q_probs`` (B, G, V): what each draft was sampled from; ``p_probs`` (B, G + 1, V): the
-    target there and after the last draft. ``greedy``: accept iff the target's argmax.
-    """
+    """Verify (B, G) drafts sampled from ``q_probs`` (B, G, V) against ``p_probs`` (B, G + 1, V)."""
     b, g = draft_tokens.shape
     if q_probs.shape[:2] != (b, g) or p_probs.shape[:2] != (b, g + 1):
         raise ValueError(
@@ -91,11 +85,11 @@ def verify_draft(
     else:
         idx = draft_tokens.unsqueeze(-1)
         p_x = p_probs[:, :g].gather(-1, idx).squeeze(-1)  # (B, G)
-        q_x = q_probs.gather(-1, idx).squeeze(-1)  # (B, G)
+        q_x = q_probs.gather(-1, idx).squeeze(-1)
         u = torch.rand((b, g), generator=generator, device=_rng_device(generator, p_probs))
         # u < p/q without the division (q_x may underflow to 0 at low temperature).
         accepted = u.to(p_probs.device) * q_x < p_x
-    n_accepted = _leading_true(accepted)  # (B,)
+    n_accepted = _leading_true(accepted)
     accepted = torch.arange(g, device=accepted.device) < n_accepted.unsqueeze(-1)
 
     # A zero q row makes "all accepted" the same formula: max(0, p_{G+1} - 0) = bonus.
@@ -114,10 +108,7 @@ def verify_draft(
 
 
 def verify_greedy(draft_tokens: torch.Tensor, target_tokens: torch.Tensor) -> Verification:
-    """``verify_draft(greedy=True)`` from (B, G) draft and (B, G + 1) target argmax tokens.
-
-    No one-hot rows over the vocabulary; beta is 1 where the tokens agree, as for two one-hots.
-    """
+    """``verify_draft(greedy=True)`` from (B, G) draft and (B, G + 1) target argmax tokens."""
     b, g = draft_tokens.shape
     match = target_tokens[:, :g] == draft_tokens  # (B, G)
     n_accepted = _leading_true(match)

@@ -1,12 +1,8 @@
 """export: pack the quantized model for its runtime, with a manifest, into MLflow.
 
-The model exported is distill's when distill ran, else quantize's; the draft (reinforce's when
-reinforce ran, else the FP draft) goes along into ``artifact/draft`` so ``lowbit-run`` can
-decode speculatively. Formats: ``ascend`` (msModelSlim ascendv1, what MindIE loads),
-``lowbit`` (ascendv1 plus 2/3-bit and exp4 tensors, for ``pipeline.runtime``) and
-``compressed-tensors`` (vLLM). Formats a target cannot run are refused when the config is
-validated, before any stage computes, and again per layer at export. The artifact is logged to
-MLflow and registered as a pyfunc model whose ``predict`` generates text.
+The model is distill's when distill ran, else quantize's; the draft (reinforce's, else the FP one)
+goes into ``artifact/draft`` for speculative decoding. Formats a target cannot run are refused at
+config time and again per layer; the artifact is registered as an MLflow pyfunc that generates.
 """
 
 from __future__ import annotations
@@ -29,14 +25,11 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class ExportConfig:
-    """Pack the quantized (distilled, when distill ran) model into <run_dir>/export/artifact/.
-
-    Formats:
-      lowbit:             ascendv1 layout + 2/3-bit and exp4 tensors, for `lowbit-run` (any recipe)
-      ascend:             msModelSlim "ascendv1" layout MindIE loads (W4A16 g64/g128 or per
-                          channel, W8A16, W8A8_DYNAMIC, FLOAT); other formats are refused
-                          (see widen)
-      compressed-tensors: pack-quantized checkpoint for vLLM on GPUs (int4 / int8 only)
+    """Pack the quantized model into <run_dir>/export/artifact/. Formats:
+    lowbit: ascendv1 + 2/3-bit and exp4 tensors, for `lowbit-run` (any recipe)
+    ascend: msModelSlim ascendv1 for MindIE (W4A16 g64/g128 or per channel, W8A16, W8A8_DYNAMIC,
+      FLOAT; others refused, see widen)
+    compressed-tensors: pack-quantized for vLLM on GPUs (int4 / int8 only)
     """
 
     format: Literal["ascend", "lowbit", "compressed-tensors"] = "lowbit"
@@ -46,15 +39,10 @@ class ExportConfig:
     shard_bytes: int = 2_000_000_000
     # Unquantized tensors (embeddings, norms, lm_head, float layers).
     float_dtype: Literal["float16", "bfloat16", "float32", "keep"] = "float16"
-    # Tag symmetric per-channel int8 layers W8A8_DYNAMIC (activations quantized per token at run
-    # time).
+    # Tag symmetric per-channel int8 layers W8A8_DYNAMIC (activations quantized per token).
     w8a8_dynamic: bool = False
-    # Put the draft (reinforce/draft, else the FP draft) into artifact/draft/ for speculative
-    # decoding.
     include_draft: bool = True
-    # MLflow: log the artifact directory, and register it as a pyfunc model (predict = generate
-    # text). Each stores a copy of the weights in the artifact store; turn one off for very large
-    # models.
+    # Both store a copy of the weights in MLflow's artifact store: off for very large models.
     log_artifact: bool = True
     register_model: bool = True
     model_name: str | None = None  # registered model name; null = "<name>-<format>" (smoke-lowbit)
@@ -167,8 +155,7 @@ STAGE = Stage(
     run=run,
     needs=("quantize",),
     uses=("bootstrap", "distill", "reinforce"),
-    # model: which draft goes along; quant: the formats checked against `format`; name: the
-    # registered model's default name
+    # model: the draft; quant: the formats checked against `format`; name: the model's default name
     sections=("name", "model", "quant.candidates", "quant.outliers"),
     check=check,
 )

@@ -1,9 +1,7 @@
 """What every codec shares: fp16 group parameters, the group layout, chunked search, STE rounding.
 
-Groups run along the input dim inside each output row: column ``j`` of an ``(out, in)`` weight
-belongs to group ``j // G``; a trailing partial group is zero-padded, which is harmless because
-every grid contains 0. Group parameters are stored in fp16, so the searches round their
-candidates to fp16 before scoring them (``to_fp16``): what is scored is what is stored.
+Column ``j`` of an ``(out, in)`` weight is in group ``j // G``. Parameters are stored in fp16, so
+searches round candidates to fp16 (``to_fp16``) before scoring: what is scored is what is stored.
 """
 
 from __future__ import annotations
@@ -21,12 +19,8 @@ CHUNK = 1 << 18  # elements per search chunk (1 MiB of float32)
 
 
 class Codec(Protocol):
-    """One format family's math: fit, encode, decode, storage and fake quantization.
-
-    ``p1, p2`` are a group's two parameters as float32: ``(scale, zero)`` for integer codes,
-    ``(base, ratio)`` for exponential ones. Methods taking ``w`` or ``codes`` broadcast the
-    parameters against them; ``(out, in)`` methods take ``(out, n_groups)`` parameters.
-    """
+    """One format family's math. ``p1, p2``: a group's float32 ``(scale, zero)`` or ``(base,
+    ratio)``, broadcast against ``w``/``codes``; ``(out, in)`` methods take ``(out, n_groups)``."""
 
     kind: ClassVar[str]  # the Format.kind it serves: "int" or "exp"
 
@@ -99,9 +93,7 @@ def to_fp16(x: Tensor, round_down: bool = False) -> Tensor:
 
 
 def to_groups(w: Tensor, group_len: int) -> Tensor:
-    """(out, in) -> (out, n_groups, group_len), zero-padding a trailing partial group (harmless:
-    every grid contains 0).
-    """
+    """(out, in) -> (out, n_groups, group_len), zero-padded (harmless: every grid holds 0)."""
     out, n_in = w.shape
     pad = (-n_in) % group_len
     if pad:

@@ -1,11 +1,9 @@
 """Exponential 4-bit codes: sign + 3-bit index on a geometric grid, decoded through a LUT.
 
-``code = sign << 3 | m``; ``m = 0`` is zero and ``m = k + 1`` the magnitude ``s * r**k``
-(k = 0..6), so a group's LUT is ``[0, s, s*r, ..., s*r**6]`` followed by the same values negated
-(code 8 is a second zero). Rounding is to the nearest level in the linear domain; the log grid
-puts its levels near zero, where bell-shaped weights are dense. Fit: a grid search over ratios
-and clipping ratios, scored with the base as stored (fp16). QAT trains the base ``s`` only
-(``d W_hat / d s = W_hat / s``); the ratio stays as fitted.
+``code = sign << 3 | m``; ``m = 0`` is zero, ``m = k + 1`` is ``s * r**k`` (k = 0..6): a group's LUT
+is ``[0, s, s*r, ..., s*r**6]`` then the same negated (code 8 a second zero). Rounding is to the
+nearest level in the linear domain; the log grid puts levels near zero, where weights are dense.
+Fit: a grid search over ratios and clips with the fp16 base; QAT trains ``s`` only.
 """
 
 from __future__ import annotations
@@ -25,9 +23,7 @@ EXP_LEVELS = 8  # magnitudes per sign: zero + s * r**k, k = 0..6
 
 
 def exp_powers(ratio: Tensor) -> Tensor:
-    """(...,) ratios -> (..., 8) normalised magnitudes ``[0, 1, r, ..., r**6]``, by repeated
-    multiplication (exactly rounded, unlike ``pow``): bit-identical whatever the shape.
-    """
+    """(...,) ratios -> (..., 8) ``[0, 1, r, ..., r**6]`` by cumprod: bit-identical in any shape."""
     r = ratio.unsqueeze(-1).expand(*ratio.shape, EXP_LEVELS - 2)
     one = torch.ones_like(ratio).unsqueeze(-1)
     return torch.cat([torch.zeros_like(one), one, torch.cumprod(r, dim=-1)], dim=-1)
@@ -48,17 +44,14 @@ def _encode_bounds(w: Tensor, base: Tensor, bounds: Tensor) -> Tensor:
     """Codes (int64) of ``w`` given ``bounds = exp_bounds(exp_powers(ratio))`` (..., 7)."""
     x = w.abs() / base
     m = torch.zeros_like(x, dtype=torch.int64)
-    for j in range(EXP_LEVELS - 1):  # 7 comparisons, vectorised over all weights
+    for j in range(EXP_LEVELS - 1):
         m += x > bounds[..., j]
     return torch.where((w < 0) & (m > 0), m + EXP_LEVELS, m)
 
 
 def _levels(m: Tensor, base: Tensor, ratio: Tensor) -> Tensor:
-    """Magnitude ``s * r**(m-1)`` (0 for m = 0) of indices m (out, n_groups, G).
-
-    ``base`` (out, n_groups, 1), ``ratio`` (out, n_groups). A gather of the normalised powers
-    times the base (rather than a gather of the LUT) gives the base its gradient per weight.
-    """
+    """Magnitudes ``s * r**(m-1)`` (0 for m = 0) of indices m (out, n_groups, G); gathering
+    powers times the base, not the LUT, gives the base its gradient per weight."""
     powers = exp_powers(ratio)[:, :, None, :]  # (out, n_groups, 1, 8)
     return base * torch.gather(powers.expand(*m.shape, -1), -1, m[..., None]).squeeze(-1)
 
@@ -77,20 +70,17 @@ class ExpCodec:
 
     @property
     def lsq_levels(self) -> int:
-        return EXP_LEVELS - 1  # positive magnitude levels
+        return EXP_LEVELS - 1
 
     def fit(self, wg: Tensor, weight: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """Grid-search base ``s`` and ratio ``r`` per group (..., G); top level = clip * max|w|.
-
-        Returns ``(base, ratio)`` of shape ``wg.shape[:-1]``, fp16-representable float32.
-        """
+        """Grid-search fp16 ``(base, ratio)`` per group (..., G); top level = clip * max|w|."""
         a = wg.abs()
         amax = a.amax(-1)
         best_err = torch.full_like(amax, float("inf"))
         best_s, best_r = torch.ones_like(amax), torch.ones_like(amax)
         for r in EXP_RATIOS:
             rt = torch.tensor(r, dtype=wg.dtype, device=wg.device)
-            powers = exp_powers(rt)  # (8,)
+            powers = exp_powers(rt)
             levels, bounds = powers.tolist(), exp_bounds(powers).tolist()
             for clip in EXP_CLIPS:
                 s = to_fp16(amax * clip / powers[-1])
@@ -118,13 +108,13 @@ class ExpCodec:
         return _encode_bounds(w, base, exp_bounds(exp_powers(ratio)))
 
     def decode(self, codes: Tensor, base: Tensor, ratio: Tensor) -> Tensor:
-        lut = exp_lut(base, ratio)  # (..., 16)
+        lut = exp_lut(base, ratio)
         shape = torch.broadcast_shapes(codes.shape, lut.shape[:-1])
         idx = codes.expand(shape)[..., None]
         return torch.gather(lut.expand(*shape, -1), -1, idx).squeeze(-1)
 
     def rounder(self, base: Tensor, ratio: Tensor) -> Callable[[Tensor], tuple[Tensor, Tensor]]:
-        bounds, lut = exp_bounds(exp_powers(ratio)), exp_lut(base, ratio)  # (..., 7), (..., 16)
+        bounds, lut = exp_bounds(exp_powers(ratio)), exp_lut(base, ratio)
 
         def round_(w: Tensor) -> tuple[Tensor, Tensor]:
             codes = _encode_bounds(w, base, bounds)
