@@ -52,9 +52,9 @@ def test_a_crashing_stage_is_one_line_exit_1_with_the_traceback_in_its_log(tmp_p
     (run_dir / "bootstrap").mkdir(parents=True)
     (run_dir / "bootstrap" / "_done.json").write_text(json.dumps({"fingerprint": "x"}))
     code = (
-        "import sys, pipeline.stages.evaluate as ev\n"
+        "import dataclasses, sys, pipeline.stages.evaluate as ev\n"
         "def boom(cfg, run, io): raise ValueError('shapes differ\\nsecond line')\n"
-        "ev.run = boom\n"
+        "ev.STAGE = dataclasses.replace(ev.STAGE, run=boom)\n"
         "from pipeline.__main__ import main\n"
         f"sys.argv = ['lowbit', 'experiment=smoke', 'run_dir={run_dir}', 'stages=[evaluate]',"
         " 'tracking=none']\n"
