@@ -180,10 +180,14 @@ def main() -> None:
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
         os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
         os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # model logging
+    from pipeline.dist import shutdown
     from pipeline.stages import register_configs
 
     register_configs()  # the defaults Hydra composes on, from the dataclasses
-    hydra.main(config_path=str(conf_dir()), config_name="config", version_base="1.3")(_main)()
+    try:
+        hydra.main(config_path=str(conf_dir()), config_name="config", version_base="1.3")(_main)()
+    finally:
+        shutdown()  # gloo's threads outlive a group left alive and abort the exit (SIGABRT)
 
 
 if __name__ == "__main__":

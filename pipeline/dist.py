@@ -90,3 +90,9 @@ def init_from_env(backend: str | None = None) -> Dist:
             torch.npu.set_device(local_rank)
         tdist.init_process_group(backend=backend, timeout=BARRIER_TIMEOUT)
     return Dist(rank=tdist.get_rank(), world_size=tdist.get_world_size(), local_rank=local_rank)
+
+
+def shutdown() -> None:
+    """Leave the process group, if any: an undestroyed gloo group can abort the exit."""
+    if tdist.is_available() and tdist.is_initialized():
+        tdist.destroy_process_group()
