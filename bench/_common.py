@@ -361,7 +361,12 @@ def write_result(
         "commit": commit,
         "dirty": dirty,
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "machine": cpu_summary() | {"torch": torch.__version__, "load_avg": os.getloadavg()[0]},
+        "machine": cpu_summary()
+        | {
+            "torch": torch.__version__,
+            "load_avg": os.getloadavg()[0],
+            "isa_env": os.environ.get("LOWBIT_CPU_ISA", "auto"),  # avx2: AVX-512 flags hidden
+        },
         "notes": list(notes),
         "tables": [t for t in tables if t["rows"]],
         "goals": _skipped(goals, skip),

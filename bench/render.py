@@ -106,7 +106,9 @@ def _commit(result: dict) -> str:
 def _cpu(result: dict, flags: tuple[str, ...] | None = None) -> str:
     m = result.get("machine", {})
     have = " ".join(f for f in m.get("cpu_flags", []) if flags is None or f in flags)
-    return f"{m.get('cpu', '?')} ({m.get('cores', '?')} cores; {have or 'no listed flags'})"
+    isa = m.get("isa_env", "auto")
+    env = "" if isa in ("auto", "") else f", LOWBIT_CPU_ISA={isa}"  # an emulated ISA says so
+    return f"{m.get('cpu', '?')} ({m.get('cores', '?')} cores; {have or 'no listed flags'}{env})"
 
 
 def _table(columns: list[str], rows: list[list]) -> str:
