@@ -123,9 +123,12 @@ def main(argv: list[str] | None = None) -> int:
             mark = ">" if i in (g.before, g.after) else " "
             print(f"{mark} {i + 1:6d}  {_short(lines[i])}")
     goals = gap_goals(found, args.max_gap)
+    stamps = [t for t in map(stamp, lines) if t is not None]
+    span = f"the log spans {(stamps[-1] - stamps[0]).total_seconds():.0f} s, first to last record"
+    print(span)
     if args.out:
         write_result(args.out, "log_gaps", [result_table(str(path), rows, COLUMNS)], goals,
-                     args.skip_goal)  # fmt: skip
+                     args.skip_goal, notes=[span])  # fmt: skip
     return report_goals(goals, skip=args.skip_goal)
 
 

@@ -32,6 +32,7 @@ NOT_BENCHES = {"render"}
 # of its first table: (what it is, the column, the columns that label each row)) README quotes.
 HEADLINES: dict[str, tuple[str, str, tuple[str, ...]] | None] = {
     "default_model": None,
+    "log_gaps": None,
     "distill_effect": None,
     "acceptance": None,
     "decode_speed": None,
