@@ -18,7 +18,7 @@ import torch
 from pipeline.progress import progress
 from pipeline.speculative.adaptive import AdaptiveGamma
 from pipeline.speculative.cost import measure_cost_ratio, measure_verify_cost
-from pipeline.speculative.decoding import speculative_generate
+from pipeline.speculative.decoding import speculative_decoder
 from pipeline.speculative.metrics import teacher_forced_acceptance
 from pipeline.speculative.stats import decode_prompts, pair_name
 
@@ -157,19 +157,10 @@ def acceptance_table(
         decode = [p[None].to(_device(target)) for p in ids[:max_prompts]]
         window = adaptive(draft_name, target_name) if adaptive is not None else None
 
-        def spec(x, g, target=target, draft=draft, window=window):
-            return speculative_generate(
-                target,
-                draft,
-                x,
-                new_tokens,
-                gamma=gamma,
-                adaptive=window,
-                temperature=temperature,
-                temperature_schedule=temperature_schedule,
-                generator=g,
-            )
-
+        spec = speculative_decoder(
+            target, draft, new_tokens, gamma=gamma, adaptive=window, temperature=temperature,
+            temperature_schedule=temperature_schedule,
+        )  # fmt: skip
         stats = decode_prompts(spec, (p for p, _ in zip(decode, decoded)), seed)
         m.update(
             alpha=stats.alpha_hat,

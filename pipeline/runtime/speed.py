@@ -15,7 +15,7 @@ from torch import nn
 from pipeline.runtime.backends import kernel_summary
 from pipeline.speculative.adaptive import AdaptiveGamma
 from pipeline.speculative.cost import measure_cost_ratio, measure_verify_cost
-from pipeline.speculative.decoding import plain_generate, speculative_generate
+from pipeline.speculative.decoding import plain_generate, speculative_decoder
 from pipeline.speculative.metrics import theoretical_speedup
 from pipeline.speculative.stats import SpecStats, decode_prompts, pair_name
 
@@ -102,21 +102,11 @@ def _speculative_stats(
     if adaptive is not None:
         lo, hi, size = adaptive
         window = AdaptiveGamma(lo, hi, size, cost_ratio=cost, verify_cost=verify)
-    return _decode(
-        lambda x, g: speculative_generate(
-            target,
-            draft,
-            x,
-            new_tokens,
-            gamma=gamma,
-            adaptive=window,
-            temperature=temperature,
-            temperature_schedule=temperature_schedule,
-            generator=g,
-        ),
-        prompts,
-        seed,
-    )
+    spec = speculative_decoder(
+        target, draft, new_tokens, gamma=gamma, adaptive=window, temperature=temperature,
+        temperature_schedule=temperature_schedule,
+    )  # fmt: skip
+    return _decode(spec, prompts, seed)
 
 
 def _pair_row(

@@ -155,6 +155,16 @@ def block_temperatures(
     return [draft_temperature(first_step + k, temperature) for k in range(g)]
 
 
+def speculative_decoder(
+    target: torch.nn.Module, draft: torch.nn.Module, max_new_tokens: int, **settings
+):
+    """``fn(prompt, generator)`` decoding with ``speculative_generate``'s keyword ``settings``:
+    the form ``stats.decode_prompts`` takes."""
+    return lambda x, g: speculative_generate(
+        target, draft, x, max_new_tokens, generator=g, **settings
+    )
+
+
 @torch.no_grad()
 def speculative_generate(
     target: torch.nn.Module,

@@ -71,16 +71,16 @@ def test_adaptive_draft_length_per_pair_and_scenario(target, stranger):
 
 
 def test_the_temperature_schedule_reaches_the_decoder(target, stranger, monkeypatch):
-    from pipeline.evaluation import acceptance as evaluation
+    from pipeline.speculative import decoding
 
     seen = []
-    real = evaluation.speculative_generate
+    real = decoding.speculative_generate
 
     def spy(*args, **kwargs):
         seen.append(kwargs["temperature_schedule"])
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(evaluation, "speculative_generate", spy)
+    monkeypatch.setattr(decoding, "speculative_generate", spy)  # what speculative_decoder calls
     for on in (False, True):
         acceptance_table(
             {"t": target}, {"d": stranger}, _scenarios(), new_tokens=4, max_prompts=1,
