@@ -182,6 +182,14 @@ def run_as(model: nn.Module, row: str) -> Iterator[nn.Module]:
     if fmt is None:
         yield model
         return
+    with quantized_linears(model, lambda name: fmt) as m:
+        yield m
+
+
+@contextlib.contextmanager
+def quantized_linears(model: nn.Module, fmt_of) -> Iterator[nn.Module]:
+    """``model`` with each decoder-layer linear ``name`` quantized by RTN to ``fmt_of(name)``
+    (None: kept) as the runtime's layer; the float layers are put back on exit."""
     from pipeline.models.adapters import linear_names
     from pipeline.quant.formats import parse_format
     from pipeline.quant.rtn import quantize_rtn
@@ -190,16 +198,18 @@ def run_as(model: nn.Module, row: str) -> Iterator[nn.Module]:
     # RTN's exp grid search takes minutes per 1B-model layer type; speed does not depend on
     # the codes' values, so exp codes are fitted once per weight shape (each layer still gets
     # its own packed copy, read from memory like any other).
-    per_shape = parse_format(fmt).kind == "exp"
-    fitted = {}  # weight shape -> its codes (exp formats only)
+    fitted = {}  # (weight shape, format) -> its codes (exp formats only)
     saved: dict[str, nn.Module] = {}  # the float layers, put back on exit
     try:
         for name in linear_names(model.config, include_lm_head=False):
+            fmt = fmt_of(name)
+            if fmt is None:
+                continue
             lin = model.get_submodule(name)
-            shape = tuple(lin.weight.shape)
-            qt = fitted[shape] if shape in fitted else quantize_rtn(lin.weight, fmt)
-            if per_shape:
-                fitted[shape] = qt
+            key = (tuple(lin.weight.shape), fmt)
+            qt = fitted[key] if key in fitted else quantize_rtn(lin.weight, fmt)
+            if parse_format(fmt).kind == "exp":
+                fitted[key] = qt
             saved[name] = lin
             model.set_submodule(name, runtime_linear(name, qt, lin.bias))
         yield model

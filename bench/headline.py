@@ -1,0 +1,444 @@
+"""The design's headline table on this machine: what lowbit buys a user who decodes.
+
+Rows (batch 1, greedy, the runtime's kernels):
+
+* ``FP plain``: the FP32 target alone;
+* ``FP spec``: the FP target with the FP draft;
+* ``int4 + FP draft``: RTN int4g128 of the FP target with the FP draft, the conventional
+  baseline;
+* ``lowbit plain``: lowbit's target alone;
+* ``lowbit``: lowbit's target with its draft, adaptive gamma (which may choose plain decoding).
+
+Columns: ms/token and tokens/s (median of ``--repeats`` runs, min-max), x FP plain, weights +
+KV cache resident (MB), on-line alpha, tokens per target call (tau) and the gamma used.
+
+Two levels:
+
+* **trained** (``--run-dir``, repeatable): a finished workflow's own models, each number
+  measured on them: FP target and draft, the final (distilled) target with the reinforced draft,
+  and RTN int4g128 of the FP target made in memory.
+* **at scale** (``--scale``): a random-weight Llama of TinyLlama-1.1B's shape. Its draft is the
+  target's own first ``--draft-layers`` layers (shared, so in the target's format: a draft that
+  is quantized with its target) and an int8 copy of its lm_head, c ~ 0.1 as 1 B against 8 B.
+  Random weights agree by chance only, so each speculative row's agreement is *calibrated* to
+  the alpha the trained run measured for that pair (FP draft @ FP target, FP draft @ int4,
+  final draft @ lowbit's target), within ``--alpha-tol``: the norms of the layers after the
+  draft's are scaled (their cost unchanged) and the scale bisected until the measured alpha
+  matches; the trace is printed and kept. lowbit's target takes the trained plan's formats
+  (``allocate/bitplan.json``) by relative depth. Every gamma of ``--gammas`` is timed on
+  lowbit's pair next to the adaptive choice.
+
+Goals (exit 1 when one is missed or cannot be checked): at scale lowbit >= 3.0 x FP plain
+tokens/s and >= 1.4 x the int4 + FP draft row, measured speed-up >= 0.8 x theory at every gamma
+of ``--gammas``, every calibrated alpha within tolerance; per run dir lowbit speculative >=
+1.0 x lowbit plain (adaptive gamma) and the final draft's alpha >= the FP draft's on lowbit's
+target.
+
+Usage:
+  python -m bench.headline --run-dir outputs/default --scale --out docs/results/headline
+  python -m bench.headline --alphas fp=0.54,int4=0.54,lowbit=0.62 --plan PATH --scale  # no run
+  [--threads N] [--repeats 3] [--gammas 2,3,4,5] [--hidden 2048 --layers 22 ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import math
+import statistics
+import sys
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from bench import decode_speed as ds
+from bench._common import (
+    add_goal_args,
+    cpu_kernels,
+    goal,
+    hwm_mib,
+    machine,
+    markdown_table,
+    report_goals,
+    result_table,
+    unmeasured,
+    write_result,
+)
+from pipeline.runtime import float_rows
+from pipeline.speculative.adaptive import AdaptiveGamma
+from pipeline.speculative.cost import measure_cost_ratio, measure_verify_cost
+from pipeline.speculative.decoding import plain_generate, speculative_decoder
+from pipeline.speculative.metrics import theoretical_speedup
+from pipeline.speculative.stats import SpecStats, decode_prompts
+
+COLUMNS = ("level", "row", "ms/token", "tok/s", "min-max", "x FP plain", "weights+KV MB",
+           "alpha", "tokens/call", "gamma")  # fmt: skip
+GAMMA_COLUMNS = ("gamma", "alpha", "tokens/call", "tok/s", "speed-up", "theory", "of theory")
+CAL_COLUMNS = ("row", "want alpha", "norm scale", "alpha")
+PAIRS = {  # speculative row: the key of the alpha it is calibrated to
+    "FP spec": "fp",
+    "int4 + FP draft": "int4",
+    "lowbit": "lowbit",
+}
+SCALE_X_FP, SCALE_X_INT4, OF_THEORY = 3.0, 1.4, 0.8
+
+
+def timed(fn, prompts: Sequence[torch.Tensor], repeats: int) -> list[SpecStats]:
+    """``repeats`` runs of ``fn`` over every prompt, after an untimed warm-up."""
+    fn(prompts[0][:, :8], torch.Generator().manual_seed(0))
+    return [decode_prompts(fn, prompts, seed=0) for _ in range(repeats)]
+
+
+def resident_mb(models: Sequence[nn.Module], context: int) -> float:
+    """Weights (each tensor once: a draft shares its target's) and fp32 KV caches at ``context``."""
+    tensors = {}
+    kv = 0
+    for m in models:
+        tensors |= {t.data_ptr(): t.nbytes for t in (*m.parameters(), *m.buffers())}
+        cfg = m.config
+        width = cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads)
+        kv += 2 * cfg.num_hidden_layers * width * context * 4
+    return (sum(tensors.values()) + kv) / 1e6
+
+
+def row(level: str, name: str, runs: list[SpecStats], mb: float, gamma: str = "-") -> dict:
+    """A table row from ``runs`` (median tokens/s, its min-max; alpha and tau of all runs)."""
+    tps = [r.tokens_per_s for r in runs]
+    med = statistics.median(tps)
+    spec = any(r.drafted for r in runs)
+    merged = runs[0]
+    for r in runs[1:]:
+        merged = merged.merge(r)
+    return {
+        "level": level, "row": name, "ms/token": 1000 / med, "tok/s": med,
+        "min-max": f"{min(tps):.1f}-{max(tps):.1f}", "weights+KV MB": mb,
+        "alpha": merged.alpha_hat if spec else None, "tokens/call": merged.tau, "gamma": gamma,
+    }  # fmt: skip
+
+
+class Pair:
+    """A target and draft timed plainly, at fixed gammas and adaptively, on the same prompts."""
+
+    def __init__(self, target: nn.Module, draft: nn.Module | None, prompts, args) -> None:
+        self.target, self.draft, self.prompts, self.args = target, draft, prompts, args
+        self.context = prompts[0].shape[1] + args.new_tokens
+        self.costs: tuple[float, dict[int, float]] | None = None
+
+    def mb(self) -> float:
+        return resident_mb([m for m in (self.target, self.draft) if m is not None], self.context)
+
+    def plain(self, level: str, name: str) -> dict:
+        n = self.args.new_tokens
+        runs = timed(lambda x, g: plain_generate(self.target, x, n, 0.0, g), self.prompts,
+                     self.args.repeats)  # fmt: skip
+        return row(level, name, runs, resident_mb([self.target], self.context))
+
+    def measured_costs(self) -> tuple[float, dict[int, float]]:
+        if self.costs is None:
+            gammas = range(1, max(self.args.gammas) + 1)
+            x = self.prompts[0]
+            self.costs = (
+                measure_cost_ratio(self.target, self.draft, input_ids=x),
+                measure_verify_cost(self.target, gammas, input_ids=x),
+            )
+        return self.costs
+
+    def runs(self, gamma: int | None, repeats: int | None = None) -> list[SpecStats]:
+        """Speculative runs at ``gamma``, or adaptive (a fresh window per run) when None."""
+        c, v = self.measured_costs()
+
+        def decode(x, g):
+            window = None
+            if gamma is None:
+                lo, hi = min(self.args.gammas), max(self.args.gammas)
+                window = AdaptiveGamma(lo, hi, 64, cost_ratio=c, verify_cost=v)
+            n = self.args.new_tokens
+            fn = speculative_decoder(
+                self.target, self.draft, n, gamma=gamma or 1, adaptive=window, temperature=0.0
+            )
+            return fn(x, g)
+
+        return timed(decode, self.prompts, repeats or self.args.repeats)
+
+    def spec(self, level: str, name: str) -> dict:
+        runs = self.runs(None)
+        used = [g for r in runs for g in r.gammas]
+        gamma = f"adaptive {statistics.mean(used):.1f}" if used else "adaptive 0 (plain)"
+        return row(level, name, runs, self.mb(), gamma)
+
+    def sweep(self, plain_tps: float) -> list[dict]:
+        """Every gamma of ``--gammas``: measured speed-up against theory at the measured alpha."""
+        c, _ = self.measured_costs()
+        out = []
+        for gamma in self.args.gammas:
+            r = row("", "", self.runs(gamma), 0.0)
+            theory = float(theoretical_speedup(r["alpha"], gamma, c))
+            speedup = r["tok/s"] / plain_tps
+            out.append({"gamma": gamma, "alpha": r["alpha"], "tokens/call": r["tokens/call"],
+                        "tok/s": r["tok/s"], "speed-up": speedup, "theory": theory,
+                        "of theory": speedup / theory})  # fmt: skip
+            print(out[-1], flush=True)
+        return out
+
+
+# ---------------------------------------------------------------------------------------------
+# At scale: a synthetic target whose draft's agreement is calibrated to a trained pair's alpha.
+
+
+@contextlib.contextmanager
+def tail_norms(model: nn.Module, first: int) -> Iterator[Callable[[float], None]]:
+    """``set(scale)``: the norms of layers ``first``.. scaled by ``scale``; restored on exit.
+
+    How much those layers change the residual stream, and so how often the first layers' draft
+    agrees with the target, without changing any layer's cost or touching quantized weights.
+    """
+    norms = [n for layer in model.model.layers[first:]
+             for n in (layer.input_layernorm, layer.post_attention_layernorm)]  # fmt: skip
+    saved = [n.weight.detach().clone() for n in norms]
+
+    def set_scale(scale: float) -> None:
+        with torch.no_grad():
+            for n, w in zip(norms, saved, strict=True):
+                n.weight.copy_(w * scale)
+
+    try:
+        yield set_scale
+    finally:
+        set_scale(1.0)
+
+
+def calibrate(pair: Pair, set_scale, want: float, tol: float, steps: int) -> list[dict]:
+    """Bisect the tail's norm scale (log scale) until alpha at gamma 3 is within ``tol / 2`` of
+    ``want``; leaves the closest scale set and returns the trace."""
+    lo, hi = math.log(1e-3), math.log(10.0)  # alpha falls as the scale grows
+    trace = []
+    for _ in range(steps):
+        scale = math.exp((lo + hi) / 2)
+        set_scale(scale)
+        alpha = row("", "", pair.runs(3, repeats=1), 0.0)["alpha"]
+        trace.append({"want alpha": want, "norm scale": scale, "alpha": alpha})
+        print(f"calibrate: scale {scale:.4g} alpha {alpha:.3f} (want {want:.3f})", flush=True)
+        if abs(alpha - want) <= tol / 2:
+            break
+        lo, hi = (math.log(scale), hi) if alpha > want else (lo, math.log(scale))
+    set_scale(min(trace, key=lambda t: abs(t["alpha"] - want))["norm scale"])
+    return trace
+
+
+def scaled_plan(plan: Mapping[str, str], layers: int) -> Callable[[str], str | None]:
+    """A trained plan's formats on a ``layers``-deep model: layer i takes the format of the
+    trained layer at the same relative depth, module by module."""
+    trained = 1 + max(int(n.split(".")[2]) for n in plan if n.startswith("model.layers."))
+
+    def fmt(name: str) -> str:
+        parts = name.split(".")
+        parts[2] = str(int(parts[2]) * trained // layers)
+        return plan.get(".".join(parts))  # None: a layer the plan keeps float
+
+    return fmt
+
+
+def at_scale(args: argparse.Namespace, alphas: Mapping[str, float], plan_fmt) -> dict:
+    model = ds.llama(args.hidden, args.layers, args.intermediate, args.vocab, args.kv_heads)
+    float_rows.convert(model)
+    prompts = [torch.randint(0, args.vocab, (1, args.prompt_len),
+                             generator=torch.Generator().manual_seed(i))
+               for i in range(args.prompts)]  # fmt: skip
+    rows, cal, sweep = [], [], []
+    print(f"at scale: {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B params", flush=True)
+    stages = (("fp", lambda n: None), ("int4", lambda n: "int4g128"), ("lowbit", plan_fmt))
+    with tail_norms(model, args.draft_layers) as set_scale:
+        for key, fmt in stages:
+            with ds.quantized_linears(model, fmt) as target:
+                draft = ds.shallow_draft(target, args)
+                pair = Pair(target, draft, prompts, args)
+                if key == "fp":
+                    rows.append(pair.plain("at scale", "FP plain"))
+                if key == "lowbit":
+                    rows.append(pair.plain("at scale", "lowbit plain"))
+                name = next(n for n, k in PAIRS.items() if k == key)
+                trace = calibrate(pair, set_scale, alphas[key], args.alpha_tol, args.cal_steps)
+                cal += [{"row": name, **t} for t in trace]
+                rows.append(pair.spec("at scale", name))
+                print(rows[-1], flush=True)
+                if key == "lowbit":
+                    sweep = pair.sweep(rows[-2]["tok/s"])
+    fp = rows[0]["tok/s"]
+    for r in rows:
+        r["x FP plain"] = r["tok/s"] / fp
+    return {"rows": rows, "calibration": cal, "sweep": sweep}
+
+
+# ---------------------------------------------------------------------------------------------
+# Trained: a finished run's own models.
+
+
+def test_prompts(fp_path: Path, n: int, length: int) -> list[torch.Tensor]:
+    """``n`` prompts of ``length`` tokens from the built-in corpus's test split, the evaluate
+    stage's "mix" scenario."""
+    from pipeline.config import DataConfig
+    from pipeline.data.text import Corpus
+    from pipeline.evaluation.acceptance import heldout_scenarios
+    from pipeline.models.hf import load_tokenizer
+
+    tokenizer = load_tokenizer(fp_path)
+    docs = Corpus(DataConfig(), tokenizer).splits["test"]
+    sets = heldout_scenarios(tokenizer, docs, n_prompts=n, prompt_len=length, long_len=4 * length)
+    return [torch.tensor([p]) for p in sets["mix"][:n]]
+
+
+def trained(run_dir: Path, args: argparse.Namespace) -> dict:
+    """The table on ``run_dir``'s models, and the alphas the at-scale rows calibrate to."""
+    from pipeline import runmodels
+    from pipeline.config import ModelConfig
+    from pipeline.models.quantized import load_model
+    from pipeline.runtime.inmemory import to_runtime
+
+    inputs = runmodels.finished_stages(run_dir)
+    model_cfg = ModelConfig()
+    paths = runmodels.targets(model_cfg, inputs) | runmodels.drafts(model_cfg, inputs)
+    missing = {"target_fp", "draft_fp"} - set(paths)
+    if missing or len(runmodels.quantized_targets(inputs)) == 0:
+        raise SystemExit(f"{run_dir}: needs a finished run with a draft and a quantized target")
+    fp_path = paths["target_fp"]
+    final_t = runmodels.final_target(model_cfg, inputs)
+    final_d = runmodels.final_draft(model_cfg, inputs)
+    models = {
+        "fp": load_model(fp_path, False),
+        "draft": load_model(paths["draft_fp"], False),
+        "lowbit": load_model(final_t, False),
+        "final_draft": load_model(final_d, False),
+    }
+    int4 = float_rows.convert(copy.deepcopy(models["fp"]).eval())
+    models = {k: to_runtime(m, copy_model=False) for k, m in models.items()}
+    prompts = test_prompts(fp_path, args.prompts, args.prompt_len)
+    level = f"trained {run_dir.name}"
+    fp = Pair(models["fp"], models["draft"], prompts, args)
+    low = Pair(models["lowbit"], models["final_draft"], prompts, args)
+    low_fp_draft = Pair(models["lowbit"], models["draft"], prompts, args)
+    rows = [fp.plain(level, "FP plain"), fp.spec(level, "FP spec")]
+    with ds.quantized_linears(int4, lambda n: "int4g128") as t4:
+        rows.append(Pair(t4, models["draft"], prompts, args).spec(level, "int4 + FP draft"))
+    rows += [low.plain(level, "lowbit plain"), low.spec(level, "lowbit")]
+    fp_draft_alpha = row("", "", low_fp_draft.runs(3), 0.0)["alpha"]
+    for r in rows:
+        r["x FP plain"] = r["tok/s"] / rows[0]["tok/s"]
+        print(r, flush=True)
+    alphas = {k: next(r["alpha"] for r in rows if r["row"] == n) for n, k in PAIRS.items()}
+    plan = Path(inputs["allocate"]) / "bitplan.json" if "allocate" in inputs else None
+    return {"rows": rows, "alphas": alphas, "fp_draft_on_lowbit": fp_draft_alpha, "plan": plan}
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def check_goals(runs: Sequence[dict], scale: dict | None, tol: float) -> list[dict]:
+    goals = []
+    for t in runs:
+        by = {r["row"]: r for r in t["rows"]}
+        level = t["rows"][0]["level"]
+        ratio = by["lowbit"]["tok/s"] / by["lowbit plain"]["tok/s"]
+        goals.append(goal(f"{level}: lowbit speculative / lowbit plain", ratio, ">= 1.0",
+                          ratio >= 1.0))  # fmt: skip
+        final, fp_d = by["lowbit"]["alpha"], t["fp_draft_on_lowbit"]
+        goals.append(goal(f"{level}: final draft alpha - FP draft alpha on lowbit's target",
+                          final - fp_d, ">= 0", final >= fp_d))  # fmt: skip
+    if scale is None:
+        return goals + [unmeasured("at scale: lowbit / FP plain", f">= {SCALE_X_FP}",
+                                   "run with --scale")]  # fmt: skip
+    by = {r["row"]: r for r in scale["rows"]}
+    x_fp = by["lowbit"]["tok/s"] / by["FP plain"]["tok/s"]
+    x_int4 = by["lowbit"]["tok/s"] / by["int4 + FP draft"]["tok/s"]
+    goals += [
+        goal("at scale: lowbit / FP plain tok/s", x_fp, f">= {SCALE_X_FP}", x_fp >= SCALE_X_FP),
+        goal("at scale: lowbit / int4 + FP draft tok/s", x_int4, f">= {SCALE_X_INT4}",
+             x_int4 >= SCALE_X_INT4),
+    ]  # fmt: skip
+    for name, key in PAIRS.items():
+        want = scale["alphas"][key]
+        got = by[name]["alpha"]
+        goals.append(goal(f"at scale: {name} alpha - calibrated target {want:.3f}", got - want,
+                          f"within +-{tol}", abs(got - want) <= tol))  # fmt: skip
+    for s in scale["sweep"]:
+        goals.append(goal(f"at scale: measured / theory at gamma {s['gamma']}", s["of theory"],
+                          f">= {OF_THEORY}", s["of theory"] >= OF_THEORY))  # fmt: skip
+    if not scale["sweep"]:
+        goals.append(unmeasured("at scale: measured / theory", f">= {OF_THEORY}", "no --gammas"))
+    return goals
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--run-dir", action="append", default=[], type=Path)
+    p.add_argument("--scale", action="store_true", help="also the 1.1B synthetic level")
+    p.add_argument(
+        "--alphas",
+        default=None,
+        help="fp=A,int4=A,lowbit=A: calibrate to these instead of the first run's",
+    )
+    p.add_argument("--plan", type=Path, default=None, help="bitplan.json (default: the run's)")
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--layers", type=int, default=22)
+    p.add_argument("--intermediate", type=int, default=5632)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--kv-heads", type=int, default=4)
+    p.add_argument("--draft-layers", type=int, default=2)
+    p.add_argument("--draft-head", default="int8")
+    p.add_argument("--prompts", type=int, default=2)
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--new-tokens", type=int, default=48)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--gammas", default="2,3,4,5")
+    p.add_argument("--alpha-tol", type=float, default=0.03)
+    p.add_argument("--cal-steps", type=int, default=8)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--out", default="bench-out/headline")
+    add_goal_args(p)
+    args = p.parse_args()
+    args.gammas = [int(g) for g in args.gammas.split(",") if g]
+    if args.scale and not args.run_dir and (args.alphas is None or args.plan is None):
+        p.error("--scale needs a --run-dir to calibrate to, or --alphas and --plan")
+    return args
+
+
+def main() -> int:
+    args = parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    threads = torch.get_num_threads()
+    info = f"machine: {machine()}; lowbit CPU kernels: {cpu_kernels()}; threads {threads}"
+    print(info, flush=True)
+    runs = [trained(d, args) for d in args.run_dir]
+    scale = None
+    if args.scale:
+        alphas = (dict((k, float(v)) for k, v in (a.split("=") for a in args.alphas.split(",")))
+                  if args.alphas else runs[0]["alphas"])  # fmt: skip
+        from pipeline.quant.plan import BitPlan
+
+        plan_path = args.plan or runs[0]["plan"]
+        plan = {n: f.name for n, f in BitPlan.load(plan_path).quantized().items()}
+        scale = at_scale(args, alphas, scaled_plan(plan, args.layers)) | {"alphas": alphas}
+    rows = [r for t in runs for r in t["rows"]] + (scale["rows"] if scale else [])
+    goals = check_goals(runs, scale, args.alpha_tol)
+    tables = [result_table("headline", rows, COLUMNS)]
+    text = [info, markdown_table(rows, COLUMNS)]
+    if scale:
+        tables += [result_table("at scale: every gamma on lowbit's pair", scale["sweep"],
+                                GAMMA_COLUMNS),
+                   result_table("at scale: alpha calibration", scale["calibration"],
+                                CAL_COLUMNS)]  # fmt: skip
+        text += [markdown_table(scale["sweep"], GAMMA_COLUMNS),
+                 markdown_table(scale["calibration"], CAL_COLUMNS)]  # fmt: skip
+    print("\n\n".join(text) + f"\npeak RSS {hwm_mib():.0f} MiB")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "headline.md").write_text("\n\n".join(text) + "\n")
+    write_result(out, "headline", tables, goals, args.skip_goal, [info])
+    return report_goals(goals, out, args.skip_goal)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
