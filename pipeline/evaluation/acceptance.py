@@ -101,7 +101,10 @@ def measure_costs(
 
 
 def adaptive_gamma(costs: Mapping[str, dict], gamma_min: int, gamma_max: int, window: int):
-    """``make(draft, target)``: a fresh AdaptiveGamma priced with that pair's measured costs."""
+    """``make(draft, target)``: a fresh AdaptiveGamma priced with that pair's measured costs.
+
+    It never falls back to plain steps: they test no draft token, and alpha is what is measured.
+    """
 
     def make(draft: str, target: str) -> AdaptiveGamma:
         cost = costs[pair_name(draft, target)]
@@ -111,6 +114,7 @@ def adaptive_gamma(costs: Mapping[str, dict], gamma_min: int, gamma_max: int, wi
             window,
             cost_ratio=cost["cost_ratio"],
             verify_cost=cost["verify_cost"],
+            allow_plain=False,
         )
 
     return make
