@@ -26,6 +26,7 @@ __all__ = [
     "acceptance_table",
     "adaptive_gamma",
     "column",
+    "final_target",
     "heldout_scenarios",
     "measure_costs",
     "plot_acceptance",
@@ -46,12 +47,18 @@ def run_pairs(targets: Iterable[str], drafts: Iterable[str]) -> list[tuple[str, 
     self-speculation, the low-bit target drafting for its FP self.
     """
     targets, drafts = set(targets), set(drafts)
-    final = next((t for t in ("target_distilled", "target_quantized") if t in targets), None)
+    final = final_target(targets)
     pairs = [("draft_fp", "target_fp")] if "draft_fp" in drafts else []
     if final:
         pairs += [(d, final) for d in ("draft_fp", "draft_reinforced") if d in drafts]
         pairs.append((final, "target_fp"))
     return pairs
+
+
+def final_target(names: Iterable[str]) -> str | None:
+    """The run's last low-bit target among ``names`` (distilled over quantized), or None."""
+    names = set(names)
+    return next((t for t in ("target_distilled", "target_quantized") if t in names), None)
 
 
 def heldout_scenarios(
