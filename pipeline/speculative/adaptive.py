@@ -10,9 +10,10 @@ Gamma 0 is plain decoding (one target call, one token: speed-up 1 by definition)
 speculation is never expected to be slower than decoding without it. Plain steps test no draft
 token, so alpha would stay frozen at the value that switched speculation off; every
 ``probe_every`` plain tokens one round is therefore drafted at the best gamma to refresh the
-window. A probe costs about gamma c + v - 1 target steps, so probing every 16 tokens adds a
-few percent at most while a draft that starts agreeing (another kind of text) is noticed within
-a few probes, as each accepted block outweighs many rejected first positions in the window.
+window. A probe costs about gamma c + v - 1 target steps more than a plain step, so probing
+every 16 tokens slows plain decoding by (gamma c + v - 1) / 16, a few percent for a cheap draft,
+while a draft that starts agreeing (another kind of text) is noticed within a few probes, as
+each accepted block outweighs many rejected first positions in the window.
 """
 
 from __future__ import annotations
