@@ -41,7 +41,7 @@ stream scaled by ``--tail-scale`` (their o_proj and down_proj; values only, thei
 unchanged; 0.01 gave alpha ~0.8 on 22-layer models, 0 gives ~0.93, what the int8 head and bf16
 activations leave). Reported, as ``pipeline.runtime.speed.decode_speed`` times a run's pairs:
 alpha, tau, the measured cost ratio c, the measured speed-up (speculative / plain tokens/s of
-the target over ``--repeats`` decodes, prompt included), the theoretical one
+the target, medians of ``--repeats`` decodes, prompt included), the theoretical one
 tau / (gamma c + 1); and ``v``: what one verification (a gamma + 1 token forward of the target)
 costs in single-token steps. The theory takes v = 1, as on memory-bound hardware; where
 v > 1 (CPU kernels whose time grows with the tokens) ``theory at v`` = tau / (gamma c + v)
@@ -236,15 +236,13 @@ def bytes_per_token(model: nn.Module, context: float) -> int:
     Args:
         context: Mean number of cached positions each step's attention reads.
     """
+    from pipeline.runtime.speed import kv_cache_bytes, weight_bytes
+
     embed = model.get_input_embeddings().weight
-    tensors = {t.data_ptr(): t for t in (*model.parameters(), *model.buffers())}
-    total = sum(t.nbytes for t in tensors.values())
+    total = weight_bytes(model)
     if model.get_output_embeddings().weight.data_ptr() != embed.data_ptr():
         total -= embed.nbytes - embed[0].nbytes  # an untied embedding is read one row a step
-    cfg = model.config
-    kv_width = cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads)
-    kv = 2 * cfg.num_hidden_layers * kv_width * context * embed.element_size()  # keys + values
-    return int(total + kv)
+    return int(total + kv_cache_bytes(model, context))
 
 
 def median_seconds(model: nn.Module, prompt: torch.Tensor, n: int, repeats: int) -> float:
@@ -334,8 +332,9 @@ def speculative_row(
 
     draft = shallow_draft(target, args)
     speed = decode_speed(
-        {"target": target, "draft": draft}, [("draft", "target")], [prompt] * args.repeats,
+        {"target": target, "draft": draft}, [("draft", "target")], [prompt],
         new_tokens=args.new_tokens, gamma=gamma, temperature=args.temperature,
+        repeats=args.repeats,
     )  # fmt: skip
     (pair,) = speed["speculative"].values()
     return {

@@ -66,6 +66,11 @@ def _eval_tables(ev: EvalResult) -> list[str]:
         for pair, per in ev.acceptance.items():
             cells = [f"{per[s]:.3f}" if s in per else "" for s in scenarios]
             out.append(f"| {pair} | " + " | ".join(cells) + " |")
+    if ev.speed_table:
+        from pipeline.evaluation.speed import format_speed_table
+
+        out += ["", "## Decode speed against FP plain (batch 1, median of passes)", ""]
+        out += format_speed_table(ev.speed_table)
     if ev.speed:
         from pipeline.runtime.speed import format_speed
 

@@ -62,3 +62,27 @@ def test_the_report_says_which_machine_and_commit_the_timings_come_from(tmp_path
     (tmp_path / "quantize" / "_done.json").unlink()
     text = write_report(tmp_path).read_text()
     assert f"Measured on {machine['cpu']} (" in text and "torch " + machine["torch"] in text
+
+
+def test_the_speed_table_renders_with_the_overhead_note(tmp_path):
+    timing = {"tokens_per_s_min": 90.0, "tokens_per_s_max": 110.0, "weight_bytes": 4_000_000,
+              "kv_bytes": 500_000}  # fmt: skip
+    rows = [
+        {"row": "FP plain", "ms_per_token": 10.0, "tokens_per_s": 100.0, "x_fp_plain": 1.0,
+         "alpha": None, "tau": 1.0, "gamma": 0.0, "plain_share": 1.0, **timing},
+        {"row": "target_quantized + draft_fp", "ms_per_token": 5.0, "tokens_per_s": 200.0,
+         "x_fp_plain": 2.0, "alpha": 0.7, "tau": 2.5, "gamma": 3.2, "plain_share": 0.25,
+         **timing},
+    ]  # fmt: skip
+    (tmp_path / "evaluate").mkdir()
+    EvalResult(ppl={"target_fp": 12.0}, speed_table={"rows": rows, "width": 96}).save(
+        tmp_path / "evaluate"
+    )
+    lines = write_report(tmp_path).read_text().splitlines()
+    i = lines.index("## Decode speed against FP plain (batch 1, median of passes)")
+    assert (
+        lines[i + 4]
+        == "| FP plain | 10.00 | 100.0 (90.0–110.0) | 1.00 | 4.00 | 0.50 | - | 1.00 | 0 |"
+    )
+    assert lines[i + 5].endswith("| 2.00 | 4.00 | 0.50 | 0.700 | 2.50 | 3.2 (25%) |")
+    assert lines[i + 7].startswith("Models 96 wide are overhead-bound")

@@ -26,6 +26,7 @@ __all__ = [
     "acceptance_table",
     "adaptive_gamma",
     "column",
+    "final_target",
     "heldout_scenarios",
     "measure_costs",
     "plot_acceptance",
@@ -46,12 +47,18 @@ def run_pairs(targets: Iterable[str], drafts: Iterable[str]) -> list[tuple[str, 
     self-speculation, the low-bit target drafting for its FP self.
     """
     targets, drafts = set(targets), set(drafts)
-    final = next((t for t in ("target_distilled", "target_quantized") if t in targets), None)
+    final = final_target(targets)
     pairs = [("draft_fp", "target_fp")] if "draft_fp" in drafts else []
     if final:
         pairs += [(d, final) for d in ("draft_fp", "draft_reinforced") if d in drafts]
         pairs.append((final, "target_fp"))
     return pairs
+
+
+def final_target(names: Iterable[str]) -> str | None:
+    """The run's last low-bit target among ``names`` (distilled over quantized), or None."""
+    names = set(names)
+    return next((t for t in ("target_distilled", "target_quantized") if t in names), None)
 
 
 def heldout_scenarios(
@@ -101,7 +108,10 @@ def measure_costs(
 
 
 def adaptive_gamma(costs: Mapping[str, dict], gamma_min: int, gamma_max: int, window: int):
-    """``make(draft, target)``: a fresh AdaptiveGamma priced with that pair's measured costs."""
+    """``make(draft, target)``: a fresh AdaptiveGamma priced with that pair's measured costs.
+
+    It never falls back to plain steps: they test no draft token, and alpha is what is measured.
+    """
 
     def make(draft: str, target: str) -> AdaptiveGamma:
         cost = costs[pair_name(draft, target)]
@@ -111,6 +121,7 @@ def adaptive_gamma(costs: Mapping[str, dict], gamma_min: int, gamma_max: int, wi
             window,
             cost_ratio=cost["cost_ratio"],
             verify_cost=cost["verify_cost"],
+            allow_plain=False,
         )
 
     return make

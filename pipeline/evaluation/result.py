@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass, field, fields
 from typing import ClassVar
 
@@ -9,7 +10,7 @@ from pipeline import handoff
 from pipeline.evaluation.acceptance import column
 from pipeline.evaluation.harness import lm_eval_metrics
 
-SCHEMA_VERSION = 1  # files written before the version was recorded are version 1
+SCHEMA_VERSION = 2  # 2 adds speed_table; files without a version are version 1
 FILENAME = "eval.json"
 SCHEMA = "lowbit.eval"
 
@@ -31,6 +32,7 @@ class EvalResult(handoff.HandOff):
     error_flow: dict[str, list[float]] = field(default_factory=dict)  # error after each layer
     lm_eval: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
     speed: dict | None = None  # pipeline.runtime.speed.decode_speed's result
+    speed_table: dict | None = None  # pipeline.evaluation.speed.speed_table's: the design's rows
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -57,4 +59,8 @@ class EvalResult(handoff.HandOff):
         out.update({f"tok_s_{k}": v["tokens_per_s"] for k, v in speed["plain"].items()})
         for pair, v in speed["speculative"].items():
             out[f"speedup_{pair.replace('@', '-vs-')}"] = v["speedup"]
+        for row in (self.speed_table or {}).get("rows", []):
+            key = re.sub(r"[^0-9A-Za-z_-]+", "_", row["row"]).strip("_")
+            out[f"ms_per_token_{key}"] = row["ms_per_token"]
+            out[f"x_fp_plain_{key}"] = row["x_fp_plain"]
         return out

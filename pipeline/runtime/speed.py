@@ -1,12 +1,14 @@
 """Decode speed of runtime models (packed kernels), next to what theory promises.
 
-Per model: plain batch-1 tokens/s and the kernels run. Per (draft, target) pair: speculative
-tokens/s, the speed-up, and theory tau / (gamma * c + 1) at the measured alpha and c
-(``of_theory``), plus ``theory_at_v`` with the measured verification cost v.
+Per model: plain batch-1 tokens/s (the median of ``repeats`` passes over the prompts, with their
+min and max), ms/token, the kernels run and the bytes resident for weights and a KV cache. Per
+(draft, target) pair: the same, the speed-up, and theory tau / (gamma * c + 1) at the measured
+alpha and c (``of_theory``), plus ``theory_at_v`` with the measured verification cost v.
 """
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -19,13 +21,50 @@ from pipeline.speculative.decoding import plain_generate, speculative_decoder
 from pipeline.speculative.metrics import theoretical_speedup
 from pipeline.speculative.stats import SpecStats, decode_prompts, pair_name
 
-__all__ = ["decode_speed", "format_speed", "slow_lowbit"]
+__all__ = [
+    "decode_speed",
+    "format_speed",
+    "kv_cache_bytes",
+    "slow_lowbit",
+    "weight_bytes",
+]
 
 
-def _decode(fn, prompts: Sequence[torch.Tensor], seed: int) -> SpecStats:
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of every parameter and buffer (packed codes, scales, tables), shared ones once."""
+    tensors = {t.data_ptr(): t for t in (*model.parameters(), *model.buffers())}
+    return sum(t.nbytes for t in tensors.values())
+
+
+def kv_cache_bytes(model: nn.Module, context: float) -> int:
+    """Bytes of the keys and values of ``context`` positions, in the embedding's dtype."""
+    cfg = model.config
+    head = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    size = model.get_input_embeddings().weight.element_size()
+    return int(2 * cfg.num_hidden_layers * kv_heads * head * context * size)
+
+
+def _decode(fn, prompts: Sequence[torch.Tensor], seed: int, repeats: int):
+    """(counters merged over every pass, the tokens/s of each pass) after an untimed warm-up."""
     warm = torch.Generator(device=prompts[0].device).manual_seed(seed)
-    fn(prompts[0][:, :8], warm)  # warm-up, untimed
-    return decode_prompts(fn, list(prompts), seed)
+    fn(prompts[0][:, :8], warm)
+    runs = [decode_prompts(fn, list(prompts), seed) for _ in range(repeats)]
+    total = runs[0]
+    for run in runs[1:]:
+        total = total.merge(run)
+    return total, [r.tokens_per_s for r in runs]
+
+
+def _timing(rates: list[float]) -> dict:
+    """Median tokens/s of the passes, its min-max spread and ms/token."""
+    mid = statistics.median(rates)
+    return {
+        "tokens_per_s": mid,
+        "tokens_per_s_min": min(rates),
+        "tokens_per_s_max": max(rates),
+        "ms_per_token": 1000.0 / max(mid, 1e-9),
+    }
 
 
 @torch.no_grad()
@@ -40,23 +79,33 @@ def decode_speed(
     temperature: float = 0.0,
     temperature_schedule: bool = False,
     seed: int = 0,
+    repeats: int = 3,
+    allow_plain: bool = True,
 ) -> dict:
     """Plain and speculative decode speed of runtime models, batch 1, same prompts and seeds.
 
     ``models``: {name: causal LM} (targets and drafts); ``pairs``: (draft, target) names;
-    ``adaptive``: (gamma_min, gamma_max, window), None = fixed ``gamma``; prompt i uses seed + i.
+    ``adaptive``: (gamma_min, gamma_max, window), None = fixed ``gamma``, one window over every
+    pass, with plain steps if ``allow_plain``; prompt i uses seed + i in each of ``repeats``.
     Returns ``{"plain": {name: row}, "speculative": {"draft@target": row}}``.
     """
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    context = max(p.shape[-1] for p in prompts) + new_tokens
+    memory = {n: (weight_bytes(m), kv_cache_bytes(m, context)) for n, m in models.items()}
     plain = {}
     for name in dict.fromkeys([t for _, t in pairs] + list(models)):
-        stats = _decode(
+        _, rates = _decode(
             lambda x, g, m=models[name]: plain_generate(m, x, new_tokens, temperature, g),
             prompts,
             seed,
+            repeats,
         )
         plain[name] = {
-            "tokens_per_s": stats.tokens_per_s,
+            **_timing(rates),
             "kernels": kernel_summary(models[name]) or "float (F.linear)",
+            "weight_bytes": memory[name][0],
+            "kv_bytes": memory[name][1],
         }
     gammas = [gamma] if adaptive is None else list(range(adaptive[0], adaptive[1] + 1))
     spec, verify = {}, {}
@@ -64,66 +113,49 @@ def decode_speed(
         cost = measure_cost_ratio(models[target], models[draft], input_ids=prompts[0])
         if target not in verify:
             verify[target] = measure_verify_cost(models[target], gammas, input_ids=prompts[0])
-        stats = _speculative_stats(
-            models[target],
-            models[draft],
-            prompts,
-            cost,
-            verify[target],
-            new_tokens=new_tokens,
-            gamma=gamma,
-            adaptive=adaptive,
-            temperature=temperature,
-            temperature_schedule=temperature_schedule,
-            seed=seed,
-        )
-        spec[pair_name(draft, target)] = _pair_row(
-            stats, gammas, cost, verify[target], plain[target]["tokens_per_s"]
-        )
+        window = None
+        if adaptive is not None:
+            lo, hi, size = adaptive
+            window = AdaptiveGamma(
+                lo, hi, size, cost_ratio=cost, verify_cost=verify[target], allow_plain=allow_plain
+            )
+        fn = speculative_decoder(
+            models[target], models[draft], new_tokens, gamma=gamma, adaptive=window,
+            temperature=temperature, temperature_schedule=temperature_schedule,
+        )  # fmt: skip
+        stats, rates = _decode(fn, prompts, seed, repeats)
+        row = _pair_row(stats, gammas, cost, verify[target], _timing(rates), plain[target])
+        row["weight_bytes"] = memory[target][0] + memory[draft][0]
+        row["kv_bytes"] = memory[target][1] + memory[draft][1]
+        spec[pair_name(draft, target)] = row
     return {"plain": plain, "speculative": spec}
 
 
-def _speculative_stats(
-    target: nn.Module,
-    draft: nn.Module,
-    prompts: Sequence[torch.Tensor],
+def _pair_row(
+    stats: SpecStats,
+    gammas: list[int],
     cost: float,
     verify: dict[int, float],
-    *,
-    new_tokens: int,
-    gamma: int,
-    adaptive: tuple[int, int, int] | None,
-    temperature: float,
-    temperature_schedule: bool,
-    seed: int,
-) -> SpecStats:
-    """Speculative decoding of ``prompts``, adaptive when asked (one window for all prompts)."""
-    window = None
-    if adaptive is not None:
-        lo, hi, size = adaptive
-        window = AdaptiveGamma(lo, hi, size, cost_ratio=cost, verify_cost=verify)
-    spec = speculative_decoder(
-        target, draft, new_tokens, gamma=gamma, adaptive=window, temperature=temperature,
-        temperature_schedule=temperature_schedule,
-    )  # fmt: skip
-    return _decode(spec, prompts, seed)
-
-
-def _pair_row(
-    stats: SpecStats, gammas: list[int], cost: float, verify: dict[int, float], plain_tps: float
+    timing: dict,
+    plain: dict,
 ) -> dict:
-    """A pair's measured speed next to the theory at the draft length it used."""
+    """A pair's measured speed next to the theory at the draft length it used.
+
+    ``gamma`` averages the rounds that drafted; ``plain_share`` is the share of target calls
+    that drafted nothing (adaptive plain steps, and a last round with no budget left).
+    """
     used = sum(stats.gammas) / max(len(stats.gammas), 1)
     g_theory = min(gammas, key=lambda g: abs(g - used))  # the nearest measured one if adaptive
     v = verify[g_theory]
     theory = float(theoretical_speedup(stats.alpha_hat, g_theory, cost))
-    speedup = stats.tokens_per_s / max(plain_tps, 1e-9)
+    speedup = timing["tokens_per_s"] / max(plain["tokens_per_s"], 1e-9)
     return {
-        "tokens_per_s": stats.tokens_per_s,
+        **timing,
         "speedup": speedup,
         "alpha": stats.alpha_hat,
         "tau": stats.tau,
         "gamma": used,
+        "plain_share": 1.0 - len(stats.gammas) / max(stats.target_calls, 1),
         "cost_ratio": cost,
         "theoretical_speedup": theory,
         "of_theory": speedup / max(theory, 1e-9),

@@ -1,9 +1,19 @@
-"""Adaptive draft length from a sliding-window acceptance estimate.
+"""Adaptive draft length from a sliding-window acceptance estimate, down to plain decoding.
 
 After every round alpha is re-estimated over the last ``window`` rounds (accepted / tested
 positions, the truncated-geometric MLE, Laplace-smoothed) and the next gamma maximises
 Leviathan et al.'s expected speed-up (1 - alpha^(gamma+1)) / ((1 - alpha)(gamma c + v(gamma)))
 with measured c and v (``pipeline.speculative.cost``): no thresholds to tune.
+
+Gamma 0 is plain decoding (one target call, one token: speed-up 1 by definition). With
+``allow_plain`` it is chosen when no gamma in [gamma_min, gamma_max] is expected to pay, so
+speculation is never expected to be slower than decoding without it. Plain steps test no draft
+token, so alpha would stay frozen at the value that switched speculation off; every
+``probe_every`` plain tokens one round is therefore drafted at the best gamma to refresh the
+window. A probe costs about gamma c + v - 1 target steps more than a plain step, so probing
+every 16 tokens slows plain decoding by (gamma c + v - 1) / 16, a few percent for a cheap draft,
+while a draft that starts agreeing (another kind of text) is noticed within a few probes, as
+each accepted block outweighs many rejected first positions in the window.
 """
 
 from __future__ import annotations
@@ -20,7 +30,9 @@ class AdaptiveGamma:
     """Chooses the draft length for the next round from the last ``window`` rounds' acceptance.
 
     ``cost_ratio`` c and ``verify_cost`` {gamma: v} (default 1) are measured
-    (``pipeline.speculative.cost``); a guessed c picks the wrong gamma.
+    (``pipeline.speculative.cost``); a guessed c picks the wrong gamma. ``gamma`` 0 (only with
+    ``allow_plain``) asks for a plain target step; ``probe_every`` plain steps are followed by
+    one speculative round at the best gamma.
     """
 
     def __init__(
@@ -32,6 +44,8 @@ class AdaptiveGamma:
         cost_ratio: float,
         initial_gamma: int | None = None,
         verify_cost: Mapping[int, float] | None = None,
+        allow_plain: bool = True,
+        probe_every: int = 16,
     ) -> None:
         if not 1 <= gamma_min <= gamma_max:
             raise ValueError(
@@ -42,14 +56,19 @@ class AdaptiveGamma:
             raise ValueError(f"window must be >= 1, got {window}")
         if cost_ratio < 0:
             raise ValueError(f"cost_ratio must be >= 0, got {cost_ratio}")
+        if probe_every < 1:
+            raise ValueError(f"probe_every must be >= 1, got {probe_every}")
         self.gamma_min = gamma_min
         self.gamma_max = gamma_max
         self.cost_ratio = cost_ratio
         self.verify_cost = dict(verify_cost or {})
+        self.allow_plain = allow_plain
+        self.probe_every = probe_every
         start = (gamma_min + gamma_max) // 2 if initial_gamma is None else initial_gamma
         self.gamma = min(max(start, gamma_min), gamma_max)
         self._rounds: deque[tuple[int, int]] = deque(maxlen=window)
-        self.history: list[int] = []  # gamma used by each round
+        self._plain_run = 0  # plain steps since the last drafted round
+        self.history: list[int] = []  # gamma used by each round (0: a plain step)
 
     @property
     def alpha(self) -> float:
@@ -58,17 +77,32 @@ class AdaptiveGamma:
         verified = sum(v for _, v in self._rounds)
         return (accepted + 1.0) / (verified + 2.0)
 
+    def speedup(self, gamma: int) -> float:
+        """Expected speed-up of ``gamma`` at the current alpha (gamma 0: plain decoding, 1)."""
+        if gamma == 0:
+            return 1.0
+        v = self.verify_cost.get(gamma, 1.0)
+        return float(theoretical_speedup(self.alpha, gamma, self.cost_ratio, v))
+
+    def best_gamma(self) -> int:
+        """The draft length in [gamma_min, gamma_max] with the highest expected speed-up."""
+        return max(range(self.gamma_min, self.gamma_max + 1), key=self.speedup)
+
     def update(self, accepted: int, verified: int) -> int:
-        """Record one round (accepted drafts, positions tested) and return the next gamma."""
+        """Record one round (accepted drafts, positions tested) and return the next gamma.
+
+        A round that tested nothing (``verified`` 0) is a plain step: it leaves the window alone.
+        """
         if not 0 <= accepted <= verified:
             raise ValueError(f"need 0 <= accepted <= verified, got {accepted}, {verified}")
         self.history.append(self.gamma)
+        if verified == 0:
+            self._plain_run += 1
+            if self.gamma == 0 and self._plain_run >= self.probe_every:
+                self.gamma = self.best_gamma()  # one probe round refreshes alpha
+            return self.gamma
+        self._plain_run = 0
         self._rounds.append((accepted, verified))
-        alpha = self.alpha
-        self.gamma = max(
-            range(self.gamma_min, self.gamma_max + 1),
-            key=lambda g: theoretical_speedup(
-                alpha, g, self.cost_ratio, self.verify_cost.get(g, 1.0)
-            ),
-        )
+        best = self.best_gamma()
+        self.gamma = 0 if self.allow_plain and self.speedup(best) < 1.0 else best
         return self.gamma

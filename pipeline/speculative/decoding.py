@@ -180,7 +180,8 @@ def speculative_generate(
     eos_token_id: int | list[int] | None = None,
 ) -> tuple[torch.Tensor, SpecStats]:
     """Up to ``max_new_tokens`` tokens distributed as the target's; ``adaptive`` (updated in
-    place) overrides ``gamma``, ``temperature_schedule`` changes the draft's sampling only."""
+    place) overrides ``gamma`` and may ask for plain steps (gamma 0), ``temperature_schedule``
+    changes the draft's sampling only."""
     ids = _as_prompt(input_ids, max_new_tokens)
     if gamma < 1:
         raise ValueError(f"gamma must be >= 1, got {gamma}")
@@ -198,7 +199,16 @@ def speculative_generate(
     while produced < max_new_tokens and not done:
         # Never draft past the budget: a round emits at most g + 1 tokens.
         g = min(adaptive.gamma if adaptive is not None else gamma, max_new_tokens - produced - 1)
-        # Committed tokens the draft has not read yet: (1, 1), or (1, 2) after a full accept.
+        if adaptive is not None and adaptive.gamma == 0:  # plain step; the draft skips it
+            logits = tgt.forward(torch.tensor([seq[tgt.length :]]), keep=1)[:, -1]  # (1, V)
+            new, done = _cut_at_eos([int(_next_token(logits, temperature, generator))], eos)
+            seq.extend(new)
+            produced += len(new)
+            stats.record_round(0, 0, len(new), [])
+            adaptive.update(0, 0)
+            continue
+        # Committed tokens the draft has not read yet: (1, 1), (1, 2) after a full accept, or
+        # every token since it last drafted after plain steps (one forward catches it up).
         pending = torch.tensor([seq[drf.length :]], dtype=torch.long)
         temps = block_temperatures(temperature, produced, g, temperature_schedule)
         draft_t, q_probs = draft_block(drf, pending, g, vocab, temps, generator, probs=not greedy)
@@ -243,11 +253,7 @@ def plain_generate(
     start = time.perf_counter()
     feed = ids
     for _ in range(max_new_tokens):
-        logits = lm.forward(feed, keep=1)[:, -1]  # (1, V)
-        if temperature == 0:  # the argmax, without a one-hot row over the vocabulary
-            tok = logits.argmax(-1)
-        else:
-            tok = sample_tokens(logits_to_probs(logits, temperature), generator)
+        tok = _next_token(lm.forward(feed, keep=1)[:, -1], temperature, generator)
         seq.append(int(tok.item()))
         stats.record_round(0, 0, 1, [])
         if seq[-1] in eos:
@@ -255,6 +261,15 @@ def plain_generate(
         feed = tok.view(1, 1)
     stats.seconds = time.perf_counter() - start
     return torch.tensor([seq], device=ids.device), stats
+
+
+def _next_token(
+    logits: torch.Tensor, temperature: float, generator: torch.Generator | None
+) -> torch.Tensor:
+    """(1, V) logits -> (1,) next token; greedy takes the argmax without a one-hot row."""
+    if temperature == 0:
+        return logits.argmax(-1)
+    return sample_tokens(logits_to_probs(logits, temperature), generator)
 
 
 def vocab_size(model: torch.nn.Module) -> int:

@@ -24,7 +24,7 @@ from pipeline.evaluation.drift import error_flows, write_error_flow
 from pipeline.evaluation.harness import LmEvalConfig, run_lm_eval
 from pipeline.evaluation.perplexity import perplexities
 from pipeline.evaluation.result import EvalResult
-from pipeline.evaluation.speed import runtime_speed
+from pipeline.evaluation.speed import speed_report
 from pipeline.models.hf import load_tokenizer
 from pipeline.models.quantized import load_model
 from pipeline.stages import Stage, StageIO
@@ -51,6 +51,9 @@ class EvaluateConfig:
     window: int = 64
     temperature_schedule: bool = False  # draft T = temperature * (1 + 0.1 cos(step / 1000))
     timing: bool = True  # decode speed on the runtime's packed kernels
+    speed_repeats: int = 3  # timed passes over the prompts: median, min and max
+    # Speed's adaptive gamma may decode plainly where no draft length pays (never slower).
+    allow_plain: bool = True
     error_flow_windows: int = 32  # a diagnostic: a few test windows show the trend
     lm_eval: LmEvalConfig = field(default_factory=LmEvalConfig)
 
@@ -72,6 +75,10 @@ class EvaluateConfig:
         if self.gamma_max < self.gamma_min:
             raise ConfigError(
                 f"{prefix}.gamma_max", f"is {self.gamma_max}", f">= gamma_min ({self.gamma_min})"
+            )
+        if self.speed_repeats < 3:
+            raise ConfigError(
+                f"{prefix}.speed_repeats", f"is {self.speed_repeats}", ">= 3 (median of passes)"
             )
         if not 50 <= self.window <= 100:
             raise ConfigError(f"{prefix}.window", f"is {self.window}", "50 <= window <= 100")
@@ -130,14 +137,17 @@ def _speculative(cfg: EvaluateConfig, run: RunConfig, corpus, tokenizer, targets
     out["speculative"], out["acceptance"] = table, report_acceptance(table, io.out_dir)
     if cfg.timing:  # last: it converts the models to the runtime's kernels in place
         window = (cfg.gamma_min, cfg.gamma_max, cfg.window) if cfg.adaptive else None
-        out["speed"] = runtime_speed(
+        out |= speed_report(
             {**targets, **drafts},
             pairs,
             prompts[: cfg.spec_prompts],
+            io.out_dir,
             new_tokens=cfg.spec_new_tokens,
             gamma=cfg.gamma,
             adaptive=window,
             seed=run.seed,
+            repeats=cfg.speed_repeats,
+            allow_plain=cfg.allow_plain,
             **decoding,
         )
     return out

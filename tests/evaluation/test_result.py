@@ -27,6 +27,13 @@ FULL = EvalResult(
         "plain": {"target_fp": {"tokens_per_s": 100.0, "kernels": "float (F.linear)"}},
         "speculative": {"draft_fp@target_fp": {"speedup": 1.5}},
     },
+    speed_table={
+        "width": 64,
+        "rows": [
+            {"row": "FP plain", "ms_per_token": 10.0, "x_fp_plain": 1.0},
+            {"row": "target_quantized + draft_reinforced", "ms_per_token": 4.0, "x_fp_plain": 2.5},
+        ],
+    },
 )
 
 
@@ -72,4 +79,6 @@ def test_metrics_flatten_every_measurement():
     assert m["tau_draft_fp-vs-target_fp_mean"] == pytest.approx(1.5)
     assert m["lm_eval_target_fp_arc_easy_acc"] == 0.5
     assert m["tok_s_target_fp"] == 100.0 and m["speedup_draft_fp-vs-target_fp"] == 1.5
+    assert m["ms_per_token_FP_plain"] == 10.0  # MLflow keys: no "+" or spaces
+    assert m["x_fp_plain_target_quantized_draft_reinforced"] == 2.5
     assert EvalResult(ppl={"m": 2.0}).metrics() == {"ppl_m": 2.0}

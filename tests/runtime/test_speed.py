@@ -76,3 +76,19 @@ def test_adaptive_draft_length_is_priced_with_the_measured_costs(qmodels, monkey
     assert m["gamma"] > 3 and m["tau"] > f["tau"]
     assert m["cost_ratio"] == 0.01
     assert "| d@t |" in "\n".join(format_speed(speed))
+
+
+def test_a_draft_that_does_not_pay_is_replaced_by_plain_steps(monkeypatch):
+    from pipeline.runtime import speed as module
+    from tests.speculative.conftest import tiny_llama
+
+    # A stranger's greedy proposals are rejected, and a draft half the target's cost (the
+    # stand-in c) cannot pay; with allow_plain the adaptive length drops to plain steps.
+    monkeypatch.setattr(module, "measure_cost_ratio", lambda *a, **k: 0.5)
+    models, pairs = {"t": tiny_llama(0), "d": tiny_llama(1)}, [("d", "t")]
+    prompts = [torch.randint(0, 64, (1, 10), generator=torch.Generator().manual_seed(0))]
+    kwargs = dict(new_tokens=24, temperature=0.0, adaptive=(1, 4, 64), repeats=3)
+    off = decode_speed(models, pairs, prompts, allow_plain=False, **kwargs)["speculative"]["d@t"]
+    on = decode_speed(models, pairs, prompts, **kwargs)["speculative"]["d@t"]
+    assert on["plain_share"] > 0.5 > off["plain_share"]
+    assert on["alpha"] < 0.2  # the probes kept measuring the draft

@@ -26,7 +26,7 @@ def test_gamma_follows_acceptance():
     assert adaptive.gamma == 6
     for _ in range(10):
         adaptive.update(0, 1)  # everything rejected at the first position
-    assert adaptive.gamma == 2
+    assert adaptive.gamma == 0  # no block pays: plain decoding
 
 
 def test_chosen_gamma_maximises_expected_speedup():
@@ -90,7 +90,7 @@ def test_the_cost_ratio_is_required_and_the_window_defaults_to_64():
 def test_gamma_shrinks_when_the_monitored_acceptance_drops():
     # A draft that was good (every token accepted) meets text it cannot predict: the windowed
     # alpha falls, and the draft length follows it down within the window.
-    adaptive = AdaptiveGamma(2, 5, cost_ratio=0.2)
+    adaptive = AdaptiveGamma(2, 5, cost_ratio=0.2, allow_plain=False)
     for _ in range(64):
         adaptive.update(adaptive.gamma, adaptive.gamma)
     assert adaptive.gamma == 5
@@ -98,3 +98,49 @@ def test_gamma_shrinks_when_the_monitored_acceptance_drops():
         adaptive.update(0, 1)
     assert adaptive.gamma == 2 and adaptive.alpha < 0.1
     assert adaptive.history[63] == 5 and adaptive.history[-1] == 2
+
+
+def test_a_draft_that_never_agrees_switches_to_plain_decoding():
+    # alpha ~ 0: even gamma 1 costs c + v for ~1 token, so plain decoding (speed-up 1) wins.
+    adaptive = AdaptiveGamma(1, 5, cost_ratio=0.2)
+    for _ in range(10):
+        adaptive.update(0, 1)
+    assert adaptive.gamma == 0 and adaptive.speedup(adaptive.best_gamma()) < 1
+    fixed = AdaptiveGamma(1, 5, cost_ratio=0.2, allow_plain=False)
+    for _ in range(10):
+        fixed.update(0, 1)
+    assert fixed.gamma == 1  # without allow_plain the shortest block is the floor
+
+
+def test_a_draft_that_always_agrees_never_chooses_plain():
+    adaptive = AdaptiveGamma(1, 5, window=8, cost_ratio=0.1)
+    for _ in range(200):
+        g = adaptive.gamma
+        adaptive.update(g, g)
+    assert 0 not in adaptive.history and adaptive.gamma == 5
+
+
+def test_plain_decoding_probes_every_probe_every_steps_and_switches_back():
+    adaptive = AdaptiveGamma(1, 4, cost_ratio=0.2, probe_every=5)
+    for _ in range(10):
+        adaptive.update(0, 1)
+    assert adaptive.gamma == 0
+    for _ in range(4):
+        assert adaptive.update(0, 0) == 0  # plain steps leave the window alone
+    assert adaptive.alpha == pytest.approx(1 / 12)
+    probe = adaptive.update(0, 0)
+    assert probe == adaptive.best_gamma() >= 1  # the fifth plain step asks for one probe
+    adaptive.update(0, 1)  # the draft still disagrees: back to plain, a new count
+    assert adaptive.gamma == 0 and adaptive.history[-6:] == [0] * 5 + [probe]
+    rounds = 0
+    while adaptive.gamma == 0:  # the draft now agrees: each probe accepts its whole block
+        for _ in range(5):
+            adaptive.update(0, 0)
+        adaptive.update(adaptive.gamma, adaptive.gamma)
+        rounds += 1
+    assert rounds <= 5 and adaptive.gamma >= 1
+
+
+def test_probe_every_must_be_positive():
+    with pytest.raises(ValueError, match="probe_every"):
+        AdaptiveGamma(cost_ratio=0.2, probe_every=0)

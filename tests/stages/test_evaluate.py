@@ -18,6 +18,7 @@ STAGES = "stages=[bootstrap,evaluate]"
         ("stage.evaluate.window=200", "window"),
         ("stage.evaluate.gamma_min=0", "gamma_min"),
         ("stage.evaluate.gamma_max=1", "gamma_max"),
+        ("stage.evaluate.speed_repeats=2", "speed_repeats"),
     ],
 )
 def test_check_names_the_bad_key(tmp_path, override, key):
@@ -30,6 +31,7 @@ def test_defaults_adapt_gamma_2_to_5_over_64_verifications():
     cfg = evaluate.EvaluateConfig()
     assert cfg.adaptive and (cfg.gamma_min, cfg.gamma_max, cfg.window) == (2, 5, 64)
     assert not cfg.temperature_schedule
+    assert cfg.allow_plain and cfg.speed_repeats == 3
 
 
 @pytest.mark.parametrize("adaptive", [True, False])
@@ -48,3 +50,36 @@ def test_end_to_end_records_costs_and_the_draft_length(boot, tmp_path, adaptive)
     cost = ev.costs["draft_fp@target_fp"]
     assert cost["cost_ratio"] > 0 and set(cost["verify_cost"]) == {2, 3, 4, 5}
     assert 1 <= row["gamma"] <= 5
+
+
+def test_the_speed_table_covers_fp_and_the_quantized_target(boot, tmp_path):
+    from tests.stages.conftest import boot_cfg
+
+    cfg = boot_cfg(
+        boot,
+        tmp_path,
+        "stages=[bootstrap,quantize,evaluate]",
+        "quant=w4g128",
+        "stage.evaluate.scenarios=[mix]",
+        "stage.evaluate.spec_new_tokens=6",
+    )
+    metrics = workflow.run(cfg)["evaluate"]["metrics"]
+    out = tmp_path / "run" / "evaluate"
+    table = EvalResult.load(out).speed_table
+    rows = {r["row"]: r for r in table["rows"]}
+    assert list(rows) == [
+        "FP plain",
+        "FP + FP draft",
+        "target_quantized plain",
+        "target_quantized + draft_fp",
+    ]
+    fp, low = rows["FP plain"], rows["target_quantized plain"]
+    assert fp["x_fp_plain"] == 1.0 and fp["alpha"] is None
+    assert low["weight_bytes"] < fp["weight_bytes"]  # packed int4 codes, not float weights
+    spec = rows["target_quantized + draft_fp"]
+    assert 0 <= spec["alpha"] <= 1 and spec["tau"] >= 1 and 0 <= spec["plain_share"] <= 1
+    assert spec["weight_bytes"] > low["weight_bytes"] and spec["kv_bytes"] > low["kv_bytes"]
+    for r in rows.values():
+        assert r["tokens_per_s_min"] <= r["tokens_per_s"] <= r["tokens_per_s_max"]
+    assert metrics["x_fp_plain_target_quantized_plain"] == low["x_fp_plain"]
+    assert (out / "speed.png").exists()
