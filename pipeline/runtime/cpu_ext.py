@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
 NAME = "lowbit_cpu"
-SOURCES = ("bindings.cpp", "w4a8.cpp", "f32_rows.cpp")
+SOURCES = ("bindings.cpp", "w4a8.cpp", "w4a8_avx512.cpp", "w4a8_avx2.cpp", "f32_rows.cpp")
 ENV = "LOWBIT_CPU_ISA"
 ISAS = ("avx512", "avx2")  # best first
 CHOICES = ("auto", *ISAS, "none")

@@ -18,7 +18,6 @@ from pipeline.runtime import cpu_ext, cpu_w4a8
 
 log = logging.getLogger(__name__)
 
-W8A8_NAME = "w8a8pack"  # the W4A8 kernel on 8-bit codes
 KERNELS = ("auto", "reference")  # what a user chooses; "auto": docs/kernels.md
 ACT_DTYPE = torch.bfloat16  # the activation dtype the packed kernels are fast in
 INT4_BLOCKS = (256, 128, 64, 32)  # the group sizes the int4 kernels accept, largest first
@@ -105,18 +104,17 @@ class Int4Pack(Kernel):
 
 
 class W4A8(Kernel):
-    """int2/3/4 (``w4a8pack``) or int8 (``w8a8pack``) codes times int8 activations."""
+    """int2/3/4/8 codes, each packed at its own width, times int8 activations: w<bits>a8pack."""
 
     name = "w4a8pack"
 
     def __init__(self, codes: LinearCodes, isa: str | None = None) -> None:
         super().__init__()
-        if codes.info.bits == 8:
-            self.name = W8A8_NAME
+        self.name = w_a8_name(codes.info.bits)
         self.isa = isa or cpu_ext.isa()
         self.group = codes.group_len
         packed, scale, zero = cpu_w4a8.pack(codes)
-        self.register_buffer("packed", packed)  # (n / 16, k / 32, 256) uint8
+        self.register_buffer("packed", packed)  # (n / 16, k / 32, 64 * bits) uint8
         self.register_buffer("scale", scale)  # (n / 16, n_groups, 16) float16
         self.register_buffer("zero", zero)
 
@@ -126,6 +124,11 @@ class W4A8(Kernel):
 
     def extra_repr(self) -> str:
         return f"isa={self.isa}"
+
+
+def w_a8_name(bits: int) -> str:
+    """lowbit's CPU kernel's name on ``bits``-bit codes: "w2a8pack" ... "w8a8pack"."""
+    return f"w{bits}a8pack"
 
 
 class Int8Pack(Kernel):
@@ -205,9 +208,10 @@ def _w4a8_runs_on(device: torch.device) -> bool:
 
 
 def int_kernel_name(device: torch.device | str = "cpu", bits: int = 4) -> str:
-    """The kernel int layers of ordinary shapes get on ``device`` ("w4a8pack", "int8pack"...)."""
+    """The kernel ``bits``-bit int layers of ordinary shapes get on ``device`` ("w2a8pack",
+    "w4a8pack", "int8pack"...)."""
     if _w4a8_runs_on(torch.device(device)):
-        return W8A8_NAME if bits == 8 else W4A8.name
+        return w_a8_name(bits)
     return Int8Pack.name if bits == 8 else Int4Pack.name
 
 

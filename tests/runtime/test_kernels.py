@@ -34,7 +34,7 @@ W4A8_TOL = 1e-2
 @pytest.mark.parametrize(
     ("fmt", "want"),
     [
-        ("int4g128", "int"),  # "int": int_kernel_name(), w4a8pack or int4pack
+        ("int4g128", "int"),  # "int": int_kernel_name(bits), w<bits>a8pack or int4pack
         ("int4g32-sym", "int"),
         ("int3g64", "int"),
         ("int2g64", "int"),
@@ -50,7 +50,7 @@ def test_kernel_matches_reference(fmt, want):
     qt, codes = _codes(fmt)
     ours = int_kernel_name() == "w4a8pack"  # lowbit's kernels run here (any ISA)
     want = {
-        "int": int_kernel_name(),
+        "int": int_kernel_name(bits=codes.info.bits),
         "int8": int_kernel_name(bits=8),
         "int8g": "w8a8pack" if ours else "reference",
     }.get(want, want)
@@ -203,7 +203,7 @@ def test_w4a8_matches_reference(fmt, rows, isa):
     _, codes = _codes(fmt, (48, 384))
     assert codes.offset.any() or fmt in ("int4", "int8g64-sym")  # the zero term is exercised
     layer = kernels.W4A8(codes, isa)
-    assert layer.name == ("w8a8pack" if fmt.startswith("int8") else "w4a8pack")
+    assert layer.name == f"w{codes.info.bits}a8pack"
     assert layer.isa == isa
     x = torch.randn(rows, 384)
     got = layer(x)
