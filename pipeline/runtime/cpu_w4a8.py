@@ -91,12 +91,7 @@ def matmul(
     x: Tensor, packed: Tensor, scale: Tensor, zero: Tensor, group_len: int, isa: str | None = None
 ) -> Tensor:
     """(..., k) -> (..., n) float32 with :func:`pack`'s tensors on ``isa`` (default: cpu_ext's)."""
-    isa = isa or cpu_ext.isa()
-    if isa is None:
-        raise RuntimeError("the W4A8 CPU kernel does not run here (no AVX2 or LOWBIT_CPU_ISA=none)")
-    ext = cpu_ext.loaded()
-    if ext is None:
-        raise RuntimeError("the W4A8 CPU kernel is unavailable: the CPU extension did not build")
+    ext, isa = cpu_ext.runnable(isa)
     x2 = x.reshape(-1, x.shape[-1]).float().contiguous()  # (tokens, k)
     y = ext.w4a8_mm(x2, packed, scale, zero, group_len, isa)  # (tokens, n)
     return y.view(*x.shape[:-1], y.shape[-1])

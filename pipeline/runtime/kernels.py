@@ -14,7 +14,7 @@ from torch import Tensor, nn
 
 from pipeline.artifact.lowbit_format import LinearCodes
 from pipeline.quant.codec import expand_groups
-from pipeline.runtime import cpu_ext, cpu_w4a8
+from pipeline.runtime import cpu_ext, cpu_lut16, cpu_w4a8
 
 log = logging.getLogger(__name__)
 
@@ -167,6 +167,30 @@ class DenseBf16(Kernel):
         return F.linear(x.to(ACT_DTYPE), self.weight).to(x.dtype)
 
 
+class Lut16(Kernel):
+    """Exponential codes at 4 bits a weight, decoded by a 16-entry table lookup in the kernel."""
+
+    name = "exp4lut"
+
+    def __init__(self, codes: LinearCodes, isa: str | None = None) -> None:
+        super().__init__()
+        self.isa = isa or cpu_ext.isa()
+        self.group = codes.group_len
+        packed, base, ridx, tables = cpu_lut16.pack(codes)
+        self.register_buffer("packed", packed)  # (n, k / 2) uint8
+        self.register_buffer("base", base)  # (n, n_groups) float16
+        self.register_buffer("ridx", ridx)  # (n, n_groups) uint8
+        self.register_buffer("tables", tables)  # (T, 16) float32
+
+    def forward(self, x: Tensor) -> Tensor:
+        args = (self.packed, self.base, self.ridx, self.tables, self.group, self.isa)
+        y = cpu_lut16.matmul(x, *args)
+        return y.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"isa={self.isa}"
+
+
 class SideColumns(nn.Module):
     """Kept outlier columns: ``x[:, idx] @ S.T``, ``S = W[:, idx] - Wq[:, idx]``, added on top."""
 
@@ -190,7 +214,8 @@ def _candidate(codes: LinearCodes, device: torch.device) -> Kernel | None:
         return None
     info = codes.info
     if info.type == "W4A16_EXP":
-        return DenseBf16(codes, device)
+        ours = cpu_lut16.fits(codes) and _w4a8_runs_on(device)
+        return Lut16(codes) if ours else DenseBf16(codes, device)
     if cpu_w4a8.fits(codes) and _w4a8_runs_on(device):
         return W4A8(codes)
     block = _int4_block(codes)
@@ -203,7 +228,7 @@ def _candidate(codes: LinearCodes, device: torch.device) -> Kernel | None:
 
 
 def _w4a8_runs_on(device: torch.device) -> bool:
-    """Whether the W4A8 kernel serves ``device``: a CPU where lowbit's extension runs."""
+    """Whether lowbit's CPU kernels serve ``device``: a CPU where lowbit's extension runs."""
     return device.type == "cpu" and cpu_ext.extension() is not None
 
 
@@ -213,6 +238,11 @@ def int_kernel_name(device: torch.device | str = "cpu", bits: int = 4) -> str:
     if _w4a8_runs_on(torch.device(device)):
         return w_a8_name(bits)
     return Int8Pack.name if bits == 8 else Int4Pack.name
+
+
+def exp_kernel_name(device: torch.device | str = "cpu") -> str:
+    """The kernel exponential layers of ordinary shapes get on ``device``."""
+    return Lut16.name if _w4a8_runs_on(torch.device(device)) else DenseBf16.name
 
 
 def relative_error(got: Tensor, want: Tensor) -> float:

@@ -15,7 +15,13 @@ from pipeline.quant.rtn import quantize_rtn
 from pipeline.runtime import cpu_ext, cpu_w4a8, kernels
 from pipeline.runtime.backends import TorchQuantLinear, kernel_summary
 from pipeline.runtime.inmemory import runtime_linear, to_runtime
-from pipeline.runtime.kernels import TOLERANCE, build, int_kernel_name, relative_error
+from pipeline.runtime.kernels import (
+    TOLERANCE,
+    build,
+    exp_kernel_name,
+    int_kernel_name,
+    relative_error,
+)
 from tests._require import needs
 
 
@@ -42,7 +48,7 @@ W4A8_TOL = 1e-2
         ("int2", "int"),
         ("int8", "int8"),  # "int8": w8a8pack, or int8pack (the offset folded as -sum(x) * o * s)
         ("int8-sym", "int8"),
-        ("exp4g128", "dense-bf16"),
+        ("exp4g128", "exp"),  # "exp": exp_kernel_name(), exp4lut or dense-bf16
         ("int8g128", "int8g"),  # w8a8pack, or the reference: torch has no grouped int8 kernel
     ],
 )
@@ -53,6 +59,7 @@ def test_kernel_matches_reference(fmt, want):
         "int": int_kernel_name(bits=codes.info.bits),
         "int8": int_kernel_name(bits=8),
         "int8g": "w8a8pack" if ours else "reference",
+        "exp": exp_kernel_name(),
     }.get(want, want)
     layer = build(codes)
     assert layer.name == want
@@ -139,7 +146,7 @@ def test_to_runtime_converts_a_fake_quant_model(qmodels):
     for name, fmt in (("up_proj", "int4g64"), ("down_proj", "exp4g64"), ("gate_proj", "float")):
         mlp.set_submodule(name, FakeQuantLinear.from_linear(getattr(mlp, name), fmt))
     rt = to_runtime(model)
-    assert kernel_summary(rt) == f"{int_kernel_name()} x1, dense-bf16 x1"
+    assert kernel_summary(rt) == f"{int_kernel_name()} x1, {exp_kernel_name()} x1"
     assert isinstance(model.model.layers[0].mlp.up_proj, FakeQuantLinear)  # a copy converted
     assert isinstance(rt.model.layers[0].mlp.gate_proj, FakeQuantLinear)  # float stays
     x = torch.randint(0, 200, (1, 12))
