@@ -8,7 +8,7 @@ import torch
 
 from pipeline.runtime import cpu_w4a8, kernels
 from pipeline.runtime.kernels import relative_error
-from tests.runtime.test_kernels import ISAS, W4A8_TOL, _codes
+from tests.runtime.test_kernels import ISAS, W4A8_TOL, _codes, needs_kernels
 
 # (format, (n, k)): every group size the kernels take (32, 64, 128, per channel), with n and k
 # that are multiples of the tile and the group but not powers of two.
@@ -86,3 +86,12 @@ def test_three_bit_layout_places_each_bit():
     want[64 * 1 + 4 * 5 + 1] = 0b11 << 4  # 2-bit plane: line 6 = 4c + s, c = 1, s = 2
     want[128 + 4 * 5 + 1] = 1 << 6  # 1-bit plane: bit j = 6
     assert torch.equal(packed, want)
+
+
+@needs_kernels
+def test_a_block_size_of_no_layout_is_refused():
+    _, codes = _codes("int2g64", (16, 64))
+    packed, scale, zero = cpu_w4a8.pack(codes)
+    cut = packed[..., :96].contiguous()  # 96 bytes a block: no width packs that
+    with pytest.raises(RuntimeError, match=r"128\|192\|256\|512\): see cpu_w4a8.pack"):
+        cpu_w4a8.matmul(torch.randn(1, 64), cut, scale, zero, 64)
