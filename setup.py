@@ -10,6 +10,6 @@ setup(
     # the CPU kernels' sources, compiled at first use (pipeline/runtime/cpu_ext.py)
     package_data={
         "pipeline.conf": ["*.yaml", "*/*.yaml", "*/*.json"],
-        "pipeline.runtime": ["csrc/*.cpp"],
+        "pipeline.runtime": ["csrc/*.cpp", "csrc/*.h"],
     },
 )

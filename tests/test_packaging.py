@@ -55,7 +55,10 @@ def test_the_wheel_carries_the_whole_config_tree(wheel):
         if p.suffix in (".yaml", ".json")
     }
     assert "pipeline/conf/config.yaml" in expected
-    expected.add("pipeline/runtime/csrc/w4a8.cpp")  # the CPU kernel, compiled at first use
+    # the CPU kernels' sources and headers, compiled at first use
+    csrc = REPO / "pipeline" / "runtime" / "csrc"
+    expected |= {f"pipeline/runtime/csrc/{p.name}" for p in csrc.iterdir()}
+    assert "pipeline/runtime/csrc/w4a8.h" in expected
     assert expected <= names, sorted(expected - names)
     assert not any(n.startswith(("conf/", "tests/")) for n in names)  # nothing outside the package
 

@@ -1,5 +1,5 @@
-"""lowbit's CPU kernels as one compiled extension: W4A8/W8A8 (``cpu_w4a8``) and few-row float32
-(``float_rows``).
+"""lowbit's CPU kernels as one compiled extension: W2-W8 x A8 (``cpu_w4a8``), 4-bit LUT codes
+(``cpu_lut16``) and few-row float32 (``float_rows``).
 
 Each kernel is compiled for AVX-512 VNNI and AVX2 under per-ISA target pragmas, so one build
 serves any x86-64 CPU; :func:`isa` picks the ISA (``LOWBIT_CPU_ISA``, see docs/kernels.md). The
@@ -24,7 +24,14 @@ log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
 NAME = "lowbit_cpu"
-SOURCES = ("bindings.cpp", "w4a8.cpp", "f32_rows.cpp")
+SOURCES = (
+    "bindings.cpp",
+    "w4a8.cpp",
+    "w4a8_avx512.cpp",
+    "w4a8_avx2.cpp",
+    "lut16.cpp",
+    "f32_rows.cpp",
+)
 ENV = "LOWBIT_CPU_ISA"
 ISAS = ("avx512", "avx2")  # best first
 CHOICES = ("auto", *ISAS, "none")
@@ -120,6 +127,21 @@ def loaded() -> ModuleType | None:
 def extension() -> ModuleType | None:
     """The compiled kernels where this process runs them (:func:`isa` is not None), else None."""
     return loaded() if isa() is not None else None
+
+
+def runnable(name: str | None = None) -> tuple[ModuleType, str]:
+    """The compiled kernels and the ISA to call them with (``name``, default :func:`isa`).
+
+    Raises:
+        RuntimeError: This process runs torch's kernels, or the extension did not build.
+    """
+    name = name or isa()
+    if name is None:
+        raise RuntimeError("lowbit's CPU kernels do not run here (no AVX2 or LOWBIT_CPU_ISA=none)")
+    ext = loaded()
+    if ext is None:
+        raise RuntimeError(f"lowbit's CPU kernels did not build; {FIX}")
+    return ext, name
 
 
 def _first_line(e: Exception) -> str:

@@ -14,11 +14,10 @@ from torch import Tensor, nn
 
 from pipeline.artifact.lowbit_format import LinearCodes
 from pipeline.quant.codec import expand_groups
-from pipeline.runtime import cpu_ext, cpu_w4a8
+from pipeline.runtime import cpu_ext, cpu_lut16, cpu_w4a8
 
 log = logging.getLogger(__name__)
 
-W8A8_NAME = "w8a8pack"  # the W4A8 kernel on 8-bit codes
 KERNELS = ("auto", "reference")  # what a user chooses; "auto": docs/kernels.md
 ACT_DTYPE = torch.bfloat16  # the activation dtype the packed kernels are fast in
 INT4_BLOCKS = (256, 128, 64, 32)  # the group sizes the int4 kernels accept, largest first
@@ -105,18 +104,17 @@ class Int4Pack(Kernel):
 
 
 class W4A8(Kernel):
-    """int2/3/4 (``w4a8pack``) or int8 (``w8a8pack``) codes times int8 activations."""
+    """int2/3/4/8 codes, each packed at its own width, times int8 activations: w<bits>a8pack."""
 
     name = "w4a8pack"
 
     def __init__(self, codes: LinearCodes, isa: str | None = None) -> None:
         super().__init__()
-        if codes.info.bits == 8:
-            self.name = W8A8_NAME
+        self.name = w_a8_name(codes.info.bits)
         self.isa = isa or cpu_ext.isa()
         self.group = codes.group_len
         packed, scale, zero = cpu_w4a8.pack(codes)
-        self.register_buffer("packed", packed)  # (n / 16, k / 32, 256) uint8
+        self.register_buffer("packed", packed)  # (n / 16, k / 32, 64 * bits) uint8
         self.register_buffer("scale", scale)  # (n / 16, n_groups, 16) float16
         self.register_buffer("zero", zero)
 
@@ -126,6 +124,11 @@ class W4A8(Kernel):
 
     def extra_repr(self) -> str:
         return f"isa={self.isa}"
+
+
+def w_a8_name(bits: int) -> str:
+    """lowbit's CPU kernel's name on ``bits``-bit codes: "w2a8pack" ... "w8a8pack"."""
+    return f"w{bits}a8pack"
 
 
 class Int8Pack(Kernel):
@@ -164,6 +167,30 @@ class DenseBf16(Kernel):
         return F.linear(x.to(ACT_DTYPE), self.weight).to(x.dtype)
 
 
+class Lut16(Kernel):
+    """Exponential codes at 4 bits a weight, decoded by a 16-entry table lookup in the kernel."""
+
+    name = "exp4lut"
+
+    def __init__(self, codes: LinearCodes, isa: str | None = None) -> None:
+        super().__init__()
+        self.isa = isa or cpu_ext.isa()
+        self.group = codes.group_len
+        packed, base, ridx, tables = cpu_lut16.pack(codes)
+        self.register_buffer("packed", packed)  # (n, k / 2) uint8
+        self.register_buffer("base", base)  # (n, n_groups) float16
+        self.register_buffer("ridx", ridx)  # (n, n_groups) uint8
+        self.register_buffer("tables", tables)  # (T, 16) float32
+
+    def forward(self, x: Tensor) -> Tensor:
+        args = (self.packed, self.base, self.ridx, self.tables, self.group, self.isa)
+        y = cpu_lut16.matmul(x, *args)
+        return y.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"isa={self.isa}"
+
+
 class SideColumns(nn.Module):
     """Kept outlier columns: ``x[:, idx] @ S.T``, ``S = W[:, idx] - Wq[:, idx]``, added on top."""
 
@@ -187,7 +214,8 @@ def _candidate(codes: LinearCodes, device: torch.device) -> Kernel | None:
         return None
     info = codes.info
     if info.type == "W4A16_EXP":
-        return DenseBf16(codes, device)
+        ours = cpu_lut16.fits(codes) and _w4a8_runs_on(device)
+        return Lut16(codes) if ours else DenseBf16(codes, device)
     if cpu_w4a8.fits(codes) and _w4a8_runs_on(device):
         return W4A8(codes)
     block = _int4_block(codes)
@@ -200,15 +228,21 @@ def _candidate(codes: LinearCodes, device: torch.device) -> Kernel | None:
 
 
 def _w4a8_runs_on(device: torch.device) -> bool:
-    """Whether the W4A8 kernel serves ``device``: a CPU where lowbit's extension runs."""
+    """Whether lowbit's CPU kernels serve ``device``: a CPU where lowbit's extension runs."""
     return device.type == "cpu" and cpu_ext.extension() is not None
 
 
 def int_kernel_name(device: torch.device | str = "cpu", bits: int = 4) -> str:
-    """The kernel int layers of ordinary shapes get on ``device`` ("w4a8pack", "int8pack"...)."""
+    """The kernel ``bits``-bit int layers of ordinary shapes get on ``device`` ("w2a8pack",
+    "w4a8pack", "int8pack"...)."""
     if _w4a8_runs_on(torch.device(device)):
-        return W8A8_NAME if bits == 8 else W4A8.name
+        return w_a8_name(bits)
     return Int8Pack.name if bits == 8 else Int4Pack.name
+
+
+def exp_kernel_name(device: torch.device | str = "cpu") -> str:
+    """The kernel exponential layers of ordinary shapes get on ``device``."""
+    return Lut16.name if _w4a8_runs_on(torch.device(device)) else DenseBf16.name
 
 
 def relative_error(got: Tensor, want: Tensor) -> float:

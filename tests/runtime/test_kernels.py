@@ -15,7 +15,13 @@ from pipeline.quant.rtn import quantize_rtn
 from pipeline.runtime import cpu_ext, cpu_w4a8, kernels
 from pipeline.runtime.backends import TorchQuantLinear, kernel_summary
 from pipeline.runtime.inmemory import runtime_linear, to_runtime
-from pipeline.runtime.kernels import TOLERANCE, build, int_kernel_name, relative_error
+from pipeline.runtime.kernels import (
+    TOLERANCE,
+    build,
+    exp_kernel_name,
+    int_kernel_name,
+    relative_error,
+)
 from tests._require import needs
 
 
@@ -34,7 +40,7 @@ W4A8_TOL = 1e-2
 @pytest.mark.parametrize(
     ("fmt", "want"),
     [
-        ("int4g128", "int"),  # "int": int_kernel_name(), w4a8pack or int4pack
+        ("int4g128", "int"),  # "int": int_kernel_name(bits), w<bits>a8pack or int4pack
         ("int4g32-sym", "int"),
         ("int3g64", "int"),
         ("int2g64", "int"),
@@ -42,7 +48,7 @@ W4A8_TOL = 1e-2
         ("int2", "int"),
         ("int8", "int8"),  # "int8": w8a8pack, or int8pack (the offset folded as -sum(x) * o * s)
         ("int8-sym", "int8"),
-        ("exp4g128", "dense-bf16"),
+        ("exp4g128", "exp"),  # "exp": exp_kernel_name(), exp4lut or dense-bf16
         ("int8g128", "int8g"),  # w8a8pack, or the reference: torch has no grouped int8 kernel
     ],
 )
@@ -50,9 +56,10 @@ def test_kernel_matches_reference(fmt, want):
     qt, codes = _codes(fmt)
     ours = int_kernel_name() == "w4a8pack"  # lowbit's kernels run here (any ISA)
     want = {
-        "int": int_kernel_name(),
+        "int": int_kernel_name(bits=codes.info.bits),
         "int8": int_kernel_name(bits=8),
         "int8g": "w8a8pack" if ours else "reference",
+        "exp": exp_kernel_name(),
     }.get(want, want)
     layer = build(codes)
     assert layer.name == want
@@ -139,7 +146,7 @@ def test_to_runtime_converts_a_fake_quant_model(qmodels):
     for name, fmt in (("up_proj", "int4g64"), ("down_proj", "exp4g64"), ("gate_proj", "float")):
         mlp.set_submodule(name, FakeQuantLinear.from_linear(getattr(mlp, name), fmt))
     rt = to_runtime(model)
-    assert kernel_summary(rt) == f"{int_kernel_name()} x1, dense-bf16 x1"
+    assert kernel_summary(rt) == f"{int_kernel_name()} x1, {exp_kernel_name()} x1"
     assert isinstance(model.model.layers[0].mlp.up_proj, FakeQuantLinear)  # a copy converted
     assert isinstance(rt.model.layers[0].mlp.gate_proj, FakeQuantLinear)  # float stays
     x = torch.randint(0, 200, (1, 12))
@@ -203,7 +210,7 @@ def test_w4a8_matches_reference(fmt, rows, isa):
     _, codes = _codes(fmt, (48, 384))
     assert codes.offset.any() or fmt in ("int4", "int8g64-sym")  # the zero term is exercised
     layer = kernels.W4A8(codes, isa)
-    assert layer.name == ("w8a8pack" if fmt.startswith("int8") else "w4a8pack")
+    assert layer.name == f"w{codes.info.bits}a8pack"
     assert layer.isa == isa
     x = torch.randn(rows, 384)
     got = layer(x)

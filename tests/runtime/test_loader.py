@@ -10,13 +10,12 @@ from pipeline.export import ArtifactError, export_artifact
 from pipeline.models.quantized import load_quantized
 from pipeline.runtime import load
 from pipeline.runtime.backends import TorchQuantLinear
-from pipeline.runtime.kernels import int_kernel_name, relative_error
+from pipeline.runtime.kernels import exp_kernel_name, int_kernel_name, relative_error
 from pipeline.speculative.decoding import plain_generate
 from tests.export.models import export_options, tokens
 
 FORMATS = ["int2g64", "int3g128", "int4g128", "int4g128-sym", "int8", "exp4g128"]
-PACKED = {f: "int4pack" for f in FORMATS} | {"int8": "int8pack", "exp4g128": "dense-bf16"}
-VNNI = {"int4pack": int_kernel_name(), "int8pack": int_kernel_name(bits=8)}  # w4a8/w8a8pack
+BITS = {"int2g64": 2, "int3g128": 3, "int8": 8}  # the others: 4
 
 
 def _logits(model, x):
@@ -38,7 +37,9 @@ def test_logits_equal_fake_quant(qmodels, tmp_path, fmt):
     torch.testing.assert_close(_logits(rt.model, x), ref, atol=1e-5, rtol=1e-5)
     # The default packed kernels (bf16 activations): close, and each layer says what it ran.
     fast = load(art, "torch", draft=None)
-    want = VNNI.get(PACKED[fmt], PACKED[fmt])  # lowbit's kernels where the CPU runs them
+    # w<bits>a8pack / exp4lut where the CPU runs lowbit's kernels, else int4pack / int8pack /
+    # dense-bf16
+    want = exp_kernel_name() if fmt.startswith("exp") else int_kernel_name(bits=BITS.get(fmt, 4))
     assert set(fast.kernels.values()) == {want}
     assert fast.kernel_summary() == f"{want} x7"
     assert relative_error(_logits(fast.model, x), ref) < 2e-2

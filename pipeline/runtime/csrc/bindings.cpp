@@ -5,6 +5,9 @@
 
 torch::Tensor w4a8_mm(torch::Tensor x, torch::Tensor packed, torch::Tensor scale,
                       torch::Tensor zero, int64_t group_len, const std::string& isa);
+torch::Tensor lut16_mm(torch::Tensor x, torch::Tensor packed, torch::Tensor base,
+                       torch::Tensor ridx, torch::Tensor tables, int64_t group_len,
+                       const std::string& isa);
 torch::Tensor f32_rows_mm(torch::Tensor x, torch::Tensor weight, const std::string& isa);
 
 // The kernels' index of an ISA: 0 "avx2", 1 "avx512". A CPU that lacks the ISA gets an error
@@ -28,6 +31,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("w4a8_mm", &w4a8_mm, "W4A8 matmul, few rows (w4a8.cpp)", py::arg("x"),
         py::arg("packed"), py::arg("scale"), py::arg("zero"), py::arg("group_len"),
         py::arg("isa"));
+  m.def("lut16_mm", &lut16_mm, "4-bit LUT codes x float32, few rows (lut16.cpp)", py::arg("x"),
+        py::arg("packed"), py::arg("base"), py::arg("ridx"), py::arg("tables"),
+        py::arg("group_len"), py::arg("isa"));
   m.def("f32_rows_mm", &f32_rows_mm, "float32 matmul, few rows, weight read once (f32_rows.cpp)",
         py::arg("x"), py::arg("weight"), py::arg("isa"));
 }

@@ -1,0 +1,54 @@
+"""Exponential codes on lowbit's 16-entry-LUT CPU kernel: against the reference on every group
+size, odd shapes, 1-12 rows, on each ISA; the bytes it holds; the runtime's choice of it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pipeline.runtime import cpu_lut16, kernels
+from pipeline.runtime.kernels import build, exp_kernel_name, relative_error
+from tests.runtime.test_kernels import ISAS, _codes, needs_kernels
+
+# every group size exp formats have, with n (no tile here) and k neither a power of two
+EXP = [("exp4g32", (40, 160)), ("exp4g64", (24, 192)), ("exp4g128", (48, 384))]
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize(("fmt", "shape"), EXP)
+def test_lut16_matches_the_reference(fmt, shape, isa):
+    _, codes = _codes(fmt, shape)
+    assert cpu_lut16.fits(codes)
+    layer = kernels.Lut16(codes, isa)
+    assert layer.tables.shape[0] > 1  # several ratios: the per-group table choice is exercised
+    ref = kernels.Reference(codes)
+    torch.manual_seed(2)
+    for rows in range(1, 13):  # one pass of rows and two (AVX-512 takes 8 a pass, AVX2 4)
+        x = torch.randn(rows, shape[1])
+        got = layer(x)
+        assert got.shape == (rows, shape[0]) and got.dtype == x.dtype
+        # float32 activations: the same products as the reference, summed in another order;
+        # a wrong nibble or table costs O(1)
+        assert relative_error(got, ref(x)) < 1e-5
+    assert relative_error(layer(x.bfloat16()), got) < 1e-2  # bf16 in, bf16 out
+
+
+def test_lut16_holds_four_bits_per_weight():
+    _, codes = _codes("exp4g128", (48, 384))
+    packed, base, ridx, tables = cpu_lut16.pack(codes)
+    assert packed.dtype == torch.uint8 and packed.numel() == 48 * 384 // 2
+    assert base.dtype == torch.float16 and base.shape == ridx.shape == (48, 3)
+    assert torch.equal(base.float(), codes.scale)  # stored in float16: exact
+    # each group's table, times its base, is the group's own LUT
+    torch.testing.assert_close(tables[ridx.long()] * codes.scale[..., None], codes.lut())
+
+
+@needs_kernels
+def test_runtime_picks_lut16_for_exp_codes_on_lowbit_cpus():
+    qt, codes = _codes("exp4g64", (24, 192))
+    layer = build(codes)
+    assert layer.name == exp_kernel_name() == "exp4lut"
+    x = torch.randn(3, 192)
+    assert relative_error(layer(x), x @ qt.dequantize().T) < 1e-5
+    _, partial = _codes("exp4g64", (24, 160))  # a partial last group: the bf16 copy serves
+    assert not cpu_lut16.fits(partial) and build(partial).name == "dense-bf16"
