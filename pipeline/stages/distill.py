@@ -86,18 +86,20 @@ def run(cfg: DistillConfig, run: RunConfig, io: StageIO) -> dict:
         work_dir=io.work_dir,
         dist=io.dist,
         logger=io.log.lightning_logger() or False,
-        select=Selection("val/nll", "nll", larger_is_better=False),
+        select=Selection("val/nll", "nll", False, cfg.keep, run.seed, "val_windows"),
     )
     if not io.dist.is_main:
         return {}
 
     if fit.kept:
         log.warning(
-            "distill: no checkpoint beat the input on the validation split (best val ppl %.4g "
-            "at step %d vs %.4g before training): keeping the quantize stage's model unchanged",
+            "distill: no checkpoint beat the input beyond the validation noise (best val ppl "
+            "%.4g at step %d vs %.4g before training; NLL %s): keeping the quantize stage's "
+            "model unchanged",
             distill_report.ppl(fit.chosen["nll"]),
             fit.chosen["step"],
             distill_report.ppl(fit.before["nll"]),
+            fit.margin.text(),
         )
         shutil.copytree(model_dir, io.out_dir / "model")
     else:
