@@ -62,3 +62,20 @@ def test_the_report_says_which_machine_and_commit_the_timings_come_from(tmp_path
     (tmp_path / "quantize" / "_done.json").unlink()
     text = write_report(tmp_path).read_text()
     assert f"Measured on {machine['cpu']} (" in text and "torch " + machine["torch"] in text
+
+
+def test_the_keep_decisions_show_what_each_training_stage_handed_on(tmp_path):
+    keep = {"keep_confidence": 0.95, "keep_windows": 128.0}
+    margins = {  # kept_input, best_step, gain, low, high
+        "distill": (1.0, 50.0, 0.004, -0.01, 0.02),
+        "reinforce": (0.0, 20.0, 0.05, 0.03, 0.07),
+    }
+    names = ("kept_input", "best_step", "keep_gain", "keep_ci_low", "keep_ci_high")
+    for stage, m in margins.items():
+        (tmp_path / stage).mkdir()
+        done = {"metrics": dict(zip(names, m, strict=True)) | keep, "timings": {"seconds": 1.0}}
+        (tmp_path / stage / "_done.json").write_text(json.dumps(done))
+    lines = write_report(tmp_path).read_text().splitlines()
+    i = lines.index("## Keep decisions (best check vs input, paired bootstrap over windows)")
+    assert lines[i + 4] == "| distill | its input | +0.004 | [-0.01, +0.02] (95% each) | 128 |"
+    assert lines[i + 5] == "| reinforce | step 20 | +0.05 | [+0.03, +0.07] (95% each) | 128 |"

@@ -3,9 +3,10 @@
 Student: the quantize stage's model with FakeQuantLinear layers reproducing its codes, scales and
 zeros exactly; teacher: the FP target, frozen (`pipeline.lit.distill`). `fit_validated` trains it
 on `train` (any Lightning strategy; resumable) and selects the checkpoint with the lowest NLL on
-the validation split (never test); when none beats the input, the quantize stage's model is handed
-on byte for byte, with `kept_input: true` in distill_report.json. Either way the result is `model/`
-in the quantize stage's representation.
+the validation split (never test); unless its gain holds beyond the noise of the windows
+(`pipeline.lit.keep`), the quantize stage's model is handed on byte for byte, with `kept_input:
+true` in distill_report.json. Either way the result is `model/` in the quantize stage's
+representation.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ class DistillConfig(DistillHParams):
     seq_len: int | None = None  # null: data.seq_len
     # w_l of the matching term: error (the quantize stage's per-layer errors) | uniform
     layer_weights: Literal["error", "uniform"] = "error"
-    # Same windows for every check: 128 keep checkpoint-to-checkpoint noise under the gap.
+    # Same windows for every check, paired by the keep decision (too few: its interval warns).
     val_windows: int = 128
 
     RENAMED = RENAMED | {

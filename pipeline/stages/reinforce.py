@@ -2,9 +2,10 @@
 
 The draft (`model.draft.path` or the bootstrap draft) trains on-policy on the acceptance
 scenarios against the run's final target (`pipeline.lit.reinforce`); the checkpoint with the
-best teacher-forced alpha on the validation split is kept, or the starting draft when none beats
-it. `cost_ratio` set: reproducible bit for bit; null: measured once, kept for a resume. Without
-a draft the target drafts for itself and the stage is skipped.
+best teacher-forced alpha on the validation split is kept when its gain holds beyond the noise
+of the prompts (`pipeline.lit.keep`), else the starting draft. `cost_ratio` set: reproducible
+bit for bit; null: measured once, kept for a resume. Without a draft the target drafts for
+itself and the stage is skipped.
 """
 
 from __future__ import annotations
