@@ -87,7 +87,7 @@ def run(cfg: DistillConfig, run: RunConfig, io: StageIO) -> dict:
         work_dir=io.work_dir,
         dist=io.dist,
         logger=io.log.lightning_logger() or False,
-        select=Selection("val/nll", "nll", False, cfg.keep, run.seed, "val_windows"),
+        select=Selection("val/nll", "nll", larger_is_better=False, keep=cfg.keep, seed=run.seed),
     )
     if not io.dist.is_main:
         return {}

@@ -113,7 +113,14 @@ def run(cfg: ReinforceConfig, run: RunConfig, io: StageIO) -> dict:
         work_dir=io.work_dir,
         dist=io.dist,
         logger=io.log.lightning_logger() or False,
-        select=Selection("val/alpha", "alpha", True, cfg.keep, seed, "val_prompts"),
+        select=Selection(
+            "val/alpha",
+            "alpha",
+            larger_is_better=True,
+            keep=cfg.keep,
+            seed=seed,
+            windows_key="val_prompts",
+        ),
         use_distributed_sampler=False,  # each rank draws its own batches (ReinforceData)
     )
     if not io.dist.is_main:

@@ -89,7 +89,7 @@ def test_pick_best_keeps_the_input_when_the_best_mean_is_noise(caplog):
     before = {"step": 0.0, "nll": float(BEFORE.mean()), "windows": BEFORE.tolist()}
     after = BEFORE - (0.003 + NOISE.mean()) + NOISE
     check = {"step": 5.0, "nll": float(after.mean()), "windows": after.tolist()}
-    select = Selection("val/nll", "nll", False, KEEP, 0, "val_windows")
+    select = Selection("val/nll", "nll", larger_is_better=False, keep=KEEP, seed=0)
     with caplog.at_level("WARNING", logger="pipeline"):
         chosen, kept, margin = pick_best("distill", before, [check], select)
     assert chosen is check and check["nll"] < before["nll"]  # better on the mean, and yet
