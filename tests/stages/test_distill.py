@@ -202,6 +202,8 @@ def test_end_to_end_bf16_with_attention_and_hidden_matching(detuned, tmp_path):
         ("stage.distill.reweight_every=0", "stage.distill.reweight_every"),
         ("stage.distill.ce=-1", "stage.distill.ce"),
         ("stage.distill.beta=-0.1", "stage.distill.beta"),
+        ("stage.distill.keep.confidence=1.0", "stage.distill.keep.confidence"),
+        ("+stage.distill.keep.level=0.9", "stage.distill.keep.level"),
     ],
 )
 def test_check_names_the_bad_key(tmp_path, override, key):

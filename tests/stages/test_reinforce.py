@@ -253,6 +253,7 @@ def test_no_draft_means_self_speculation_and_a_skip(boot, tmp_path):
         ("stage.reinforce.lr_drop_threshold=-0.1", "lr_drop_threshold"),
         ("stage.reinforce.lr_drop_factor=0", "lr_drop_factor"),
         ("stage.reinforce.lr_drop_factor=1.5", "lr_drop_factor"),
+        ("stage.reinforce.keep.min_gain=-0.01", "keep.min_gain"),
     ],
 )
 def test_check_names_the_bad_key(tmp_path, override, key):
