@@ -170,7 +170,8 @@ def fit_validated(
         log.info("%s: resuming from %s", stage, resume)
     trainer.fit(module, datamodule=data, ckpt_path=resume, weights_only=True)
 
-    chosen, kept, margin = pick_best(stage, module.val_input, module.val_history, select)
+    history = module.val_history
+    chosen, kept, margin = pick_best(stage, module.val_input, history, select, dist.is_main)
     if not best.best_model_path:
         raise LowbitError(
             f"{stage}: no checkpoint was written; check stage.{stage}.train.val_every"
@@ -191,10 +192,11 @@ def fit_validated(
 
 
 def pick_best(
-    stage: str, before: dict | None, history: list[dict], select: Selection
+    stage: str, before: dict | None, history: list[dict], select: Selection, warn: bool = True
 ) -> tuple[dict, bool, Margin | None]:
     """The validation check the stage's ModelCheckpoint kept, whether the stage keeps its input
-    instead (the check's gain does not hold beyond the noise), and that margin."""
+    instead (the check's gain does not hold beyond the noise), and that margin; `warn`: say so
+    when the noise exceeds the gain (one rank of several)."""
     key = select.key
     # As ModelCheckpoint ranks them: a NaN last, and the earlier of equal checks first.
     finite = [r for r in history if math.isfinite(r[key])] or history
@@ -216,7 +218,7 @@ def pick_best(
         seed=select.seed,
         groups=chosen.get("window_groups"),
     )
-    if margin.unresolved:
+    if warn and margin.unresolved:
         log.warning(
             "%s: the validation noise exceeds the difference it measured (%s); raise "
             "stage.%s.%s to resolve it",

@@ -95,6 +95,10 @@ def test_pick_best_keeps_the_input_when_the_best_mean_is_noise(caplog):
     assert chosen is check and check["nll"] < before["nll"]  # better on the mean, and yet
     assert kept and margin.gain == pytest.approx(0.003)
     assert "raise stage.distill.val_windows" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="pipeline"):
+        assert pick_best("distill", before, [check], select, warn=False)[1]  # the other ranks
+    assert not caplog.text
 
 
 @pytest.mark.parametrize(
