@@ -69,7 +69,7 @@ class Fit:
     resume: str | None  # the checkpoint this run resumed from
     resumed_step: int  # the step training (re)started at
     guard: NanGuard | None  # the NaN/Inf guard, when train.nan_guard
-    margin: Margin | None = None  # the best check against the input; None when either is unknown
+    margin: Margin | None = None  # the best check against the input; None: input unscored
 
     @property
     def deepspeed(self) -> bool:
@@ -210,6 +210,11 @@ def pick_best(
     if before is None:
         log.warning("%s: the input's validation score is unknown; using the best checkpoint", stage)
         return chosen, False, None
+    if "windows" not in before or "windows" not in chosen:
+        raise LowbitError(
+            f"{stage}: the resumed checkpoint's validation records lack per-window scores "
+            f"(written by an earlier lowbit); remove <run_dir>/.work/{stage}-* to train afresh"
+        )
     margin = paired_bootstrap(
         before["windows"],
         chosen["windows"],

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pipeline.errors import ConfigError
+from pipeline.errors import ConfigError, LowbitError
 from pipeline.lit.fit import Selection, pick_best
 from pipeline.lit.keep import KeepConfig, Margin, paired_bootstrap
 
@@ -113,3 +113,10 @@ def test_pick_best_keeps_the_input_when_the_best_mean_is_noise(caplog):
 def test_check_names_the_bad_key(override, key):
     with pytest.raises(ConfigError, match=rf"stage\.distill\.keep\.{key}"):
         KeepConfig(**override).check("stage.distill.keep")
+
+
+def test_records_without_window_scores_name_the_work_dir_to_remove():
+    old = {"step": 0.0, "nll": 4.0}  # a record from a checkpoint that kept means only
+    select = Selection("val/nll", "nll", larger_is_better=False)
+    with pytest.raises(LowbitError, match=r"remove <run_dir>/\.work/distill-\*"):
+        pick_best("distill", old, [{"step": 5.0, "nll": 3.9}], select)
