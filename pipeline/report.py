@@ -52,6 +52,25 @@ def _machines(run_dir: Path) -> list[str]:
     return ["", *[f"- {', '.join(stages)}: {line}" for line, stages in seen.items()]]
 
 
+def _keep_decisions(run_dir: Path) -> list[str]:
+    """What each training stage handed on, and the validation margin it decided on."""
+    rows = []
+    for stage in ("distill", "reinforce"):
+        m = ((_load(run_dir / stage / "_done.json") or {}).get("metrics")) or {}
+        if "keep_gain" in m:
+            handed = "its input" if m["kept_input"] else f"step {m['best_step']:.0f}"
+            rows.append(
+                f"| {stage} | {handed} | {m['keep_gain']:+.4g} | [{m['keep_ci_low']:+.4g}, "
+                f"{m['keep_ci_high']:+.4g}] ({m['keep_confidence']:.0%} each) | "
+                f"{m['keep_windows']:.0f} |"
+            )
+    if not rows:
+        return []
+    title = "## Keep decisions (best check vs input, paired bootstrap over windows)"
+    head = "| stage | hands on | validation gain | bounds | windows |"
+    return [title, "", head, "|---" * 5 + "|", *rows, ""]
+
+
 def _eval_tables(ev: EvalResult) -> list[str]:
     proto, where = ev.ppl_protocol, "held-out windows"
     if proto:
@@ -132,6 +151,7 @@ def write_report(run_dir: Path) -> Path:
     """Write `<run_dir>/report.md` from the stage folders present; returns its path."""
     lines = [f"# lowbit run `{run_dir.name}`", "", "## Stages", "", *_stage_table(run_dir)]
     lines += [*_machines(run_dir), ""]
+    lines += _keep_decisions(run_dir)
     lines += _evaluation(run_dir)
     plots = [p for s in ORDER for p in sorted((run_dir / s).glob("*.png"))]
     if plots:

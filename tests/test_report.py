@@ -86,3 +86,20 @@ def test_the_speed_table_renders_with_the_overhead_note(tmp_path):
     )
     assert lines[i + 5].endswith("| 2.00 | 4.00 | 0.50 | 0.700 | 2.50 | 3.2 (25%) |")
     assert lines[i + 7].startswith("Models 96 wide are overhead-bound")
+
+
+def test_the_keep_decisions_show_what_each_training_stage_handed_on(tmp_path):
+    keep = {"keep_confidence": 0.95, "keep_windows": 128.0}
+    margins = {  # kept_input, best_step, gain, low, high
+        "distill": (1.0, 50.0, 0.004, -0.01, 0.02),
+        "reinforce": (0.0, 20.0, 0.05, 0.03, 0.07),
+    }
+    names = ("kept_input", "best_step", "keep_gain", "keep_ci_low", "keep_ci_high")
+    for stage, m in margins.items():
+        (tmp_path / stage).mkdir()
+        done = {"metrics": dict(zip(names, m, strict=True)) | keep, "timings": {"seconds": 1.0}}
+        (tmp_path / stage / "_done.json").write_text(json.dumps(done))
+    lines = write_report(tmp_path).read_text().splitlines()
+    i = lines.index("## Keep decisions (best check vs input, paired bootstrap over windows)")
+    assert lines[i + 4] == "| distill | its input | +0.004 | [-0.01, +0.02] (95% each) | 128 |"
+    assert lines[i + 5] == "| reinforce | step 20 | +0.05 | [+0.03, +0.07] (95% each) | 128 |"

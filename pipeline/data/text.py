@@ -62,8 +62,31 @@ def load_splits(data: DataConfig) -> dict[str, list[str]]:
             data.path,
             " or ".join(missing),
         )
-    carved = split_documents(given.pop("train"), data, carve=missing)
-    return carved | given
+    splits = split_documents(given.pop("train"), data, carve=missing) | given
+    splits["validation"] = unseen_validation(splits, data)
+    return splits
+
+
+def unseen_validation(splits: dict[str, list[str]], data: DataConfig) -> list[str]:
+    """The validation documents training never reads: the training stages keep a model only
+    for a gain on text they did not train on. A carved split holds none of train's documents
+    (a document's split is a function of its text); a user's files may repeat one."""
+    seen = set(splits["train"])
+    unseen = [doc for doc in splits["validation"] if doc not in seen]
+    dropped = len(splits["validation"]) - len(unseen)
+    if dropped and not unseen:
+        raise LowbitError(
+            f"data.path={data.path}: every validation document also appears in the train "
+            "split; give a validation file with text of its own, or remove it to carve one"
+        )
+    if dropped:
+        log.info(
+            "data.path=%s: %d validation document(s) also in the train split are left out "
+            "of validation",
+            data.path,
+            dropped,
+        )
+    return unseen
 
 
 def _read_splits(data: DataConfig) -> dict[str, list[str]]:

@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from pipeline.config import positive
 from pipeline.errors import ConfigError, LowbitError
 from pipeline.lit.config import TrainConfig
+from pipeline.lit.keep import KeepConfig
 from pipeline.lit.lm import WindowData, scheduled
 from pipeline.lit.losses import distill_loss, normalised
 from pipeline.lit.qat import keep_full_precision, prepare_qat, train_sets_problem
@@ -46,6 +47,7 @@ class DistillHParams:
     reweight_every: int | None = None  # optimizer steps between layer reweightings; null: static
     teacher_dtype: Literal["float32", "bfloat16"] = "float32"
     fp32_modules: list[str] = field(default_factory=lambda: ["lm_head", "norm"])  # under bf16
+    keep: KeepConfig = field(default_factory=KeepConfig)  # when the best check replaces the input
 
     @property
     def eager_attention(self) -> bool:
@@ -108,15 +110,16 @@ def load_pair(model_dir: Path, target_dir: Path, hp: DistillHParams, allow_bin: 
     return student, teacher, groups
 
 
-def heldout_sums(teacher_logits: Tensor, student_logits: Tensor, ids: Tensor) -> Tensor:
-    """Summed student NLL, teacher NLL and KL(teacher ‖ student) over next-token positions."""
+def window_sums(teacher_logits: Tensor, student_logits: Tensor, ids: Tensor) -> Tensor:
+    """Per window: student NLL, teacher NLL and KL(teacher ‖ student) summed over its
+    next-token positions. # (B, 3)"""
     target = ids[:, 1:, None]  # (B, T-1, 1)
     log_t = teacher_logits[:, :-1].float().log_softmax(-1)  # (B, T-1, V)
     log_s = student_logits[:, :-1].float().log_softmax(-1)
-    s_nll = -log_s.gather(-1, target).sum()
-    t_nll = -log_t.gather(-1, target).sum()
-    kl = (log_t.exp() * (log_t - log_s)).sum()
-    return torch.stack([s_nll, t_nll, kl]).double()
+    s_nll = -log_s.gather(-1, target).sum((1, 2))  # (B,)
+    t_nll = -log_t.gather(-1, target).sum((1, 2))
+    kl = (log_t.exp() * (log_t - log_s)).sum((1, 2))
+    return torch.stack([s_nll, t_nll, kl], dim=1).double()
 
 
 class HeldoutBatches(IterableDataset):
@@ -156,8 +159,7 @@ class DistillModule(L.LightningModule):
         # Validation results: the input model's (the sanity check, step 0) and one per check.
         self.val_input: dict[str, float] | None = None
         self.val_history: list[dict[str, float]] = []
-        self._val_sums: Tensor | None = None
-        self._val_count = 0
+        self._val_sums: list[Tensor] = []  # (B, 3) per validation batch
 
     def on_fit_start(self) -> None:
         self.train()  # loaded models come in eval mode; Lightning does not switch them
@@ -225,19 +227,21 @@ class DistillModule(L.LightningModule):
             self.trainer.should_stop = True
 
     def on_validation_epoch_start(self) -> None:
-        self._val_sums, self._val_count = torch.zeros(3, dtype=torch.float64), 0
+        self._val_sums = []
 
     def validation_step(self, batch: Tensor, batch_idx: int) -> None:
         t = self.teacher(input_ids=batch, use_cache=False).logits  # (B, T, V)
         s = self.student(input_ids=batch, use_cache=False).logits
-        self._val_sums += heldout_sums(t, s, batch).cpu()
-        self._val_count += batch[:, 1:].numel()
+        self._val_sums.append(window_sums(t, s, batch).cpu() / (batch.shape[1] - 1))
 
     def on_validation_epoch_end(self) -> None:
-        if not self._val_count:
+        if not self._val_sums:
             return
-        nll, t_nll, kl = (self._val_sums / self._val_count).tolist()
+        per_window = torch.cat(self._val_sums)  # (W, 3) per-token means; windows are equal length
+        nll, t_nll, kl = per_window.mean(0).tolist()
         result = {"step": float(self.global_step), "nll": nll, "nll_teacher": t_nll, "kl": kl}
+        # The keep decision pairs these with the input's, window by window (`pipeline.lit.keep`).
+        result["windows"] = per_window[:, 0].tolist()
         if self.trainer.sanity_checking:
             if self.val_input is None:
                 self.val_input = result

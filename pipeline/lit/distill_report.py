@@ -40,6 +40,7 @@ def metrics(fit: Fit, val: Heldout) -> dict[str, float]:
     if before is not None:
         m.update(val_ppl_fp=ppl(before["nll_teacher"]), val_ppl_quantized=ppl(before["nll"]))
     m.update(val_ppl_distilled=ppl(out["nll"]), kept_input=float(kept))
+    m.update(fit.margin.metrics() if fit.margin else {})  # the keep decision's NLL gain
     if before is not None and m["val_ppl_quantized"] > m["val_ppl_fp"]:
         gap = m["val_ppl_quantized"] - m["val_ppl_fp"]
         m["gap_recovered"] = (m["val_ppl_quantized"] - m["val_ppl_distilled"]) / gap
@@ -72,9 +73,7 @@ def report(cfg, fit: Fit, val: Heldout, m: dict, weights, world_size: int) -> di
         "validation": {
             **val.describe(),
             "metric": "student mean next-token NLL (val/nll; ppl = exp), lower is better",
-            "input": fit.before,
-            "best": fit.chosen,
-            "history": fit.history,
+            **fit.validation(),
         },
         "layer_weights": weights.tolist(),
         "strategy": type(fit.trainer.strategy).__name__,

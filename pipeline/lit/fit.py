@@ -2,7 +2,8 @@
 
 The module validates before step 1 (the input's score), every `val_every` steps and at the last;
 `best.ckpt` keeps the best check, `last.ckpt` what a rerun resumes from. The result is the best
-check's tensors, or the input unchanged when no check beat it (`Fit.kept`). Under DeepSpeed,
+check's tensors, or the input unchanged unless the best check's gain holds beyond the noise of
+the validation windows (`pipeline.lit.keep`, `Fit.kept`, `Fit.margin`). Under DeepSpeed,
 frozen parameters stay out of checkpoints exactly when the module loads non-strictly, the only
 setting its strategy can load back; `best_weights` consolidates the ZeRO shards.
 """
@@ -21,6 +22,7 @@ from torch import Tensor, nn
 from pipeline.errors import LowbitError
 from pipeline.lit.config import TrainConfig
 from pipeline.lit.guards import NanGuard
+from pipeline.lit.keep import KeepConfig, Margin, paired_bootstrap
 from pipeline.lit.resume import (
     ResumeCheckpoint,
     best_and_last,
@@ -41,11 +43,17 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Selection:
-    """How a stage compares its validation checks."""
+    """How a stage compares its validation checks, and the best one with its input."""
 
     monitor: str  # the logged metric best.ckpt follows, e.g. "val/nll"
     key: str  # the same number in the module's validation records, e.g. "nll"
     larger_is_better: bool
+    keep: KeepConfig = KeepConfig()
+    seed: int = 0  # of the bootstrap's resamples
+    windows_key: str = "val_windows"  # the stage key that sets how many windows are scored
+
+
+_PER_WINDOW = ("windows", "window_groups")  # record keys holding one value per window
 
 
 @dataclass(frozen=True)
@@ -61,6 +69,7 @@ class Fit:
     resume: str | None  # the checkpoint this run resumed from
     resumed_step: int  # the step training (re)started at
     guard: NanGuard | None  # the NaN/Inf guard, when train.nan_guard
+    margin: Margin | None = None  # the best check against the input; None: input unscored
 
     @property
     def deepspeed(self) -> bool:
@@ -75,6 +84,13 @@ class Fit:
     @property
     def guard_lr_scale(self) -> float:
         return self.guard.lr_scale if self.guard else 1.0
+
+    def validation(self) -> dict:
+        """The report's view of the checks: the input's and the best one's records (their
+        per-window scores included), the keep decision, and every check's means."""
+        means = [{k: v for k, v in r.items() if k not in _PER_WINDOW} for r in self.history]
+        keep = self.margin.describe() if self.margin else None
+        return {"input": self.before, "best": self.chosen, "keep": keep, "history": means}
 
     def resume_metrics(self) -> dict[str, float]:
         """Whether and where the run resumed: stage metrics only, never in a (hashed) report."""
@@ -154,7 +170,8 @@ def fit_validated(
         log.info("%s: resuming from %s", stage, resume)
     trainer.fit(module, datamodule=data, ckpt_path=resume, weights_only=True)
 
-    chosen, kept = pick_best(stage, module.val_input, module.val_history, select)
+    history = module.val_history
+    chosen, kept, margin = pick_best(stage, module.val_input, history, select, dist.is_main)
     if not best.best_model_path:
         raise LowbitError(
             f"{stage}: no checkpoint was written; check stage.{stage}.train.val_every"
@@ -170,13 +187,16 @@ def fit_validated(
         resume,
         resumed.resumed_step,
         guard,
+        margin,
     )
 
 
 def pick_best(
-    stage: str, before: dict | None, history: list[dict], select: Selection
-) -> tuple[dict, bool]:
-    """The validation check the stage's ModelCheckpoint kept, and whether the input was as good."""
+    stage: str, before: dict | None, history: list[dict], select: Selection, warn: bool = True
+) -> tuple[dict, bool, Margin | None]:
+    """The validation check the stage's ModelCheckpoint kept, whether the stage keeps its input
+    instead (the check's gain does not hold beyond the noise), and that margin; `warn`: say so
+    when the noise exceeds the gain (one rank of several)."""
     key = select.key
     # As ModelCheckpoint ranks them: a NaN last, and the earlier of equal checks first.
     finite = [r for r in history if math.isfinite(r[key])] or history
@@ -189,8 +209,30 @@ def pick_best(
     chosen = min(finite, key=lambda r: sign * r[key])
     if before is None:
         log.warning("%s: the input's validation score is unknown; using the best checkpoint", stage)
-        return chosen, False
-    return chosen, not sign * chosen[key] < sign * before[key]
+        return chosen, False, None
+    if "windows" not in before or "windows" not in chosen:
+        raise LowbitError(
+            f"{stage}: the resumed checkpoint's validation records lack per-window scores "
+            f"(written by an earlier lowbit); remove <run_dir>/.work/{stage}-* to train afresh"
+        )
+    margin = paired_bootstrap(
+        before["windows"],
+        chosen["windows"],
+        larger_is_better=select.larger_is_better,
+        keep=select.keep,
+        seed=select.seed,
+        groups=chosen.get("window_groups"),
+    )
+    if warn and margin.unresolved:
+        log.warning(
+            "%s: the validation noise exceeds the difference it measured (%s); raise "
+            "stage.%s.%s to resolve it",
+            stage,
+            margin.text(),
+            stage,
+            select.windows_key,
+        )
+    return chosen, not margin.trained, margin
 
 
 def best_weights(

@@ -25,6 +25,7 @@ from pipeline.errors import ConfigError
 from pipeline.lit.config import TrainConfig
 from pipeline.lit.fit import best_weights
 from pipeline.lit.guards import scale_lr
+from pipeline.lit.keep import KeepConfig
 from pipeline.lit.lm import batch_rows, next_batch, scheduled, step_loader
 from pipeline.lit.losses import LossWeights, reinforce_loss
 from pipeline.lit.qat import prepare_qat
@@ -67,6 +68,7 @@ class ReinforceHParams:
     monitor_window: int = 64
     lr_drop_threshold: float | None = 0.05  # null: monitor only
     lr_drop_factor: float = 0.5
+    keep: KeepConfig = field(default_factory=KeepConfig)  # when the best check replaces the input
 
     @property
     def loss_weights(self) -> LossWeights:
@@ -184,11 +186,12 @@ def result_draft(fit, draft_dir: Path, allow_bin: bool, grad_scale: str) -> torc
     if not fit.kept:
         return best_weights(fit, "draft.", lambda: load_draft(draft_dir, allow_bin, grad_scale))
     log.warning(
-        "reinforce: no checkpoint beat the starting draft on the validation split (best "
-        "teacher-forced alpha %.4f at step %d vs %.4f before training): keeping it unchanged",
+        "reinforce: no checkpoint beat the starting draft beyond the validation noise (best "
+        "teacher-forced alpha %.4f at step %d vs %.4f before training; %s): keeping it unchanged",
         fit.chosen["alpha"],
         fit.chosen["step"],
         fit.before["alpha"],
+        fit.margin.text(),
     )
     return load_model(draft_dir, allow_bin)
 
@@ -220,7 +223,7 @@ class DraftReinforce(L.LightningModule):
         # Validation results: the starting draft's (sanity check, step 0) and one per check.
         self.val_input: dict[str, float] | None = None
         self.val_history: list[dict[str, float]] = []
-        self._val: dict[str, list[float]] = {}
+        self._val: dict[str, list[float]] = {}  # scenario -> one alpha per validation prompt
 
     def on_fit_start(self) -> None:
         self.draft.train()  # loaded models come in eval mode; Lightning does not switch them
@@ -298,25 +301,28 @@ class DraftReinforce(L.LightningModule):
         p_logits = self._frozen[0](input_ids=ids).logits  # (B, L, V_p)
         q_logits = self.draft(input_ids=ids).logits  # (B, L, V_q)
         _, beta = expected_acceptance(p_logits, q_logits.to(p_logits.device), self.temperature)
-        sums = self._val.setdefault(name, [0.0, 0])
-        sums[0] += beta.double().sum().item()
-        sums[1] += beta.numel()
+        # One alpha per prompt (a scenario's prompts are equally long: its mean is theirs).
+        self._val.setdefault(name, []).extend(beta.double().mean(1).tolist())
 
     def on_validation_epoch_end(self) -> None:
         if not self._val:
             return
-        per_scenario = {name: total / count for name, (total, count) in self._val.items()}
+        per_scenario = {name: sum(a) / len(a) for name, a in self._val.items()}
         alpha = sum(per_scenario.values()) / len(per_scenario)  # scenarios weigh alike
         result = {"step": float(self.global_step), "alpha": alpha} | {
             f"alpha_{name}": a for name, a in per_scenario.items()
         }
+        # Paired window by window with the input's; grouped by scenario, as alpha weighs them.
+        result["windows"] = [a for per in self._val.values() for a in per]
+        result["window_groups"] = [i for i, per in enumerate(self._val.values()) for _ in per]
         if self.trainer.sanity_checking:
             if self.val_input is None:
                 self.val_input = result
         else:
             self.val_history.append(result)
         # Identical on every rank (each scores every prompt): syncing averages equal numbers.
-        self.log_dict({f"val/{k}": v for k, v in result.items() if k != "step"}, sync_dist=True)
+        logged = {f"val/{k}": v for k, v in result.items() if isinstance(v, float) and k != "step"}
+        self.log_dict(logged, sync_dist=True)
 
     def configure_optimizers(self):
         params = [p for p in self.draft.parameters() if p.requires_grad]

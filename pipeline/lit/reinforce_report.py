@@ -10,6 +10,7 @@ from pathlib import Path
 from pipeline.evaluation.acceptance import acceptance_table, column, plot_acceptance
 from pipeline.io import write_json
 from pipeline.lit.fit import Fit
+from pipeline.lit.keep import Margin
 
 log = logging.getLogger(__name__)
 
@@ -61,9 +62,7 @@ def summary(cfg, fit: Fit, module, sets: dict) -> dict:
             "prompts": _shapes(sets["validation"]),
             "metric": "teacher-forced alpha = mean sum_x min(p, q), mean over scenarios; higher "
             "is better",
-            "input": fit.before,
-            "best": fit.chosen,
-            "history": fit.history,
+            **fit.validation(),
         },
         "eval_split": "test",
         "eval_prompts": _shapes(sets["test"]),
@@ -119,6 +118,8 @@ def _metrics(report: dict, alpha: dict) -> dict:
         "alpha_after_mean": alpha["after"]["mean"],
         "kept_input": float(report["kept_input"]),
     }
+    if val["keep"] is not None:  # the keep decision's alpha gain
+        metrics |= Margin.load(val["keep"]).metrics()
     if val["input"] is not None:
         metrics["val_alpha_tf_before_mean"] = val["input"]["alpha"]
     metrics |= {

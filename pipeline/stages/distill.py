@@ -3,9 +3,10 @@
 Student: the quantize stage's model with FakeQuantLinear layers reproducing its codes, scales and
 zeros exactly; teacher: the FP target, frozen (`pipeline.lit.distill`). `fit_validated` trains it
 on `train` (any Lightning strategy; resumable) and selects the checkpoint with the lowest NLL on
-the validation split (never test); when none beats the input, the quantize stage's model is handed
-on byte for byte, with `kept_input: true` in distill_report.json. Either way the result is `model/`
-in the quantize stage's representation.
+the validation split (never test); unless its gain holds beyond the noise of the windows
+(`pipeline.lit.keep`), the quantize stage's model is handed on byte for byte, with `kept_input:
+true` in distill_report.json. Either way the result is `model/` in the quantize stage's
+representation.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ class DistillConfig(DistillHParams):
     seq_len: int | None = None  # null: data.seq_len
     # w_l of the matching term: error (the quantize stage's per-layer errors) | uniform
     layer_weights: Literal["error", "uniform"] = "error"
-    # Same windows for every check: 128 keep checkpoint-to-checkpoint noise under the gap.
+    # Same windows for every check, paired by the keep decision (too few: its interval warns).
     val_windows: int = 128
 
     RENAMED = RENAMED | {
@@ -86,18 +87,20 @@ def run(cfg: DistillConfig, run: RunConfig, io: StageIO) -> dict:
         work_dir=io.work_dir,
         dist=io.dist,
         logger=io.log.lightning_logger() or False,
-        select=Selection("val/nll", "nll", larger_is_better=False),
+        select=Selection("val/nll", "nll", larger_is_better=False, keep=cfg.keep, seed=run.seed),
     )
     if not io.dist.is_main:
         return {}
 
     if fit.kept:
         log.warning(
-            "distill: no checkpoint beat the input on the validation split (best val ppl %.4g "
-            "at step %d vs %.4g before training): keeping the quantize stage's model unchanged",
+            "distill: no checkpoint beat the input beyond the validation noise (best val ppl "
+            "%.4g at step %d vs %.4g before training; NLL %s): keeping the quantize stage's "
+            "model unchanged",
             distill_report.ppl(fit.chosen["nll"]),
             fit.chosen["step"],
             distill_report.ppl(fit.before["nll"]),
+            fit.margin.text(),
         )
         shutil.copytree(model_dir, io.out_dir / "model")
     else:

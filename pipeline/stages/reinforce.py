@@ -2,9 +2,10 @@
 
 The draft (`model.draft.path` or the bootstrap draft) trains on-policy on the acceptance
 scenarios against the run's final target (`pipeline.lit.reinforce`); the checkpoint with the
-best teacher-forced alpha on the validation split is kept, or the starting draft when none beats
-it. `cost_ratio` set: reproducible bit for bit; null: measured once, kept for a resume. Without
-a draft the target drafts for itself and the stage is skipped.
+best teacher-forced alpha on the validation split is kept when its gain holds beyond the noise
+of the prompts (`pipeline.lit.keep`), else the starting draft. `cost_ratio` set: reproducible
+bit for bit; null: measured once, kept for a resume. Without a draft the target drafts for
+itself and the stage is skipped.
 """
 
 from __future__ import annotations
@@ -112,7 +113,14 @@ def run(cfg: ReinforceConfig, run: RunConfig, io: StageIO) -> dict:
         work_dir=io.work_dir,
         dist=io.dist,
         logger=io.log.lightning_logger() or False,
-        select=Selection("val/alpha", "alpha", larger_is_better=True),
+        select=Selection(
+            "val/alpha",
+            "alpha",
+            larger_is_better=True,
+            keep=cfg.keep,
+            seed=seed,
+            windows_key="val_prompts",
+        ),
         use_distributed_sampler=False,  # each rank draws its own batches (ReinforceData)
     )
     if not io.dist.is_main:

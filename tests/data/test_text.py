@@ -1,6 +1,7 @@
 """The user's splits are the splits: given train/validation/test text never crosses splits."""
 
 import logging
+import re
 
 import pytest
 
@@ -223,3 +224,46 @@ def test_one_document_cannot_be_carved_into_splits(tmp_path, sample_by):
     assert all(split_documents(["a", "b", "c"], DataConfig()).values())
     with pytest.raises(LowbitError, match="holds 2 documents"):
         split_documents(["a", "b"], DataConfig())
+
+
+def _ids(text: str) -> set[str]:
+    """The document ids (`id<n>x`) whole in `text`: a window's cut-off ends never match."""
+    return set(re.findall(r"id(\d+)x", text))
+
+
+def test_no_validation_window_holds_a_document_of_the_training_stream(tmp_path):
+    """An undivided file split by lowbit: distill's validation windows and reinforce's
+    validation prompts are cut from documents the training stream never holds."""
+    from pipeline.data.scenarios import SCENARIOS
+    from pipeline.evaluation.acceptance import heldout_scenarios
+    from pipeline.lit.distill_report import validation_windows
+    from pipeline.models.hf import train_tokenizer
+
+    lines = [
+        f"id{i}x {WORDS[i % 8]} and {WORDS[(3 * i) % 8]} by the {WORDS[i % 5]}" for i in range(600)
+    ]
+    (tmp_path / "corpus.txt").write_text("\n".join(lines) + "\n")
+    tokenizer = train_tokenizer(lines, 300)
+    corpus = Corpus(DataConfig(path=str(tmp_path / "corpus.txt"), seq_len=16), tokenizer)
+    train_ids = _ids(tokenizer.decode(corpus.stream("train")))
+    windows = validation_windows(corpus, 16, 10_000).windows  # every window of the split
+    val_ids = set().union(*(_ids(tokenizer.decode(w)) for w in windows))
+    prompts = heldout_scenarios(
+        tokenizer, corpus.splits["validation"], n_prompts=4, prompt_len=16, long_len=40
+    )
+    prompt_ids = {i for s in SCENARIOS for p in prompts[s] for i in _ids(tokenizer.decode(p))}
+    assert len(train_ids) > 450 and val_ids and prompt_ids  # the ids survive tokenisation
+    assert not val_ids & train_ids and not prompt_ids & train_ids
+
+
+def test_validation_leaves_out_documents_the_train_file_repeats(tmp_path, caplog):
+    train, own = _lines("trainline", 50), _lines("valmark", 10)
+    files = {"train.txt": train, "validation.txt": own + train[:3], "test.txt": _lines("t", 5)}
+    _write(tmp_path / "d", **files)
+    with caplog.at_level(logging.INFO, logger="pipeline.data.text"):
+        splits = load_splits(DataConfig(path=str(tmp_path / "d")))
+    assert splits["validation"] == own and splits["train"] == train
+    assert "3 validation document(s) also in the train split are left out" in caplog.text
+    _write(tmp_path / "d", **{"validation.txt": train[:3]})
+    with pytest.raises(LowbitError, match="every validation document also appears in the train"):
+        load_splits(DataConfig(path=str(tmp_path / "d")))

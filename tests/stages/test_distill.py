@@ -202,6 +202,8 @@ def test_end_to_end_bf16_with_attention_and_hidden_matching(detuned, tmp_path):
         ("stage.distill.reweight_every=0", "stage.distill.reweight_every"),
         ("stage.distill.ce=-1", "stage.distill.ce"),
         ("stage.distill.beta=-0.1", "stage.distill.beta"),
+        ("stage.distill.keep.confidence=1.0", "stage.distill.keep.confidence"),
+        ("+stage.distill.keep.level=0.9", "stage.distill.keep.level"),
     ],
 )
 def test_check_names_the_bad_key(tmp_path, override, key):
@@ -318,6 +320,54 @@ def test_the_result_is_the_best_checkpoint_not_the_last(quantized, detuned, tmp_
     written = val_nll(cfg, load_quantized(tmp_path / "run" / "distill" / "model"), 4)
     assert written == pytest.approx(by_step[2], rel=1e-5)
     assert metrics["val_ppl_distilled"] == pytest.approx(math.exp(written), rel=1e-5)
+
+
+KEEP_KEYS = ("keep_gain", "keep_ci_low", "keep_ci_high", "keep_windows", "keep_resamples")
+
+
+def test_useless_training_keeps_the_input_and_records_the_decision(quantized, tmp_path, caplog):
+    """A learning rate too small to move a float32 parameter: every check scores the input's
+    windows exactly, so the gain is 0 with no spread, and 0 is not a gain: the input is kept,
+    and the decision with its margin is in _done.json, the metrics and distill_report.json."""
+    args = distill_args(
+        quantized,
+        tmp_path,
+        "stage.distill.train.lr=1e-12",
+        "stage.distill.float_lr=1e-12",
+        "stage.distill.train.val_every=2",
+        "stage.distill.keep.resamples=500",
+    )
+    with caplog.at_level("WARNING", logger="pipeline"):
+        workflow.run(smoke_cfg(tmp_path, *args))
+    out = tmp_path / "run" / "distill"
+    metrics = json.loads((out / "_done.json").read_text())["metrics"]
+    assert metrics["kept_input"] == 1 and metrics["keep_gain"] == 0
+    assert metrics["keep_ci_low"] == metrics["keep_ci_high"] == 0
+    assert (metrics["keep_windows"], metrics["keep_resamples"]) == (4, 500)
+    assert "keeping the quantize stage's model unchanged" in caplog.text
+    assert "gain +0, 95% bounds [+0, +0] over 4 windows" in caplog.text
+    report = json.loads((out / "distill_report.json").read_text())
+    keep = report["validation"]["keep"]
+    assert keep["trained"] is False and keep["gain"] == 0 and keep["windows"] == 4
+    assert len(report["validation"]["input"]["windows"]) == 4
+    assert "windows" not in report["validation"]["history"][0]  # means only per check
+    q_dir = tmp_path / "run" / "quantize" / "model"
+    assert all((q_dir / f.name).read_bytes() == f.read_bytes() for f in (out / "model").iterdir())
+
+
+def test_a_gain_below_min_gain_keeps_the_input(detuned, tmp_path, monkeypatch, caplog):
+    """Step 1 undoes the detuning, a clear gain on every window; a min_gain above it still keeps
+    the input, and the report says by how much the gain fell short."""
+    monkeypatch.setattr(DistillModule, "training_step", forced_steps(scales={0: 1 / DETUNE}))
+    args = distill_args(detuned, tmp_path, "stage.distill.keep.min_gain=100")
+    with caplog.at_level("WARNING", logger="pipeline"):
+        metrics = workflow.run(smoke_cfg(tmp_path, *args))["distill"]["metrics"]
+    assert all(key in metrics for key in KEEP_KEYS)
+    assert 0 < metrics["keep_ci_low"] <= metrics["keep_gain"] < 100
+    assert (
+        metrics["kept_input"] == 1 and metrics["val_ppl_distilled"] == metrics["val_ppl_quantized"]
+    )
+    assert "keeping the quantize stage's model unchanged" in caplog.text
 
 
 def two_ranks(detuned, tmp_path, trainer: str, *overrides: str) -> tuple[dict, dict]:

@@ -103,6 +103,12 @@ def test_end_to_end_writes_a_better_draft_and_the_report(boot, tmp_path):
     assert report["kept_input"] is False and done["metrics"]["kept_input"] == 0
     metrics = done["metrics"]
     assert metrics["val_alpha_tf_after_mean"] > metrics["val_alpha_tf_before_mean"]
+    # The keep decision pairs 8 prompts of each of the 4 scenarios, and its gain held.
+    assert val["keep"]["trained"] is True and metrics["keep_windows"] == 32
+    assert 0 < metrics["keep_ci_low"] <= metrics["keep_gain"] <= metrics["keep_ci_high"]
+    gain = metrics["val_alpha_tf_after_mean"] - metrics["val_alpha_tf_before_mean"]
+    assert metrics["keep_gain"] == pytest.approx(gain)
+    assert sorted(set(val["input"]["window_groups"])) == [0, 1, 2, 3]
     new, old = load_causal_lm(out / "draft"), load_causal_lm(boot["draft"])
     assert not torch.equal(new.lm_head.weight, old.lm_head.weight)
     assert not list((tmp_path / "run").glob(".work/reinforce-*"))  # checkpoints dropped when done
@@ -247,6 +253,7 @@ def test_no_draft_means_self_speculation_and_a_skip(boot, tmp_path):
         ("stage.reinforce.lr_drop_threshold=-0.1", "lr_drop_threshold"),
         ("stage.reinforce.lr_drop_factor=0", "lr_drop_factor"),
         ("stage.reinforce.lr_drop_factor=1.5", "lr_drop_factor"),
+        ("stage.reinforce.keep.min_gain=-0.01", "keep.min_gain"),
     ],
 )
 def test_check_names_the_bad_key(tmp_path, override, key):
