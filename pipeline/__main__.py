@@ -18,7 +18,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from pipeline import __version__, conf_dir
+from pipeline import __version__, conf_dir, preempt
 from pipeline.errors import LowbitError, record_failure
 
 # Not __name__: that is "__main__" under `python -m pipeline`, outside the package's logger tree.
@@ -155,6 +155,7 @@ def _main(cfg: DictConfig) -> None:
         local_ranks = isinstance(count, int) and count > 1 and trainer.get("num_nodes", 1) == 1
         if local_ranks and not _under_launcher():
             _relaunch(count)
+        preempt.install()  # a time-limit signal checkpoints and stops (exit 75)
         if main_rank:
             log.info("lowbit %s; overrides: %s", __version__, " ".join(given) or "none")
             _snapshot(cfg, given, hydra_cfg)
