@@ -96,8 +96,9 @@ def point_run_dir(run_dir: str, point: str) -> str:
 
 
 def _snapshot(cfg: DictConfig, overrides: list[str], hydra_cfg) -> Path:
-    """Keep this invocation's resolved config and overrides in `<run_dir>/.hydra/<time>/`: with a
-    single run that is Hydra's own output dir, beside the invocation's log."""
+    """Keep what reproduces this invocation in `<run_dir>/.hydra/<time>/`, Hydra's three files:
+    the resolved `config.yaml`, `hydra.yaml` (Hydra's own config: group choices, launcher, output
+    dirs) and `overrides.yaml`. With a single run that is Hydra's output dir, beside its log."""
     run_dir = Path(cfg.run_dir).resolve()
     hydra_dir = Path(hydra_cfg.runtime.output_dir).resolve()
     if hydra_dir.parent == run_dir / ".hydra":
@@ -109,6 +110,8 @@ def _snapshot(cfg: DictConfig, overrides: list[str], hydra_cfg) -> Path:
         where = run_dir / ".hydra" / stamp
     where.mkdir(parents=True, exist_ok=True)
     (where / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    # As Hydra saves it (unresolved): its interpolations point into the job's config.
+    OmegaConf.save(OmegaConf.create({"hydra": hydra_cfg}), where / "hydra.yaml")
     (where / "overrides.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(list(overrides))))
     return where
 

@@ -127,6 +127,11 @@ def test_each_invocation_logs_and_snapshots_its_resolved_config(tmp_path):
     assert config["stage"]["bootstrap"]["max_steps"] == 2 and again["verify"] is True
     for folder in (run_dir / ".hydra").iterdir():
         assert "${" not in (folder / "config.yaml").read_text()
+        # Hydra's own record beside it: the group choices and overrides it composed from.
+        hydra = yaml.safe_load((folder / "hydra.yaml").read_text())["hydra"]
+        assert hydra["runtime"]["choices"]["experiment"] == "smoke"
+        assert hydra["runtime"]["output_dir"] == str(folder)
+        assert tuple(hydra["overrides"]["task"]) in (first, second)
 
 
 def test_a_dry_run_of_a_finished_run_lists_every_stage_up_to_date(smoke_run):
