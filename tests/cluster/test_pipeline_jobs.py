@@ -97,22 +97,26 @@ def test_requeued_job_resumes_without_recomputing_done_stages(slurm_cluster, low
     read_done(run_dir / "sensitivity")
 
 
+@pytest.mark.parametrize("ranks", [1, 2])
 def test_time_limit_signal_checkpoints_requeues_and_resumes_to_the_same_bytes(
-    slurm_cluster, lowbit_cli, tmp_path
+    slurm_cluster, lowbit_cli, tmp_path, ranks
 ):
     """The warning `#SBATCH --signal=USR1@...` sends before the limit, sent now to the job's
-    steps as Slurm does (`scancel --signal`): the training stage checkpoints, lowbit requeues the
-    job, and the requeued job finishes with the bytes of an uninterrupted run."""
+    steps as Slurm does (`scancel --signal`): the training stage checkpoints (2 ranks: at the
+    step both agree on), lowbit requeues the job, and the requeued job finishes with the bytes of
+    an uninterrupted run on as many ranks."""
+    trainer = "trainer=cpu" if ranks == 1 else "trainer=ddp"  # ddp: lowbit starts 2 ranks itself
     whole, cut = tmp_path / "whole", tmp_path / "cut"
     log = tmp_path / "whole.log"
-    rc = run_cmd([lowbit_cli, *ARGS, f"run_dir={whole}"], env=slurm_cluster.env, cwd=tmp_path,
-                 timeout=600, log=log)  # fmt: skip
+    rc = run_cmd([lowbit_cli, *ARGS, f"run_dir={whole}", trainer], env=slurm_cluster.env,
+                 cwd=tmp_path, timeout=600, log=log)  # fmt: skip
     assert rc == 0, tail(log)
 
     log = tmp_path / "job.log"
+    tasks = (f"--ntasks={ranks}", f"--ntasks-per-node={ranks}")
     job_id = slurm_cluster.sbatch(
-        REPO / "jobs" / "smoke.sbatch", *ARGS, f"run_dir={cut}", "trainer=cpu",
-        options=("--ntasks=1", "--ntasks-per-node=1", f"--output={log}", f"--chdir={tmp_path}"),
+        REPO / "jobs" / "smoke.sbatch", *ARGS, f"run_dir={cut}", trainer,
+        options=(*tasks, f"--output={log}", f"--chdir={tmp_path}"),
     )  # fmt: skip
     running = lambda: slurm_cluster.job(job_id)["JobState"] in ("PENDING", "RUNNING")  # noqa: E731
     ckpt = wait_for_checkpoint(cut, running, timeout=600)
