@@ -146,6 +146,7 @@ def _main(cfg: DictConfig) -> None:
     trainer = cfg.get("trainer") or {}
     devices = trainer.get("devices", 1)
     main_rank = os.environ.get("RANK", "0") == "0"
+    point_log = None
     try:
         # Validate once, here, before starting ranks or touching any model.
         planned = workflow.plan(cfg, Path(cfg.run_dir).resolve())
@@ -160,8 +161,8 @@ def _main(cfg: DictConfig) -> None:
             _relaunch(count)
         preempt.install()  # a time-limit signal checkpoints and stops (exit 75)
         if main_rank:
+            point_log = _log_beside(_snapshot(cfg, given, hydra_cfg), hydra_cfg)
             log.info("lowbit %s; overrides: %s", __version__, " ".join(given) or "none")
-            _snapshot(cfg, given, hydra_cfg)
             if cfg.print_config:
                 print(OmegaConf.to_yaml(cfg), flush=True)
         workflow.run(cfg, planned)
@@ -172,6 +173,22 @@ def _main(cfg: DictConfig) -> None:
         line = record_failure(e, Path(cfg.run_dir).resolve() / "logs" / "lowbit.log")
         log.error("lowbit failed: %s", line)
         sys.exit(1)
+    finally:
+        if point_log is not None:
+            logging.getLogger().removeHandler(point_log)
+            point_log.close()
+
+
+def _log_beside(where: Path, hydra_cfg) -> logging.Handler | None:
+    """A sweep point's log also in its own `.hydra/<time>/` (Hydra writes it into the sweep's
+    folder), so a point's run dir holds all of its invocation; None for a single run."""
+    if Path(hydra_cfg.runtime.output_dir).resolve() == where:
+        return None
+    handler = logging.FileHandler(where / f"{hydra_cfg.job.name}.log")
+    hydra_file = [h for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)]
+    handler.setFormatter(hydra_file[0].formatter if hydra_file else None)
+    logging.getLogger().addHandler(handler)
+    return handler
 
 
 def main() -> None:

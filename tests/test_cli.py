@@ -182,6 +182,24 @@ def test_each_point_of_a_sweep_gets_its_own_run_dir(tmp_path):
     assert dirs == [str(base / "quant.budget_bits=2.5"), str(base / "quant.budget_bits=3")]
 
 
+def test_each_sweep_point_keeps_its_log_and_hydra_files_in_its_own_run_dir(tmp_path):
+    proc, errors = lowbit(
+        tmp_path, "-m", "experiment=smoke", "stages=[bootstrap]", "stage.bootstrap.max_steps=2",
+        "stage.bootstrap.draft_max_steps=2", "quant.budget_bits=2.5,3",
+    )  # fmt: skip
+    assert proc.returncode == 0 and not errors, proc.stderr[-3000:]
+    for bits in ("2.5", "3"):
+        point = tmp_path / "outputs" / "smoke" / f"quant.budget_bits={bits}"
+        (snapshot,) = (point / ".hydra").iterdir()
+        names = sorted(p.name for p in snapshot.iterdir())
+        assert names == ["config.yaml", "hydra.yaml", "lowbit.log", "overrides.yaml"]
+        hydra = yaml.safe_load((snapshot / "hydra.yaml").read_text())["hydra"]
+        assert hydra["job"]["override_dirname"] == f"quant.budget_bits={bits}"
+        config = yaml.safe_load((snapshot / "config.yaml").read_text())
+        assert tmp_path / config["run_dir"] == point  # relative to where lowbit ran
+        assert f"workflow smoke in {point};" in (snapshot / "lowbit.log").read_text()
+
+
 def test_a_single_run_keeps_its_run_dir(tmp_path):
     proc, _ = lowbit(tmp_path, "experiment=smoke", "stages=[bootstrap]", "quant.budget_bits=3",
                      "--dry-run")  # fmt: skip
