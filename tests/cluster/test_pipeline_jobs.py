@@ -118,7 +118,10 @@ def test_time_limit_signal_checkpoints_requeues_and_resumes_to_the_same_bytes(
         REPO / "jobs" / "smoke.sbatch", *ARGS, f"run_dir={cut}", trainer,
         options=(*tasks, f"--output={log}", f"--chdir={tmp_path}"),
     )  # fmt: skip
-    running = lambda: slurm_cluster.job(job_id)["JobState"] in ("PENDING", "RUNNING")  # noqa: E731
+
+    def running() -> bool:
+        return slurm_cluster.job(job_id)["JobState"] in ("PENDING", "RUNNING")
+
     ckpt = wait_for_checkpoint(cut, running, timeout=600)
     slurm_cluster.run("scancel", "--signal=USR1", str(job_id))
     slurm_cluster.release(job_id)
