@@ -18,7 +18,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from pipeline import __version__, conf_dir
+from pipeline import __version__, conf_dir, preempt
 from pipeline.errors import LowbitError, record_failure
 
 # Not __name__: that is "__main__" under `python -m pipeline`, outside the package's logger tree.
@@ -96,8 +96,9 @@ def point_run_dir(run_dir: str, point: str) -> str:
 
 
 def _snapshot(cfg: DictConfig, overrides: list[str], hydra_cfg) -> Path:
-    """Keep this invocation's resolved config and overrides in `<run_dir>/.hydra/<time>/`: with a
-    single run that is Hydra's own output dir, beside the invocation's log."""
+    """Keep what reproduces this invocation in `<run_dir>/.hydra/<time>/`, Hydra's three files:
+    the resolved `config.yaml`, `hydra.yaml` (Hydra's own config: group choices, launcher, output
+    dirs) and `overrides.yaml`. With a single run that is Hydra's output dir, beside its log."""
     run_dir = Path(cfg.run_dir).resolve()
     hydra_dir = Path(hydra_cfg.runtime.output_dir).resolve()
     if hydra_dir.parent == run_dir / ".hydra":
@@ -109,6 +110,8 @@ def _snapshot(cfg: DictConfig, overrides: list[str], hydra_cfg) -> Path:
         where = run_dir / ".hydra" / stamp
     where.mkdir(parents=True, exist_ok=True)
     (where / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    # As Hydra saves it (unresolved): its interpolations point into the job's config.
+    OmegaConf.save(OmegaConf.create({"hydra": hydra_cfg}), where / "hydra.yaml")
     (where / "overrides.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(list(overrides))))
     return where
 
@@ -143,6 +146,7 @@ def _main(cfg: DictConfig) -> None:
     trainer = cfg.get("trainer") or {}
     devices = trainer.get("devices", 1)
     main_rank = os.environ.get("RANK", "0") == "0"
+    point_log = None
     try:
         # Validate once, here, before starting ranks or touching any model.
         planned = workflow.plan(cfg, Path(cfg.run_dir).resolve())
@@ -155,9 +159,10 @@ def _main(cfg: DictConfig) -> None:
         local_ranks = isinstance(count, int) and count > 1 and trainer.get("num_nodes", 1) == 1
         if local_ranks and not _under_launcher():
             _relaunch(count)
+        preempt.install()  # a time-limit signal checkpoints and stops (exit 75)
         if main_rank:
+            point_log = _log_beside(_snapshot(cfg, given, hydra_cfg), hydra_cfg)
             log.info("lowbit %s; overrides: %s", __version__, " ".join(given) or "none")
-            _snapshot(cfg, given, hydra_cfg)
             if cfg.print_config:
                 print(OmegaConf.to_yaml(cfg), flush=True)
         workflow.run(cfg, planned)
@@ -168,6 +173,22 @@ def _main(cfg: DictConfig) -> None:
         line = record_failure(e, Path(cfg.run_dir).resolve() / "logs" / "lowbit.log")
         log.error("lowbit failed: %s", line)
         sys.exit(1)
+    finally:
+        if point_log is not None:
+            logging.getLogger().removeHandler(point_log)
+            point_log.close()
+
+
+def _log_beside(where: Path, hydra_cfg) -> logging.Handler | None:
+    """A sweep point's log also in its own `.hydra/<time>/` (Hydra writes it into the sweep's
+    folder), so a point's run dir holds all of its invocation; None for a single run."""
+    if Path(hydra_cfg.runtime.output_dir).resolve() == where:
+        return None
+    handler = logging.FileHandler(where / f"{hydra_cfg.job.name}.log")
+    hydra_file = [h for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)]
+    handler.setFormatter(hydra_file[0].formatter if hydra_file else None)
+    logging.getLogger().addHandler(handler)
+    return handler
 
 
 def main() -> None:

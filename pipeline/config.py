@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeVar
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from pipeline.errors import ConfigError
+from pipeline.errors import ConfigError, first_line
 
 if TYPE_CHECKING:
     from pipeline.quant.formats import Format
@@ -316,14 +316,36 @@ class TrackingConfig:
     system_metrics_s: float = 10.0
 
     def check(self, prefix: str) -> None:
-        if not self.uri.startswith(("sqlite:///", "http://", "https://", "databricks", "file:")):
-            raise ConfigError(
-                f"{prefix}.uri", f"is {self.uri!r}", "sqlite:///PATH.db, http(s)://HOST:PORT"
-            )
+        problem = tracking_uri_problem(self.uri)
+        if problem:
+            raise ConfigError(f"{prefix}.uri", f"is {self.uri!r}: {problem}")
         if self.system_metrics_s < 0:
             raise ConfigError(
                 f"{prefix}.system_metrics_s", f"is {self.system_metrics_s}", "seconds >= 0"
             )
+
+
+def tracking_uri_problem(uri: str) -> str | None:
+    """Why MLflow would refuse `uri` as a tracking store, or None; decided as MLflow decides (its
+    store registry, plugins included, and its database URI rules) without connecting."""
+    from mlflow.environment_variables import MLFLOW_ALLOW_FILE_STORE
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking._tracking_service.utils import _tracking_store_registry as stores
+    from mlflow.tracking.registry import UnsupportedModelRegistryStoreURIException as Unknown
+
+    try:
+        builder = stores.get_store_builder(uri)
+    except Unknown:  # MLflow's own message speaks of the model registry
+        shown = ", ".join(f"{s}://" for s in sorted(stores._registry) if s)
+        return f"MLflow has no tracking store for it; use one of {shown} (e.g. sqlite:///PATH.db)"
+    except MlflowException as e:  # a database URI MLflow cannot parse
+        return f"{first_line(e).rstrip('.')}; e.g. postgresql+psycopg2://USER:PASSWORD@HOST:5432/DB"
+    if builder is stores.get_store_builder("file:") and not MLFLOW_ALLOW_FILE_STORE.get():
+        return (
+            "MLflow 3 refuses the plain file store unless MLFLOW_ALLOW_FILE_STORE=true is set; "
+            "or use sqlite:///PATH.db"
+        )
+    return None
 
 
 # `trainer` is checked by pipeline.lit.trainer; `cluster` is read by Hydra's launcher only.

@@ -11,6 +11,7 @@ import socket
 import subprocess
 import tempfile
 import urllib.error
+import urllib.parse
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,12 @@ def git_commit() -> str:
         ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+
+
+def _without_password(uri: str) -> str:
+    """A database URI as it may appear in a log: its password masked."""
+    password = urllib.parse.urlsplit(uri).password
+    return uri.replace(f":{password}@", ":***@", 1) if password else uri
 
 
 def _resolve_uri(uri: str) -> str:
@@ -224,11 +231,11 @@ class Tracker:
         return child
 
     def ui_command(self) -> str:
-        if self.uri.startswith("sqlite"):
+        if not self.uri.startswith(("http://", "https://", "databricks")):  # a database or files
             art = ""
             if self.cfg.artifact_location:
                 art = f" --artifacts-destination {Path(self.cfg.artifact_location).resolve()}"
-            return f"mlflow ui --backend-store-uri {self.uri}{art}"
+            return f"mlflow ui --backend-store-uri {_without_password(self.uri)}{art}"
         return f"open {self.uri}"
 
     @staticmethod

@@ -30,6 +30,7 @@ from pipeline.hardware import describe, where
 from pipeline.inputs import check_inputs
 from pipeline.lit.trainer import check_trainer
 from pipeline.peakmem import StagePeak, device_line
+from pipeline.preempt import Preempted
 from pipeline.report import write_report
 from pipeline.rundir import DONE, RunLock, commit, outputs_digest, read_done, record_outputs
 from pipeline.stageplan import PENDING, Damage, Stage, Step, fingerprint, steps
@@ -205,7 +206,7 @@ def _run_locked(cfg: DictConfig, planned: Plan, run_dir: Path, dist: Dist) -> di
             else:
                 known[name] = results[name] = _run_stage(step, run_dir, dist, tracker)
         status = "FINISHED"
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, Preempted):
         status = "KILLED"
         raise
     finally:
@@ -314,7 +315,7 @@ def _run_stage(step: Step, run_dir: Path, dist: Dist, tracker: Tracker) -> dict:
             error = _failure(name, error, log_path)
         if dist.is_main:
             child.log_artifact(log_path)
-            child.end("KILLED" if isinstance(error, KeyboardInterrupt) else "FAILED")
+            child.end("KILLED" if isinstance(error, KeyboardInterrupt | Preempted) else "FAILED")
             shutil.rmtree(tmp, ignore_errors=True)
         if error is not None:
             raise error

@@ -127,6 +127,11 @@ def test_each_invocation_logs_and_snapshots_its_resolved_config(tmp_path):
     assert config["stage"]["bootstrap"]["max_steps"] == 2 and again["verify"] is True
     for folder in (run_dir / ".hydra").iterdir():
         assert "${" not in (folder / "config.yaml").read_text()
+        # Hydra's own record beside it: the group choices and overrides it composed from.
+        hydra = yaml.safe_load((folder / "hydra.yaml").read_text())["hydra"]
+        assert hydra["runtime"]["choices"]["experiment"] == "smoke"
+        assert hydra["runtime"]["output_dir"] == str(folder)
+        assert tuple(hydra["overrides"]["task"]) in (first, second)
 
 
 def test_a_dry_run_of_a_finished_run_lists_every_stage_up_to_date(smoke_run):
@@ -175,6 +180,24 @@ def test_each_point_of_a_sweep_gets_its_own_run_dir(tmp_path):
     base = tmp_path / "outputs" / "smoke"
     # Named by what the sweep varies only, not by every override on the command line.
     assert dirs == [str(base / "quant.budget_bits=2.5"), str(base / "quant.budget_bits=3")]
+
+
+def test_each_sweep_point_keeps_its_log_and_hydra_files_in_its_own_run_dir(tmp_path):
+    proc, errors = lowbit(
+        tmp_path, "-m", "experiment=smoke", "stages=[bootstrap]", "stage.bootstrap.max_steps=2",
+        "stage.bootstrap.draft_max_steps=2", "quant.budget_bits=2.5,3",
+    )  # fmt: skip
+    assert proc.returncode == 0 and not errors, proc.stderr[-3000:]
+    for bits in ("2.5", "3"):
+        point = tmp_path / "outputs" / "smoke" / f"quant.budget_bits={bits}"
+        (snapshot,) = (point / ".hydra").iterdir()
+        names = sorted(p.name for p in snapshot.iterdir())
+        assert names == ["config.yaml", "hydra.yaml", "lowbit.log", "overrides.yaml"]
+        hydra = yaml.safe_load((snapshot / "hydra.yaml").read_text())["hydra"]
+        assert hydra["job"]["override_dirname"] == f"quant.budget_bits={bits}"
+        config = yaml.safe_load((snapshot / "config.yaml").read_text())
+        assert tmp_path / config["run_dir"] == point  # relative to where lowbit ran
+        assert f"workflow smoke in {point};" in (snapshot / "lowbit.log").read_text()
 
 
 def test_a_single_run_keeps_its_run_dir(tmp_path):

@@ -151,7 +151,7 @@ def test_default_stage_order_is_the_canonical_one():
         ("+stage.evaluate.gama=3", "stage.evaluate.gama"),
         ("stages=[evaluate,bootstrap]", "stages"),
         ("stages=[bootstrap,frobnicate]", "stages"),
-        ("tracking.uri=mysql://x", "tracking.uri"),
+        ("tracking.uri=mongodb://x", "tracking.uri"),
         ("seed=x", "seed"),
     ],
 )

@@ -9,7 +9,9 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from pipeline import workflow
-from pipeline.errors import LowbitError
+from pipeline.config import TrackingConfig
+from pipeline.errors import ConfigError, LowbitError
+from pipeline.tracking import Tracker
 from tests.conftest import make_cfg
 from tests.test_workflow import toy_stages  # noqa: F401  (fixture)
 
@@ -130,3 +132,49 @@ def test_a_stage_run_samples_system_metrics_until_it_ends(tmp_path):
     off = StageRun(client, client.create_run(client.create_experiment("y")).info.run_id, uri)
     off.monitor_system(0)  # tracking.system_metrics_s=0: no thread, no metrics
     assert off._monitor is None
+
+
+@pytest.mark.parametrize(
+    "uri",
+    [
+        "sqlite:///runs/mlflow.db",
+        "postgresql://mlflow:secret@db.example:5432/mlflow",
+        "postgresql+psycopg2://db.example/mlflow",
+        "mysql+pymysql://mlflow@db.example/mlflow",
+        "mssql+pyodbc://db.example/mlflow",
+        "http://127.0.0.1:5000",
+        "https://mlflow.example",
+        "databricks",
+        "databricks://profile",
+    ],
+)
+def test_every_tracking_store_mlflow_accepts_passes_the_check_without_connecting(uri):
+    # No database server exists here: the check parses the URI as MLflow does, it never connects.
+    TrackingConfig(uri=uri).check("tracking")
+
+
+@pytest.mark.parametrize(
+    ("uri", "says"),
+    [
+        ("mongodb://db.example/mlflow", "MLflow has no tracking store for it; use one of"),
+        ("postgres://db.example/mlflow", "postgresql://"),  # SQLAlchemy's spelling, not libpq's
+        ("mysql+a+b://db.example/mlflow", "Invalid database URI"),
+        ("mlruns", "MLFLOW_ALLOW_FILE_STORE=true"),
+    ],
+)
+def test_a_tracking_uri_mlflow_would_refuse_is_one_line_naming_the_fix(uri, says, monkeypatch):
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    with pytest.raises(ConfigError, match="`tracking.uri`") as e:
+        TrackingConfig(uri=uri).check("tracking")
+    assert says in str(e.value) and "\n" not in str(e.value)
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow's own opt-in
+    if uri == "mlruns":
+        TrackingConfig(uri=uri).check("tracking")
+
+
+def test_the_browse_command_of_a_database_store_hides_its_password(tmp_path):
+    uri = "postgresql://mlflow:secret@db.example:5432/mlflow"
+    tracker = Tracker(TrackingConfig(uri=uri, artifact_location=None), tmp_path, active=False)
+    assert tracker.ui_command() == (
+        "mlflow ui --backend-store-uri postgresql://mlflow:***@db.example:5432/mlflow"
+    )

@@ -3,7 +3,8 @@ run writes. That needs the same batches (indexed by step, `pipeline.lit.lm`), th
 checkpoint plus every rank's random streams) and checkpoints never before a step's validation,
 since Lightning resumes a batch-end checkpoint past that validation. `last.ckpt` is renamed into
 place and loads with `weights_only=True` (data, never code); DeepSpeed reads its own sharded
-directories (trust them as the run's own only).
+directories (trust them as the run's own only). A time-limit signal (`pipeline.preempt`) is
+answered at the next step boundary, or after that step's validation: `last.ckpt`, then stop.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import numpy as np
 import torch
 from lightning.pytorch.callbacks import Checkpoint
 
+from pipeline import preempt
 from pipeline.rundir import commit, set_aside
 
 CKPT_DIR = "checkpoints"
@@ -98,6 +100,7 @@ class ResumeCheckpoint(Checkpoint):
         self.resumed_step = 0  # the step training (re)started at: > 0 when resumed
         self._rng: dict | None = None
         self._stopping = False  # early stopping decided at the checkpointed validation
+        self._signalled = False  # a time-limit signal: stop after this step's validation
 
     @property
     def path(self) -> Path:
@@ -109,7 +112,19 @@ class ResumeCheckpoint(Checkpoint):
     def on_load_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
         self.resumed_step = checkpoint["global_step"]
 
+    def on_fit_start(self, trainer, pl_module) -> None:
+        preempt.defer(True)
+
+    def on_fit_end(self, trainer, pl_module) -> None:
+        preempt.defer(False)
+        if preempt.received():  # it came after the last step boundary: training is saved
+            raise preempt.stopped(f"training finished and saved in {self.path}")
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        preempt.defer(False)
+
     def on_train_start(self, trainer, pl_module) -> None:
+        preempt.reinstall()  # after the Trainer registered its own SIGTERM handler
         # Lightning does not keep `should_stop`: a run killed after its early stop would train on.
         trainer.should_stop = trainer.should_stop or self._stopping
         # Loaders and sanity check ran before this hook; from here the streams are the run's.
@@ -123,13 +138,24 @@ class ResumeCheckpoint(Checkpoint):
         step = trainer.global_step
         last = 0 < trainer.max_steps <= step
         due = (self.every is not None and step % self.every == 0) or last
-        if due and not self._validates(step, trainer.max_steps):
+        # Every rank takes part (ranks get the signal at different steps); one rank: no collective.
+        signalled = preempt.installed() and trainer.strategy.reduce_boolean_decision(
+            preempt.received() is not None, all=False
+        )
+        validates = self._validates(step, trainer.max_steps)
+        if (due or signalled) and not validates:
             self.save(trainer)
+        if signalled and not validates:
+            raise preempt.stopped(f"training checkpointed at step {step} in {self.path}")
+        self._signalled = signalled
 
     def on_validation_end(self, trainer, pl_module) -> None:
         if not trainer.sanity_checking and trainer.state.fn == "fit":
             self._stopping = trainer.should_stop  # EarlyStopping ran before (not a Checkpoint)
             self.save(trainer)
+            if self._signalled:
+                step = trainer.global_step
+                raise preempt.stopped(f"training checkpointed at step {step} in {self.path}")
 
     def save(self, trainer: L.Trainer) -> None:
         """Write `last.ckpt` through a temporary name (every rank takes part)."""

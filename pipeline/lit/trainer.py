@@ -241,6 +241,7 @@ def build_trainer(
         )
     if kw.get("logger") not in (None, False):
         kw["callbacks"] = [*_as_list(kw.get("callbacks")), _lr_monitor()]
+    kw["plugins"] = _without_auto_requeue(kw.get("plugins"))
     lines = not kw["enable_progress_bar"]  # off a terminal the log is the only progress
     kw["callbacks"] = [*_as_list(kw.get("callbacks")), TrainingProgress(name or stage, lines=lines)]
     if str(kw.get("accelerator", "")).lower() == "npu":
@@ -257,6 +258,17 @@ def _lr_monitor():
 
     # Every step: the stages' schedules change the rate every step.
     return LearningRateMonitor(logging_interval="step")
+
+
+def _without_auto_requeue(plugins: Any) -> list | None:
+    """Under Slurm, Lightning's SLURMEnvironment with its auto-requeue off: lowbit answers the
+    time-limit signal itself at a step boundary (`pipeline.preempt`)."""
+    from lightning.fabric.plugins.environments import ClusterEnvironment, SLURMEnvironment
+
+    given = _as_list(plugins)
+    if not SLURMEnvironment.detect() or any(isinstance(p, ClusterEnvironment) for p in given):
+        return plugins
+    return [*given, SLURMEnvironment(auto_requeue=False)]
 
 
 def _as_list(callbacks: Any) -> list:

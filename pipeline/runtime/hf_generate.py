@@ -16,6 +16,17 @@ from transformers import StoppingCriteriaList, StopStringCriteria, TextStreamer
 from pipeline.speculative.stats import SpecStats
 
 
+def eos_ids(model: torch.nn.Module, tokenizer) -> list[int]:
+    """Every token that ends a generation: the model's generation_config `eos_token_id`, an int
+    or a list (Llama-3 Instruct stops on `<|eot_id|>` as well as `<|end_of_text|>`), and the
+    tokenizer's EOS token."""
+    given = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids = [given] if isinstance(given, int) else list(given or [])
+    if tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    return list(dict.fromkeys(int(i) for i in ids))
+
+
 def stop_end(text: str, stop: Sequence[str]) -> int | None:
     """End index of the stop string that completes first in ``text``; None when none does."""
     ends = [i + len(s) for s in stop if (i := text.find(s)) >= 0]
@@ -92,14 +103,13 @@ def hf_generate(
     stats = SpecStats()
     if max_new_tokens == 0:
         return "", [], stats
+    eos = eos_ids(model, tokenizer)
     kwargs = {
         "attention_mask": torch.ones_like(ids),
         "max_new_tokens": max_new_tokens,
         "do_sample": temperature > 0,
-        "eos_token_id": tokenizer.eos_token_id,
-        "pad_token_id": tokenizer.pad_token_id
-        if tokenizer.pad_token_id is not None
-        else tokenizer.eos_token_id,
+        "eos_token_id": eos or None,
+        "pad_token_id": next(i for i in (tokenizer.pad_token_id, *eos, None) if i is not None),
         "assistant_model": draft,
     }
     if temperature > 0:

@@ -20,7 +20,7 @@ from pipeline.artifact.lowbit_format import LayerInfo, unpack_linear
 from pipeline.artifact.manifest import ArtifactError, read_manifest, safe_relpath, verify
 from pipeline.runtime import float_rows
 from pipeline.runtime.backends import kernel_summary, make_linear, resolve
-from pipeline.runtime.hf_generate import check_options, hf_generate
+from pipeline.runtime.hf_generate import check_options, eos_ids, hf_generate
 from pipeline.speculative.adaptive import AdaptiveGamma
 from pipeline.speculative.cost import measure_cost_ratio, measure_verify_cost
 from pipeline.speculative.decoding import SpecStats, plain_generate, speculative_generate
@@ -28,6 +28,7 @@ from pipeline.speculative.pipelined import pipelined_generate
 
 log = logging.getLogger(__name__)
 GAMMAS = (2, 3, 4, 5)  # the adaptive draft lengths
+GENERATION_CONFIG = "generation_config.json"  # its eos list ends a generation (eos_ids)
 
 
 @dataclass
@@ -154,7 +155,7 @@ class Runtime:
     ) -> tuple[torch.Tensor, SpecStats]:
         """lowbit's engine: plain, speculative or pipelined speculative decoding."""
         gen = torch.Generator(device=self.device).manual_seed(seed)
-        eos = self.tokenizer.eos_token_id
+        eos = eos_ids(self.model, self.tokenizer)
         if draft is not None and pipelined:
             seq, stats = pipelined_generate(
                 self.model,
@@ -248,7 +249,7 @@ def _build_model(
     kernel: str,
 ) -> nn.Module:
     """The model skeleton on meta, quantized linears swapped in, float tensors assigned."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
     config = AutoConfig.from_pretrained(root, local_files_only=True)
     with torch.device("meta"):
@@ -268,6 +269,8 @@ def _build_model(
         raise ArtifactError(
             f"{root} holds tensors the model has no place for: {result.unexpected_keys[:5]}"
         )
+    if (root / GENERATION_CONFIG).is_file():  # from_config derives one from config.json only
+        model.generation_config = GenerationConfig.from_pretrained(root, local_files_only=True)
     if getattr(config, "tie_word_embeddings", False):
         model.tie_weights()
     _rebuild_meta_buffers(model)

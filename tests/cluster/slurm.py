@@ -282,10 +282,14 @@ class LocalSlurm:
         second as the revocation of the killed run's ("Job credential revoked").
         """
         self.run("scontrol", "requeue", str(job_id))
+        self.release(job_id, timeout)
+
+    def release(self, job_id: int, timeout: float = 60.0) -> None:
+        """Start a job that was requeued (by `requeue` or by itself) at once (see `requeue`)."""
         deadline = time.monotonic() + timeout
-        while self.job(job_id).get("JobState") != "PENDING":
+        while (state := self.job(job_id).get("JobState")) != "PENDING":
             if time.monotonic() > deadline:
-                raise TimeoutError(f"requeued job {job_id} did not return to PENDING")
+                raise TimeoutError(f"requeued job {job_id} did not return to PENDING ({state})")
             time.sleep(0.2)
         time.sleep(1.5)
         self.run("scontrol", "update", f"JobId={job_id}", "StartTime=now")

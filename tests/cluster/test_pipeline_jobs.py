@@ -7,12 +7,14 @@ a job's start and end) add up to more than the suite's 15 min per test, hence th
 
 from __future__ import annotations
 
+import re
 import time
 
 import mlflow
 import pytest
 
 from tests._require import require
+from tests.test_preempt import ARGS, outputs, wait_for_checkpoint
 
 from .runs import REPO, SMOKE_STAGES, overrides, read_done, run_cmd, tail
 from .slurm import missing_requirements
@@ -93,3 +95,45 @@ def test_requeued_job_resumes_without_recomputing_done_stages(slurm_cluster, low
     assert (job["JobState"], job["Restarts"]) == ("COMPLETED", "1"), tail(log)
     assert (marker.read_bytes(), marker.stat().st_mtime_ns) == before
     read_done(run_dir / "sensitivity")
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_time_limit_signal_checkpoints_requeues_and_resumes_to_the_same_bytes(
+    slurm_cluster, lowbit_cli, tmp_path, ranks
+):
+    """The warning `#SBATCH --signal=USR1@...` sends before the limit, sent now to the job's
+    steps as Slurm does (`scancel --signal`): the training stage checkpoints (2 ranks: at the
+    step both agree on), lowbit requeues the job, and the requeued job finishes with the bytes of
+    an uninterrupted run on as many ranks."""
+    trainer = "trainer=cpu" if ranks == 1 else "trainer=ddp"  # ddp: lowbit starts 2 ranks itself
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    log = tmp_path / "whole.log"
+    rc = run_cmd([lowbit_cli, *ARGS, f"run_dir={whole}", trainer], env=slurm_cluster.env,
+                 cwd=tmp_path, timeout=600, log=log)  # fmt: skip
+    assert rc == 0, tail(log)
+
+    log = tmp_path / "job.log"
+    tasks = (f"--ntasks={ranks}", f"--ntasks-per-node={ranks}")
+    job_id = slurm_cluster.sbatch(
+        REPO / "jobs" / "smoke.sbatch", *ARGS, f"run_dir={cut}", trainer,
+        options=(*tasks, f"--output={log}", f"--chdir={tmp_path}"),
+    )  # fmt: skip
+
+    def running() -> bool:
+        return slurm_cluster.job(job_id)["JobState"] in ("PENDING", "RUNNING")
+
+    ckpt = wait_for_checkpoint(cut, running, timeout=600)
+    slurm_cluster.run("scancel", "--signal=USR1", str(job_id))
+    slurm_cluster.release(job_id)
+
+    job = slurm_cluster.wait_job(job_id, timeout=600)
+    assert (job["JobState"], job["Restarts"]) == ("COMPLETED", "1"), tail(log)
+    said = re.search(
+        rf"training checkpointed at step (\d+) in {re.escape(str(ckpt))}; Slurm job {job_id} "
+        "requeued", log.read_text()
+    )  # fmt: skip
+    assert said, tail(log)
+    step = int(said.group(1))
+    resumed = outputs(cut)
+    assert resumed.pop("target_resumed_step") == step
+    assert resumed == {k: v for k, v in outputs(whole).items() if k != "target_resumed_step"}

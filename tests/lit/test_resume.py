@@ -4,13 +4,16 @@ one ends, random streams (dropout) and step-indexed batches included."""
 
 from __future__ import annotations
 
+import os
 import random
+import signal
 
 import lightning as L
 import numpy as np
 import pytest
 import torch
 
+from pipeline import preempt
 from pipeline.lit.distill import DistillData
 from pipeline.lit.lm import CausalLM, RandomWindows, WindowData, step_loader
 from pipeline.lit.resume import (
@@ -21,6 +24,7 @@ from pipeline.lit.resume import (
     rng_states,
     set_rng_states,
 )
+from tests.test_preempt import handlers  # noqa: F401  (fixture)
 
 VOCAB, SEQ = 64, 8
 
@@ -155,5 +159,48 @@ def test_a_resumed_run_ends_bit_for_bit_where_an_uninterrupted_one_ends(tmp_path
         tmp_path / "b", 6, [ckpt, steps], data, ckpt=str(tmp_path / "b" / "last.ckpt"), dropout=0.3
     )
     assert steps.trained == [4, 5] and ckpt.resumed_step == 4
+    for a, b in zip(whole.parameters(), resumed.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+class Signal(L.Callback):
+    """The time-limit warning arriving while step `at + 1` trains."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        if trainer.global_step == self.at:
+            os.kill(os.getpid(), signal.SIGUSR1)
+
+
+@pytest.mark.usefixtures("handlers")
+@pytest.mark.parametrize(("at", "saved"), [(1, (2, "train")), (2, (3, "val"))])
+def test_a_time_limit_signal_saves_at_the_step_boundary_or_after_its_validation(
+    tmp_path, monkeypatch, at, saved
+):
+    """Step 2 does not validate: saved at its end. Step 3 validates (every 3): saved after that
+    validation, never before it; then the run stops, and its resume ends bit for bit."""
+    writes = []
+    original = ResumeCheckpoint.save
+
+    def save(self, trainer):
+        writes.append((trainer.global_step, "val" if trainer.validating else "train"))
+        original(self, trainer)
+
+    monkeypatch.setattr(ResumeCheckpoint, "save", save)
+    data = DistillData(STREAM, SEQ, 2, seed=0, val=STREAM[:32].view(4, SEQ))
+    whole = fit(tmp_path / "a", 7, [ResumeCheckpoint(tmp_path / "a", None, 3)], data, val_every=3)
+    writes.clear()
+
+    cut = tmp_path / "b"
+    with pytest.raises(preempt.Preempted, match=f"checkpointed at step {saved[0]} in "):
+        fit(cut, 7, [ResumeCheckpoint(cut, None, 3), Signal(at)], data, val_every=3)
+    assert writes == [saved]
+    preempt._state["signal"] = None  # the rerun is another process
+    torch.manual_seed(123)
+    resumed = fit(
+        cut, 7, [ResumeCheckpoint(cut, None, 3)], data, ckpt=str(cut / "last.ckpt"), val_every=3
+    )
     for a, b in zip(whole.parameters(), resumed.parameters(), strict=True):
         assert torch.equal(a, b)

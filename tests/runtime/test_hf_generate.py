@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import pytest
 
 from pipeline.artifact.manifest import ArtifactError
@@ -95,3 +98,20 @@ def test_chat_without_template_is_an_artifact_error(rt):
 def test_bad_option_combinations(rt, kwargs, match):
     with pytest.raises(ValueError, match=match):
         rt.generate("the quick", N, **kwargs)
+
+
+def test_every_eos_of_a_generation_config_list_ends_the_output(rt, greedy, qmodels, tmp_path):
+    """generation_config.json may list several eos ids (Llama-3 Instruct's `<|eot_id|>` beside
+    `<|end_of_text|>`); every decoder stops on any of them, not only on the tokenizer's."""
+    full = greedy["the quick"].tokens
+    k = next(i for i in range(2, N) if full[i] not in full[:i])  # its first appearance
+    src = tmp_path / "src"
+    shutil.copytree(qmodels.get("int4g128"), src)
+    eos = [rt.tokenizer.eos_token_id, full[k]]
+    (src / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
+    export_artifact(src, tmp_path / "artifact", export_options(), draft=qmodels.fp)
+    listed = load(tmp_path / "artifact", "torch")
+    for options in ({}, {"speculative": False}, {"pipelined": True, "gamma": 3},
+                    {"temperature": 1.5, "top_k": 1}, {"stop": ["never-seen"]}):  # fmt: skip
+        got = listed.generate("the quick", N, **options)
+        assert got.tokens == full[: k + 1], options
