@@ -8,6 +8,7 @@ lowbit -m quant.budget_bits=2.5,3,4      # a sweep: each point in its own run di
 from __future__ import annotations
 
 import logging
+import logging.config
 import os
 import sys
 import time
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
@@ -130,6 +132,34 @@ def _relaunch(nproc: int) -> None:
     log.info("starting %d local ranks: %s", nproc, " ".join(cmd))
     sys.stdout.flush()
     os.execv(sys.executable, cmd)
+
+
+class WritableRunDir(Callback):
+    """Hydra makes its output dir under `run_dir` before `_main` runs: a run dir that cannot be
+    written is one line here, before Hydra's traceback and before any compute."""
+
+    def on_run_start(self, config: DictConfig, **kwargs) -> None:
+        self._check(config)
+
+    def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
+        self._check(config)
+
+    @staticmethod
+    def _check(config: DictConfig) -> None:
+        if config.get("dry_run") is True:  # writes nothing
+            return
+        from pipeline.rundir import check_writable
+
+        try:
+            check_writable(Path(config.run_dir).resolve())
+        except LowbitError as e:
+            # Hydra configures logging later, in the job: the console handler alone, now.
+            logging_cfg = OmegaConf.to_container(config.hydra.job_logging)
+            logging_cfg["handlers"].pop("file", None)
+            logging_cfg["root"]["handlers"] = ["console"]
+            logging.config.dictConfig(logging_cfg)
+            log.error("%s", e)
+            sys.exit(e.exit_code)
 
 
 def _main(cfg: DictConfig) -> None:
