@@ -13,6 +13,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import NoReturn
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -21,7 +22,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from pipeline import __version__, conf_dir
-from pipeline.errors import LowbitError, record_failure
+from pipeline.errors import Interrupted, LowbitError, disk_full, record_failure
 
 # Not __name__: that is "__main__" under `python -m pipeline`, outside the package's logger tree.
 log = logging.getLogger("pipeline.__main__")
@@ -162,6 +163,21 @@ class WritableRunDir(Callback):
             sys.exit(e.exit_code)
 
 
+def _exit(error: BaseException, run_dir: Path) -> NoReturn:
+    """Every failure the command reports: one line and an exit code, a traceback only in a log."""
+    known = disk_full(error, getattr(error, "stage_dir", None) or run_dir)
+    if known is None and isinstance(error, LowbitError):
+        known = error
+    elif known is None and isinstance(error, KeyboardInterrupt):
+        known = Interrupted("interrupted (SIGINT); finished stages are kept, rerun to resume")
+    if known is not None:
+        log.error("%s", known)
+        sys.exit(known.exit_code)
+    # Outside any stage (tracking, report): the same one-line contract.
+    log.error("lowbit failed: %s", record_failure(error, run_dir / "logs" / "lowbit.log"))
+    sys.exit(1)
+
+
 def _main(cfg: DictConfig) -> None:
     from pipeline import workflow
     from pipeline.stageplan import describe
@@ -191,13 +207,8 @@ def _main(cfg: DictConfig) -> None:
             if cfg.print_config:
                 print(OmegaConf.to_yaml(cfg), flush=True)
         workflow.run(cfg, planned)
-    except LowbitError as e:
-        log.error("%s", e)
-        sys.exit(e.exit_code)
-    except Exception as e:  # outside any stage (tracking, report): the same one-line contract
-        line = record_failure(e, Path(cfg.run_dir).resolve() / "logs" / "lowbit.log")
-        log.error("lowbit failed: %s", line)
-        sys.exit(1)
+    except (Exception, KeyboardInterrupt) as e:
+        _exit(e, Path(cfg.run_dir).resolve())
 
 
 def main() -> None:
