@@ -60,10 +60,18 @@ def disk_full(error: BaseException, where: Path) -> LowbitError | None:
         if code is None and (m := OS_ERROR.search(str(e))):
             code = int(m.group(1))
         if code in FULL:
-            path = Path(getattr(e, "filename", None) or where)
+            path, named = Path(where), getattr(e, "filename", None)
+            # A file named on another file system is a writer's scratch copy (fsspec stages a
+            # checkpoint in /tmp, then moves it): the full one is where the run writes.
+            if named and _existing(Path(named)).stat().st_dev == _existing(path).stat().st_dev:
+                path = Path(named)
             return LowbitError(f"writing {path} failed: {_space(code, path)}")
         e = e.__cause__ or e.__context__
     return None
+
+
+def _existing(path: Path) -> Path:
+    return next((p for p in (path, *path.parents) if p.exists()), Path("/"))
 
 
 def _space(code: int, path: Path) -> str:
@@ -71,8 +79,7 @@ def _space(code: int, path: Path) -> str:
     if code == errno.EFBIG:
         limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
         return f"a file may not exceed {limit} bytes here (ulimit -f); raise the limit, {rerun}"
-    existing = next((p for p in (path, *path.parents) if p.exists()), Path("/"))
-    free = shutil.disk_usage(existing).free
+    free = shutil.disk_usage(_existing(path)).free
     return (
         f"{os.strerror(code)}, {free} bytes free on its file system; free space or set run_dir "
         f"to a larger disk, {rerun}"

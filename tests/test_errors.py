@@ -7,6 +7,7 @@ import errno
 import re
 import resource
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -48,3 +49,14 @@ def test_the_errno_of_a_real_safetensors_write_is_read_from_its_message(tmp_path
     with pytest.raises(Exception) as raised:
         save_file({"w": torch.zeros(4)}, str(tmp_path / "missing" / "w.safetensors"))
     assert f"(os error {errno.ENOENT})" in str(raised.value)
+
+
+def test_a_scratch_file_on_another_file_system_is_not_named(tmp_path):
+    """fsspec stages a checkpoint in the system temp dir and moves it: the refused write is where
+    the run writes, whichever file the error carries."""
+    scratch = Path("/dev/shm")
+    if not scratch.is_dir() or scratch.stat().st_dev == tmp_path.stat().st_dev:
+        pytest.skip("no second file system beside tmp_path")
+    error = OSError(errno.ENOSPC, "No space left on device", str(scratch / "tmpabc"))
+    stage_dir = tmp_path / "distill"
+    assert str(disk_full(error, stage_dir)).startswith(f"writing {stage_dir} failed: ")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import resource
 import shutil
 import signal
@@ -50,7 +51,7 @@ KILL_AT = {
 STEPS = {"bootstrap": 60, "distill": 60, "reinforce": 60}  # of the killed model
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
 
-pytestmark = pytest.mark.slow  # ~4 min on 2 cores: twenty-one CLI runs
+pytestmark = pytest.mark.slow  # ~5 min on 2 cores: twenty-five CLI runs
 
 
 def lowbit(run_dir: Path, stages: list[str]) -> list[str]:
@@ -185,19 +186,54 @@ def limit_file_size():
     resource.setrlimit(resource.RLIMIT_FSIZE, (FILE_LIMIT, FILE_LIMIT))
 
 
+@pytest.fixture
+def small_disk(tmp_path):
+    """A tmpfs at tmp_path/disk, and how to size it: `size(n)` remounts it with n bytes."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+
+    def size(n: int) -> None:
+        opts = f"remount,size={n}" if os.path.ismount(disk) else f"size={n}"
+        mount = subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(disk)],
+                               capture_output=True, text=True, timeout=60)  # fmt: skip
+        if mount.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here ({mount.stderr.strip()}); see the limit case")
+
+    yield disk, size
+    if os.path.ismount(disk):
+        subprocess.run(["umount", str(disk)], check=True, timeout=60)
+
+
+FREE = 600 * 1024  # bytes left on the small disk: its logs fit, weights and checkpoints do not
+
+
+@pytest.mark.parametrize("full", ["file size limit", "small tmpfs"])
 @pytest.mark.parametrize("stage", ["quantize", "distill"])
 def test_a_full_disk_is_one_line_and_the_rerun_after_freeing_space_resumes(
-    uninterrupted, tmp_path, stage
+    uninterrupted, tmp_path, small_disk, stage, full
 ):
-    """Simulated with a file size limit (RLIMIT_FSIZE), which needs no privileges: the kernel
-    refuses the stage's first large write (quantize's weights, distill's checkpoint) as a
-    full disk or quota would refuse it, with EFBIG instead of ENOSPC/EDQUOT."""
+    """The kernel refuses the stage's first large write (quantize's weights, distill's
+    checkpoint), simulated two ways: a file size limit (RLIMIT_FSIZE: EFBIG, no privileges
+    needed, lifted for the rerun) and the run dir on a tmpfs with FREE bytes left (ENOSPC as on
+    a full disk; needs the right to mount, and is remounted larger for the rerun)."""
     run = without(uninterrupted, tmp_path, stage)
+    limit = limit_file_size if full == "file size limit" else None
+    if full == "small tmpfs":
+        disk, size = small_disk
+        used = sum(f.stat().st_blocks * 512 for f in run.rglob("*"))
+        size(used + FREE)
+        run = Path(shutil.copytree(run, disk / "run"))
     proc = subprocess.run(
         lowbit(run, [stage]), env=ENV, capture_output=True, text=True, timeout=WORKFLOW_TIMEOUT,
-        preexec_fn=limit_file_size,
+        preexec_fn=limit,
     )  # fmt: skip
     line = one_line(proc, 2, run, stage)
-    assert f"writing {run / stage}" in line and f"may not exceed {FILE_LIMIT} bytes" in line, line
+    if full == "file size limit":
+        assert f"writing {run / stage} failed: a file may not exceed {FILE_LIMIT} bytes" in line
+    else:
+        assert f"writing {run}" in line and "No space left on device" in line, line
+        assert re.search(r", \d+ bytes free on its file system", line), line
+        assert not [p for p in run.rglob("*.tmp") if p.stat().st_size > 0]  # no partial file
+        size(64 << 20)
     assert "rerun the same command" in line
-    assert_rerun_matches(run, uninterrupted, stage)  # the limit lifted: space freed
+    assert_rerun_matches(run, uninterrupted, stage)
