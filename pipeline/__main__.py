@@ -8,18 +8,21 @@ lowbit -m quant.budget_bits=2.5,3,4      # a sweep: each point in its own run di
 from __future__ import annotations
 
 import logging
+import logging.config
 import os
 import sys
 import time
 from pathlib import Path
+from typing import NoReturn
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from pipeline import __version__, conf_dir, preempt
-from pipeline.errors import LowbitError, record_failure
+from pipeline.errors import Interrupted, LowbitError, disk_full, record_failure
 
 # Not __name__: that is "__main__" under `python -m pipeline`, outside the package's logger tree.
 log = logging.getLogger("pipeline.__main__")
@@ -135,6 +138,49 @@ def _relaunch(nproc: int) -> None:
     os.execv(sys.executable, cmd)
 
 
+class WritableRunDir(Callback):
+    """Hydra makes its output dir under `run_dir` before `_main` runs: a run dir that cannot be
+    written is one line here, before Hydra's traceback and before any compute."""
+
+    def on_run_start(self, config: DictConfig, **kwargs) -> None:
+        self._check(config)
+
+    def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
+        self._check(config)
+
+    @staticmethod
+    def _check(config: DictConfig) -> None:
+        if config.get("dry_run") is True:  # writes nothing
+            return
+        from pipeline.rundir import check_writable
+
+        try:
+            check_writable(Path(config.run_dir).resolve())
+        except LowbitError as e:
+            # Hydra configures logging later, in the job: the console handler alone, now.
+            logging_cfg = OmegaConf.to_container(config.hydra.job_logging)
+            logging_cfg["handlers"].pop("file", None)
+            logging_cfg["root"]["handlers"] = ["console"]
+            logging.config.dictConfig(logging_cfg)
+            log.error("%s", e)
+            sys.exit(e.exit_code)
+
+
+def _exit(error: BaseException, run_dir: Path) -> NoReturn:
+    """Every failure the command reports: one line and an exit code, a traceback only in a log."""
+    known = disk_full(error, getattr(error, "stage_dir", None) or run_dir)
+    if known is None and isinstance(error, LowbitError):
+        known = error
+    elif known is None and isinstance(error, KeyboardInterrupt):
+        known = Interrupted("interrupted (SIGINT); finished stages are kept, rerun to resume")
+    if known is not None:
+        log.error("%s", known)
+        sys.exit(known.exit_code)
+    # Outside any stage (tracking, report): the same one-line contract.
+    log.error("lowbit failed: %s", record_failure(error, run_dir / "logs" / "lowbit.log"))
+    sys.exit(1)
+
+
 def _main(cfg: DictConfig) -> None:
     from pipeline import workflow
     from pipeline.stageplan import describe
@@ -166,13 +212,8 @@ def _main(cfg: DictConfig) -> None:
             if cfg.print_config:
                 print(OmegaConf.to_yaml(cfg), flush=True)
         workflow.run(cfg, planned)
-    except LowbitError as e:
-        log.error("%s", e)
-        sys.exit(e.exit_code)
-    except Exception as e:  # outside any stage (tracking, report): the same one-line contract
-        line = record_failure(e, Path(cfg.run_dir).resolve() / "logs" / "lowbit.log")
-        log.error("lowbit failed: %s", line)
-        sys.exit(1)
+    except (Exception, KeyboardInterrupt) as e:
+        _exit(e, Path(cfg.run_dir).resolve())
     finally:
         if point_log is not None:
             logging.getLogger().removeHandler(point_log)

@@ -13,7 +13,9 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+import signal
 import tempfile
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -25,7 +27,7 @@ from omegaconf import DictConfig
 from pipeline import __version__, stages
 from pipeline.config import RunConfig, TrackingConfig, parse, run_config, to_plain, tracking_cfg
 from pipeline.dist import Dist, init_from_env
-from pipeline.errors import ConfigError, LowbitError, StageFailed, record_failure
+from pipeline.errors import ConfigError, Interrupted, LowbitError, StageFailed, record_failure
 from pipeline.hardware import describe, where
 from pipeline.inputs import check_inputs
 from pipeline.lit.trainer import check_trainer
@@ -170,9 +172,39 @@ def run(cfg: DictConfig, planned: Plan | None = None) -> dict[str, dict]:
     if refused:
         raise LowbitError(refused)
     try:
-        return _run_locked(cfg, planned, run_dir, dist)
+        with _sigint_noted():
+            return _run_locked(cfg, planned, run_dir, dist)
     finally:
         lock.release()
+
+
+_SIGINTS: list[float] = []  # when SIGINT arrived during this process's workflow
+
+
+@contextmanager
+def _sigint_noted():
+    """Ctrl-C raises KeyboardInterrupt as usual, and is noted: Lightning turns it inside `fit`
+    into its own `sys.exit(1)`, which must still read as an interruption, not a crash."""
+
+    def note(signum, frame):
+        _SIGINTS.append(time.time())
+        raise KeyboardInterrupt
+
+    _SIGINTS.clear()
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, note)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _interrupted(error: BaseException | None) -> bool:
+    return isinstance(error, KeyboardInterrupt | Interrupted) or (
+        isinstance(error, SystemExit) and bool(_SIGINTS)
+    )
 
 
 def _run_locked(cfg: DictConfig, planned: Plan, run_dir: Path, dist: Dist) -> dict[str, dict]:
@@ -206,7 +238,7 @@ def _run_locked(cfg: DictConfig, planned: Plan, run_dir: Path, dist: Dist) -> di
             else:
                 known[name] = results[name] = _run_stage(step, run_dir, dist, tracker)
         status = "FINISHED"
-    except (KeyboardInterrupt, Preempted):
+    except (KeyboardInterrupt, Interrupted, Preempted):
         status = "KILLED"
         raise
     finally:
@@ -267,11 +299,20 @@ def _stage_log(path: Path):
         handler.close()
 
 
-def _failure(name: str, error: BaseException, log_path: Path) -> LowbitError:
-    """A LowbitError passes as it is; anything else becomes one line, its traceback in the log."""
+def _failure(name: str, error: BaseException, log_path: Path, stage_dir: Path) -> LowbitError:
+    """A LowbitError passes as it is; anything else becomes one line, its traceback in the log
+    (and kept as the cause, for the CLI to recognise a full disk)."""
     if isinstance(error, LowbitError):
         return error
-    return StageFailed(f"stage {name} failed: {record_failure(error, log_path)}")
+    if _interrupted(error):
+        return Interrupted(
+            f"interrupted (SIGINT) during stage {name}: its partial output was removed, finished "
+            "stages are kept; rerun the same command to resume"
+        )
+    line = record_failure(error, log_path)
+    failed = StageFailed(f"stage {name} failed: {line}", stage_dir)
+    failed.__cause__ = error
+    return failed
 
 
 def _params(stage: Stage) -> dict[str, Any]:
@@ -311,11 +352,11 @@ def _run_stage(step: Step, run_dir: Path, dist: Dist, tracker: Tracker) -> dict:
     # Rank 0's outcome decides for everyone, so no rank waits forever on a failed peer.
     failed = dist.broadcast(error is not None and dist.is_main)
     if error is not None or failed:
-        if error is not None and not isinstance(error, KeyboardInterrupt):
-            error = _failure(name, error, log_path)
+        if error is not None:
+            error = _failure(name, error, log_path, run_dir / name)
         if dist.is_main:
             child.log_artifact(log_path)
-            child.end("KILLED" if isinstance(error, KeyboardInterrupt | Preempted) else "FAILED")
+            child.end("KILLED" if isinstance(error, Interrupted | Preempted) else "FAILED")
             shutil.rmtree(tmp, ignore_errors=True)
         if error is not None:
             raise error

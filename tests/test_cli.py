@@ -4,13 +4,17 @@ run that writes nothing; a run dir per sweep point; a config snapshot per invoca
 from __future__ import annotations
 
 import json
+import os
+import socket
 import subprocess
 import sys
+import time
 
+import pytest
 import yaml
 
 from pipeline import conf_dir
-from pipeline.rundir import RunLock
+from pipeline.rundir import HeldFile, RunLock
 from tests.conftest import CLI_TIMEOUT, lowbit_cmd
 
 
@@ -44,6 +48,113 @@ def test_a_second_lowbit_on_a_run_dir_in_use_exits_at_once(tmp_path):
     assert proc.returncode == 2
     assert len(errors) == 1 and "is in use by pid" in errors[0]
     assert not (run_dir / "bootstrap").exists()
+
+
+# The real CLI on a file system without flock (as some NFS mounts): flock fails with ENOLCK.
+WITHOUT_FLOCK = (
+    "import errno, fcntl, sys\n"
+    "def refuse(*args): raise OSError(errno.ENOLCK, 'No locks available')\n"
+    "fcntl.flock = refuse\n"
+    "from pipeline.__main__ import main\n"
+    "sys.argv = ['lowbit', *sys.argv[1:]]\n"
+    "main()\n"
+)
+TINY_BOOTSTRAP = ("experiment=smoke", "stages=[bootstrap]", "stage.bootstrap.max_steps=2",
+                  "stage.bootstrap.draft_max_steps=2", "tracking=none")  # fmt: skip
+
+
+def lowbit_without_flock(tmp_path, run_dir):
+    proc = subprocess.run(
+        [sys.executable, "-c", WITHOUT_FLOCK, *TINY_BOOTSTRAP, f"run_dir={run_dir}"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=CLI_TIMEOUT,
+    )  # fmt: skip
+    return proc, proc.stdout + proc.stderr
+
+
+def test_without_flock_a_second_lowbit_exits_at_once_naming_the_heartbeat_holder(tmp_path):
+    run_dir = tmp_path / "r"
+    run_dir.mkdir()
+    holder = HeldFile(run_dir / ".lock.held")  # a live lowbit on a file system without flock
+    holder.acquire()
+    try:
+        proc, out = lowbit_without_flock(tmp_path, run_dir)
+    finally:
+        holder.release()
+    errors = [line for line in out.splitlines() if "[ERROR]" in line]
+    assert proc.returncode == 2, out[-3000:]
+    me = f"is in use by pid {os.getpid()} on {socket.gethostname()}"
+    assert len(errors) == 1 and me in errors[0]
+    assert not (run_dir / "bootstrap").exists() and not (run_dir / ".lock.held").exists()
+
+
+def _gone_pid() -> int:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait(timeout=CLI_TIMEOUT)
+    return child.pid
+
+
+@pytest.mark.parametrize("holder", ["process gone", "heartbeat old"])
+def test_without_flock_a_stale_lock_is_taken_over_with_a_warning(tmp_path, holder):
+    run_dir = tmp_path / "r"
+    run_dir.mkdir()
+    if holder == "process gone":  # on this host, its pid no longer runs
+        stale = {"pid": _gone_pid(), "host": socket.gethostname(), "heartbeat": time.time()}
+        why = "its process is gone"
+    else:  # on another host (its pid cannot be checked), silent for an hour
+        stale = {"pid": 1, "host": "elsewhere", "heartbeat": time.time() - 3600}
+        why = "its heartbeat is 36"  # 3600 s and the seconds lowbit took to start
+    (run_dir / ".lock.held").write_text(json.dumps(stale | {"since": "then"}))
+    proc, out = lowbit_without_flock(tmp_path, run_dir)
+    assert proc.returncode == 0, out[-3000:]
+    warned = [line for line in out.splitlines() if "taking over the stale lock" in line]
+    assert len(warned) == 1 and why in warned[0] and f"pid {stale['pid']} on " in warned[0]
+    assert (run_dir / "bootstrap" / "_done.json").exists()
+    assert not (run_dir / ".lock.held").exists()  # released at the end
+
+
+def test_the_fallback_lock_heartbeat_is_refreshed_while_held(tmp_path, monkeypatch):
+    from pipeline import rundir
+
+    monkeypatch.setattr(rundir, "HEARTBEAT_S", 0.05)
+    held = HeldFile(tmp_path / ".lock.held")
+    held.acquire()
+    try:
+        first = json.loads(held.path.read_text())["heartbeat"]
+        time.sleep(0.5)
+        assert json.loads(held.path.read_text())["heartbeat"] > first
+    finally:
+        held.release()
+
+
+@pytest.fixture
+def read_only_run_dir(tmp_path):
+    """An existing run dir that cannot be written: its own read-only mount when this runs as
+    root (root writes through a mode of 0o555), else a mode of 0o555."""
+    run_dir = tmp_path / "ro"
+    run_dir.mkdir()
+    if os.geteuid() != 0:
+        run_dir.chmod(0o555)
+        yield run_dir
+        run_dir.chmod(0o755)
+        return
+    mount = ["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(run_dir)]
+    if subprocess.run(mount, capture_output=True, timeout=60).returncode != 0:
+        pytest.skip("running as root without the right to mount a read-only file system")
+    try:
+        yield run_dir
+    finally:
+        subprocess.run(["umount", str(run_dir)], check=True, timeout=60)
+
+
+@pytest.mark.parametrize("where", ["run dir", "below it"])
+def test_a_read_only_run_dir_is_one_line_at_start(tmp_path, read_only_run_dir, where):
+    run_dir = read_only_run_dir if where == "run dir" else read_only_run_dir / "new"
+    proc, errors = lowbit(tmp_path, "experiment=smoke", f"run_dir={run_dir}")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, out[-3000:]
+    assert len(errors) == 1, out[-3000:]
+    assert f"run_dir {run_dir} cannot be written" in errors[0] and "writable" in errors[0]
+    assert "Traceback" not in out and "running" not in out and "workflow" not in out
 
 
 def test_a_crashing_stage_is_one_line_exit_1_with_the_traceback_in_its_log(tmp_path):

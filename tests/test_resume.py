@@ -1,12 +1,17 @@
-"""Exact resume: a training stage killed (SIGKILL) after a checkpoint and rerun writes the same
-bytes as an uninterrupted run, for bootstrap, distill and reinforce, through the CLI."""
+"""Exact resume: a stage stopped part-way and rerun writes the same bytes as an uninterrupted run,
+through the CLI: a training stage killed (SIGKILL) after a checkpoint (bootstrap, distill,
+reinforce), any stage interrupted by SIGINT, quantize and distill stopped by a full disk."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import resource
 import shutil
+import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -35,7 +40,7 @@ ARGS = (
     "stage.reinforce.long_len=128",
     "stage.reinforce.cost_ratio=0.25",
 )
-STAGES = ["bootstrap", "sensitivity", "allocate", "quantize", "distill", "reinforce"]
+STAGES = ["bootstrap", "sensitivity", "allocate", "quantize", "distill", "reinforce", "export"]
 # The checkpoint whose appearance triggers the kill: for bootstrap the draft's, so the rerun
 # also restores a finished target.
 KILL_AT = {
@@ -46,7 +51,7 @@ KILL_AT = {
 STEPS = {"bootstrap": 60, "distill": 60, "reinforce": 60}  # of the killed model
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
 
-pytestmark = pytest.mark.slow  # ~70 s on 2 cores: seven CLI runs
+pytestmark = pytest.mark.slow  # ~5 min on 2 cores: twenty-five CLI runs
 
 
 def lowbit(run_dir: Path, stages: list[str]) -> list[str]:
@@ -55,6 +60,38 @@ def lowbit(run_dir: Path, stages: list[str]) -> list[str]:
 
 def done(run_dir: Path, stage: str) -> dict:
     return json.loads((run_dir / stage / "_done.json").read_text())
+
+
+def without(uninterrupted: Path, tmp_path: Path, stage: str) -> Path:
+    """A copy of the uninterrupted run without `stage` and the stages after it."""
+    run = tmp_path / "run"
+    shutil.copytree(uninterrupted, run)
+    for later in STAGES[STAGES.index(stage) :]:
+        shutil.rmtree(run / later)
+    return run
+
+
+def assert_rerun_matches(run: Path, uninterrupted: Path, stage: str) -> dict:
+    """Rerun `stage` to the end; its outputs are the bytes the uninterrupted run wrote."""
+    rerun = subprocess.run(
+        lowbit(run, [stage]), env=ENV, capture_output=True, text=True, timeout=WORKFLOW_TIMEOUT
+    )
+    assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-5000:]
+    resumed, whole = done(run, stage), done(uninterrupted, stage)
+    assert resumed["fingerprint"] == whole["fingerprint"]
+    hashes = {f: o["sha256"] for f, o in resumed["outputs"].items()}
+    assert hashes == {f: o["sha256"] for f, o in whole["outputs"].items()}
+    return resumed
+
+
+def one_line(proc: subprocess.CompletedProcess, code: int, run: Path, stage: str) -> str:
+    """The failure contract: exit `code`, one [ERROR] line, no traceback, nothing half-written."""
+    out = proc.stdout + proc.stderr
+    errors = [line for line in out.splitlines() if "[ERROR]" in line]
+    assert proc.returncode == code, out[-5000:]
+    assert len(errors) == 1 and "Traceback" not in out, out[-5000:]
+    assert not (run / stage).exists() and not (run / f".{stage}.tmp").exists()
+    return errors[0]
 
 
 @pytest.fixture(scope="module")
@@ -69,10 +106,7 @@ def uninterrupted(tmp_path_factory):
 
 @pytest.mark.parametrize("stage", ["bootstrap", "distill", "reinforce"])
 def test_a_killed_stage_resumes_to_the_same_bytes(uninterrupted, tmp_path, stage):
-    run = tmp_path / "run"
-    shutil.copytree(uninterrupted, run)
-    for later in STAGES[STAGES.index(stage) :]:
-        shutil.rmtree(run / later)
+    run = without(uninterrupted, tmp_path, stage)
     cmd = lowbit(run, [stage])
 
     proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -87,14 +121,119 @@ def test_a_killed_stage_resumes_to_the_same_bytes(uninterrupted, tmp_path, stage
         proc.wait(timeout=60)
     assert not (run / stage).exists()
 
-    rerun = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=WORKFLOW_TIMEOUT)
-    assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-5000:]
-    resumed, whole = done(run, stage), done(uninterrupted, stage)
-    assert resumed["fingerprint"] == whole["fingerprint"]
+    resumed = assert_rerun_matches(run, uninterrupted, stage)
     steps = STEPS[stage]
     key = "draft_resumed_step" if stage == "bootstrap" else "resumed_step"
     assert 0 < resumed["metrics"][key] < steps, "the kill did not land mid-training"
     if stage == "bootstrap":
         assert resumed["metrics"]["target_resumed_step"] == 40  # restored, not retrained
-    hashes = {f: o["sha256"] for f, o in resumed["outputs"].items()}
-    assert hashes == {f: o["sha256"] for f, o in whole["outputs"].items()}
+
+
+# The real CLI with the stage's run() followed by a SIGINT of its own: it lands when every output
+# is in the stage's temp folder and none is committed, where a half-written stage would show.
+SIGINT_AFTER_RUN = (
+    "import dataclasses, importlib, os, signal, sys, time\n"
+    "stage = importlib.import_module('pipeline.stages.' + sys.argv[1])\n"
+    "real = stage.STAGE.run\n"
+    "def run(*args):\n"
+    "    metrics = real(*args)\n"
+    "    os.kill(os.getpid(), signal.SIGINT)\n"
+    "    time.sleep(60)\n"
+    "stage.STAGE = dataclasses.replace(stage.STAGE, run=run)\n"
+    "from pipeline.__main__ import main\n"
+    "sys.argv = ['lowbit', *sys.argv[2:]]\n"
+    "main()\n"
+)
+
+
+@pytest.mark.parametrize("stage", ["sensitivity", "allocate", "quantize", "distill", "reinforce",
+                                   "export"])  # fmt: skip
+def test_sigint_during_a_stage_is_one_line_and_the_rerun_resumes(uninterrupted, tmp_path, stage):
+    """Training stages get SIGINT from outside at their first checkpoint, inside Lightning's fit
+    (which turns it into an exit of its own); the others at the end of their run()."""
+    run = without(uninterrupted, tmp_path, stage)
+    cmd = lowbit(run, [stage])
+    if stage not in KILL_AT:
+        cmd = [sys.executable, "-c", SIGINT_AFTER_RUN, stage, *cmd[3:]]
+    proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        if stage in KILL_AT:
+            deadline = time.time() + 120
+            while not list((run / ".work").glob(KILL_AT[stage])):
+                assert proc.poll() is None, f"{stage} ended before its first checkpoint"
+                assert time.time() < deadline, f"no {KILL_AT[stage]} after 120 s"
+                time.sleep(0.02)
+            proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=WORKFLOW_TIMEOUT)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=60)
+    line = one_line(subprocess.CompletedProcess(cmd, proc.returncode, out, err), 130, run, stage)
+    assert f"interrupted (SIGINT) during stage {stage}" in line and "rerun" in line
+
+    resumed = assert_rerun_matches(run, uninterrupted, stage)
+    if stage in KILL_AT:
+        assert 0 < resumed["metrics"]["resumed_step"] < STEPS[stage]
+
+
+FILE_LIMIT = 100_000  # bytes: above any log or report, below any weights file of these models
+
+
+def limit_file_size():
+    """In the child: a write past FILE_LIMIT fails with EFBIG (SIGXFSZ ignored, so not a kill)."""
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (FILE_LIMIT, FILE_LIMIT))
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A tmpfs at tmp_path/disk, and how to size it: `size(n)` remounts it with n bytes."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+
+    def size(n: int) -> None:
+        opts = f"remount,size={n}" if os.path.ismount(disk) else f"size={n}"
+        mount = subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(disk)],
+                               capture_output=True, text=True, timeout=60)  # fmt: skip
+        if mount.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here ({mount.stderr.strip()}); see the limit case")
+
+    yield disk, size
+    if os.path.ismount(disk):
+        subprocess.run(["umount", str(disk)], check=True, timeout=60)
+
+
+FREE = 600 * 1024  # bytes left on the small disk: its logs fit, weights and checkpoints do not
+
+
+@pytest.mark.parametrize("full", ["file size limit", "small tmpfs"])
+@pytest.mark.parametrize("stage", ["quantize", "distill"])
+def test_a_full_disk_is_one_line_and_the_rerun_after_freeing_space_resumes(
+    uninterrupted, tmp_path, small_disk, stage, full
+):
+    """The kernel refuses the stage's first large write (quantize's weights, distill's
+    checkpoint), simulated two ways: a file size limit (RLIMIT_FSIZE: EFBIG, no privileges
+    needed, lifted for the rerun) and the run dir on a tmpfs with FREE bytes left (ENOSPC as on
+    a full disk; needs the right to mount, and is remounted larger for the rerun)."""
+    run = without(uninterrupted, tmp_path, stage)
+    limit = limit_file_size if full == "file size limit" else None
+    if full == "small tmpfs":
+        disk, size = small_disk
+        used = sum(f.stat().st_blocks * 512 for f in run.rglob("*"))
+        size(used + FREE)
+        run = Path(shutil.copytree(run, disk / "run"))
+    proc = subprocess.run(
+        lowbit(run, [stage]), env=ENV, capture_output=True, text=True, timeout=WORKFLOW_TIMEOUT,
+        preexec_fn=limit,
+    )  # fmt: skip
+    line = one_line(proc, 2, run, stage)
+    if full == "file size limit":
+        assert f"writing {run / stage} failed: a file may not exceed {FILE_LIMIT} bytes" in line
+    else:
+        assert f"writing {run}" in line and "No space left on device" in line, line
+        assert re.search(r", \d+ bytes free on its file system", line), line
+        assert not [p for p in run.rglob("*.tmp") if p.stat().st_size > 0]  # no partial file
+        size(64 << 20)
+    assert "rerun the same command" in line
+    assert_rerun_matches(run, uninterrupted, stage)

@@ -163,7 +163,12 @@ class ResumeCheckpoint(Checkpoint):
         if trainer.is_global_zero:
             _remove(tmp)  # a kill mid-write leaves one; DeepSpeed would write into it
         trainer.strategy.barrier("ResumeCheckpoint.clean")
-        trainer.save_checkpoint(tmp, weights_only=False)  # the whole state: a resume needs it
+        try:
+            trainer.save_checkpoint(tmp, weights_only=False)  # the whole state: a resume needs it
+        except BaseException:
+            if trainer.is_global_zero:
+                _remove(tmp)  # a full disk: give back the space a partial file holds
+            raise
         if trainer.is_global_zero:
             commit(tmp, self.path)
         trainer.strategy.barrier("ResumeCheckpoint.saved")
