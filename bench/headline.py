@@ -68,6 +68,7 @@ from bench._common import (
     write_result,
 )
 from pipeline.runtime import float_rows
+from pipeline.runtime.speed import kv_cache_bytes, weight_bytes
 from pipeline.speculative.adaptive import AdaptiveGamma
 from pipeline.speculative.cost import measure_cost_ratio, measure_verify_cost
 from pipeline.speculative.decoding import plain_generate, speculative_decoder
@@ -93,15 +94,9 @@ def timed(fn, prompts: Sequence[torch.Tensor], repeats: int) -> list[SpecStats]:
 
 
 def resident_mb(models: Sequence[nn.Module], context: int) -> float:
-    """Weights (each tensor once: a draft shares its target's) and fp32 KV caches at ``context``."""
-    tensors = {}
-    kv = 0
-    for m in models:
-        tensors |= {t.data_ptr(): t.nbytes for t in (*m.parameters(), *m.buffers())}
-        cfg = m.config
-        width = cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads)
-        kv += 2 * cfg.num_hidden_layers * width * context * 4
-    return (sum(tensors.values()) + kv) / 1e6
+    """Weights (each tensor once: a draft shares its target's) and KV caches at ``context``."""
+    weights = weight_bytes(nn.ModuleList(models))
+    return (weights + sum(kv_cache_bytes(m, context) for m in models)) / 1e6
 
 
 def row(level: str, name: str, runs: list[SpecStats], mb: float, gamma: str = "-") -> dict:
