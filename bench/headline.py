@@ -25,7 +25,7 @@ Two levels:
   final draft @ lowbit's target), within ``--alpha-tol``: the norms of the layers after the
   draft's are scaled (their cost unchanged) and the scale bisected until the measured alpha
   matches; the trace is printed and kept. lowbit's target takes the trained plan's formats
-  (``allocate/bitplan.json``) by relative depth. Every gamma of ``--gammas`` is timed on
+  (the allocate stage's ``BitPlan``) by relative depth. Every gamma of ``--gammas`` is timed on
   lowbit's pair next to the adaptive choice.
 
 Goals (exit 1 when one is missed or cannot be checked): at scale lowbit >= 3.0 x FP plain
@@ -323,7 +323,7 @@ def trained(run_dir: Path, args: argparse.Namespace) -> dict:
         r["x FP plain"] = r["tok/s"] / rows[0]["tok/s"]
         print(r, flush=True)
     alphas = {k: next(r["alpha"] for r in rows if r["row"] == n) for n, k in PAIRS.items()}
-    plan = Path(inputs["allocate"]) / "bitplan.json" if "allocate" in inputs else None
+    plan = inputs.get("allocate")  # the allocate stage's folder: BitPlan.load reads its plan
     return {"rows": rows, "alphas": alphas, "fp_draft_on_lowbit": fp_draft_alpha, "plan": plan}
 
 
@@ -374,7 +374,7 @@ def parse_args() -> argparse.Namespace:
         default=None,
         help="fp=A,int4=A,lowbit=A: calibrate to these instead of the first run's",
     )
-    p.add_argument("--plan", type=Path, default=None, help="bitplan.json (default: the run's)")
+    p.add_argument("--plan", type=Path, default=None, help="allocate's folder or plan file")
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--layers", type=int, default=22)
     p.add_argument("--intermediate", type=int, default=5632)
