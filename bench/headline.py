@@ -68,12 +68,12 @@ from bench._common import (
     write_result,
 )
 from pipeline.runtime import float_rows
-from pipeline.runtime.speed import kv_cache_bytes, weight_bytes
+from pipeline.runtime.speed import decode_passes, kv_cache_bytes, weight_bytes
 from pipeline.speculative.adaptive import AdaptiveGamma
 from pipeline.speculative.cost import measure_cost_ratio, measure_verify_cost
 from pipeline.speculative.decoding import plain_generate, speculative_decoder
 from pipeline.speculative.metrics import theoretical_speedup
-from pipeline.speculative.stats import SpecStats, decode_prompts
+from pipeline.speculative.stats import SpecStats
 
 COLUMNS = ("level", "row", "ms/token", "tok/s", "min-max", "x FP plain", "weights+KV MB",
            "alpha", "tokens/call", "gamma")  # fmt: skip
@@ -87,26 +87,20 @@ PAIRS = {  # speculative row: the key of the alpha it is calibrated to
 SCALE_X_FP, SCALE_X_INT4, OF_THEORY = 3.0, 1.4, 0.8
 
 
-def timed(fn, prompts: Sequence[torch.Tensor], repeats: int) -> list[SpecStats]:
-    """``repeats`` runs of ``fn`` over every prompt, after an untimed warm-up."""
-    fn(prompts[0][:, :8], torch.Generator().manual_seed(0))
-    return [decode_prompts(fn, prompts, seed=0) for _ in range(repeats)]
-
-
 def resident_mb(models: Sequence[nn.Module], context: int) -> float:
     """Weights (each tensor once: a draft shares its target's) and KV caches at ``context``."""
     weights = weight_bytes(nn.ModuleList(models))
     return (weights + sum(kv_cache_bytes(m, context) for m in models)) / 1e6
 
 
-def row(level: str, name: str, runs: list[SpecStats], mb: float, gamma: str = "-") -> dict:
-    """A table row from ``runs`` (median tokens/s, its min-max; alpha and tau of all runs)."""
-    tps = [r.tokens_per_s for r in runs]
+Passes = tuple[SpecStats, list[float]]  # runtime.speed.decode_passes: merged counters, tok/s
+
+
+def row(level: str, name: str, passes: Passes, mb: float, gamma: str = "-") -> dict:
+    """A table row from ``passes`` (median tokens/s, its min-max; alpha and tau of all)."""
+    merged, tps = passes
     med = statistics.median(tps)
-    spec = any(r.drafted for r in runs)
-    merged = runs[0]
-    for r in runs[1:]:
-        merged = merged.merge(r)
+    spec = merged.drafted > 0
     return {
         "level": level, "row": name, "ms/token": 1000 / med, "tok/s": med,
         "min-max": f"{min(tps):.1f}-{max(tps):.1f}", "weights+KV MB": mb,
@@ -127,8 +121,8 @@ class Pair:
 
     def plain(self, level: str, name: str) -> dict:
         n = self.args.new_tokens
-        runs = timed(lambda x, g: plain_generate(self.target, x, n, 0.0, g), self.prompts,
-                     self.args.repeats)  # fmt: skip
+        fn = lambda x, g: plain_generate(self.target, x, n, 0.0, g)  # noqa: E731
+        runs = decode_passes(fn, self.prompts, 0, self.args.repeats)
         return row(level, name, runs, resident_mb([self.target], self.context))
 
     def measured_costs(self) -> tuple[float, dict[int, float]]:
@@ -141,7 +135,7 @@ class Pair:
             )
         return self.costs
 
-    def runs(self, gamma: int | None, repeats: int | None = None) -> list[SpecStats]:
+    def runs(self, gamma: int | None, repeats: int | None = None) -> Passes:
         """Speculative runs at ``gamma``, or adaptive (a fresh window per run) when None."""
         c, v = self.measured_costs()
 
@@ -156,11 +150,11 @@ class Pair:
             )
             return fn(x, g)
 
-        return timed(decode, self.prompts, repeats or self.args.repeats)
+        return decode_passes(decode, self.prompts, 0, repeats or self.args.repeats)
 
     def spec(self, level: str, name: str) -> dict:
         runs = self.runs(None)
-        used = [g for r in runs for g in r.gammas]
+        used = runs[0].gammas
         gamma = f"adaptive {statistics.mean(used):.1f}" if used else "adaptive 0 (plain)"
         return row(level, name, runs, self.mb(), gamma)
 

@@ -45,7 +45,7 @@ def kv_cache_bytes(model: nn.Module, context: float) -> int:
     return int(2 * cfg.num_hidden_layers * kv_heads * head * context * size)
 
 
-def _decode(fn, prompts: Sequence[torch.Tensor], seed: int, repeats: int):
+def decode_passes(fn, prompts: Sequence[torch.Tensor], seed: int, repeats: int):
     """(counters merged over every pass, the tokens/s of each pass) after an untimed warm-up."""
     warm = torch.Generator(device=prompts[0].device).manual_seed(seed)
     fn(prompts[0][:, :8], warm)
@@ -95,7 +95,7 @@ def decode_speed(
     memory = {n: (weight_bytes(m), kv_cache_bytes(m, context)) for n, m in models.items()}
     plain = {}
     for name in dict.fromkeys([t for _, t in pairs] + list(models)):
-        _, rates = _decode(
+        _, rates = decode_passes(
             lambda x, g, m=models[name]: plain_generate(m, x, new_tokens, temperature, g),
             prompts,
             seed,
@@ -123,7 +123,7 @@ def decode_speed(
             models[target], models[draft], new_tokens, gamma=gamma, adaptive=window,
             temperature=temperature, temperature_schedule=temperature_schedule,
         )  # fmt: skip
-        stats, rates = _decode(fn, prompts, seed, repeats)
+        stats, rates = decode_passes(fn, prompts, seed, repeats)
         row = _pair_row(stats, gammas, cost, verify[target], _timing(rates), plain[target])
         row["weight_bytes"] = memory[target][0] + memory[draft][0]
         row["kv_bytes"] = memory[target][1] + memory[draft][1]
