@@ -94,9 +94,18 @@ def about(name: str) -> tuple[str, str, str]:
 
 
 def load(name: str, root: Path = REPO) -> dict[str, Any] | None:
-    """The committed result of bench ``name``; None when there is none."""
+    """The committed result of bench ``name`` (or of its variant ``name@variant``); None when
+    there is none."""
     path = root / RESULTS / name / "result.json"
     return json.loads(path.read_text()) if path.is_file() else None
+
+
+def variants(name: str, root: Path = REPO) -> list[str]:
+    """The variants of bench ``name`` with a committed result: ``docs/results/<name>@<variant>/``
+    holds the same bench run another way (e.g. ``@avx2``: under the AVX2 emulation), rendered
+    beside the main result rather than replacing it."""
+    found = (root / RESULTS).glob(f"{name}@*/result.json")
+    return sorted(p.parent.name.split("@", 1)[1] for p in found)
 
 
 def _commit(result: dict) -> str:
@@ -125,8 +134,13 @@ def section(name: str, result: dict | None) -> str:
     lines = [f"## `bench/{name}.py`", "", summary + (f" {goal}" if goal else ""), ""]
     if result is None:
         return "\n".join([*lines, f"Not measured at a recorded commit yet: run `{command}`.", ""])
+    return "\n".join(lines) + "\n" + body(result)
+
+
+def body(result: dict, level: int = 3) -> str:
+    """A result's command, commit, machine, notes, tables (headed at ``level``) and goals."""
     m = result.get("machine", {})
-    lines += [
+    lines = [
         f"```\n{result['command']}\n```",
         "",
         f"Commit `{_commit(result)}`, {result['date']}; {_cpu(result)}, torch "
@@ -136,7 +150,7 @@ def section(name: str, result: dict | None) -> str:
     lines += [f"- {note}" for note in result.get("notes", [])]
     lines += [""] if result.get("notes") else []
     for t in result.get("tables", []):
-        lines += [f"### {t['title']}", ""] if t.get("title") else []
+        lines += [f"{'#' * level} {t['title']}", ""] if t.get("title") else []
         lines += [_table(t["columns"], t["rows"]), ""]
     if result.get("goals"):
         goals = [[g["goal"], g["value"], g["want"], g["verdict"]] for g in result["goals"]]
@@ -145,8 +159,14 @@ def section(name: str, result: dict | None) -> str:
 
 
 def render_doc(root: Path = REPO) -> str:
-    """docs/benchmarks.md, from the results under ``root``."""
-    return "\n".join([INTRO, *(section(n, load(n, root)) for n in benches())]).rstrip() + "\n"
+    """docs/benchmarks.md, from the results under ``root``: each bench's section, then its
+    variants' results under their own headings."""
+    parts = [INTRO]
+    for n in benches():
+        parts.append(section(n, load(n, root)))
+        for v in variants(n, root):
+            parts += [f"### Variant `{n}@{v}`\n", body(load(f"{n}@{v}", root), level=4)]
+    return "\n".join(parts).rstrip() + "\n"
 
 
 def _figure(v: Any) -> str:
@@ -154,8 +174,8 @@ def _figure(v: Any) -> str:
 
 
 def headline(name: str, result: dict | None) -> str:
-    """One line of README's results block."""
-    summary, _, command = about(name)
+    """One line of README's results block (``name`` may be a variant: ``bench@variant``)."""
+    summary, _, command = about(name.split("@")[0])
     if result is None:
         return f"- `bench/{name}.py`: not measured at a recorded commit yet: run `{command}`."
     column = HEADLINES.get(name)
@@ -173,12 +193,15 @@ def headline(name: str, result: dict | None) -> str:
     at = f"at `{_commit(result)}` on {_cpu(result, README_FLAGS)}"
     if column is not None and t.get("title"):
         what = f"{what} ({t['title']})"
-    return f"- `bench/{name}.py`, {what}: " + "; ".join(figures) + f" ({at})."
+    bench, _, variant = name.partition("@")
+    label = f"`bench/{bench}.py`" + (f" (`@{variant}`)" if variant else "")
+    return f"- {label}, {what}: " + "; ".join(figures) + f" ({at})."
 
 
 def render_block(root: Path = REPO) -> str:
     """README's results block, markers included."""
-    lines = [headline(n, load(n, root)) for n in HEADLINES]
+    names = [m for n in HEADLINES for m in (n, *(f"{n}@{v}" for v in variants(n, root)))]
+    lines = [headline(n, load(n, root)) for n in names]
     return "\n".join([BEGIN, *lines, "", "Every result: `docs/benchmarks.md`.", END])
 
 

@@ -163,13 +163,16 @@ def test_acceptance_speed_goal_per_low_bit_pair_and_missing_rows_missed():
 # --- decode_speed -------------------------------------------------------------------------------
 
 
-def speed_rows(**x_fp32: float) -> list[dict]:
+def speed_rows(sub4: dict[str, float] | None = None, **x_fp32: float) -> list[dict]:
+    """FP32 and ``row=x FP32`` rows, plus the sub-4-bit rows ``sub4`` as multiples of W4g128."""
     rows = [{"row": "FP32", "x FP32": 1.0}]
-    return rows + [{"row": row, "x FP32": x} for row, x in x_fp32.items()]
+    rows += [{"row": row, "x FP32": x} for row, x in x_fp32.items()]
+    sub4 = {"W2": 1.6, "W3": 1.3, "exp4": 0.9} if sub4 is None else sub4
+    return rows + [{"row": row, "x W4g128": x} for row, x in sub4.items()]
 
 
 SPEC = [
-    {"gamma": 2, "measured": 1.4, "measured / theoretical": 0.7, "v": 1.1},
+    {"gamma": 2, "measured": 1.4, "measured / theoretical": 0.82, "v": 1.1},
     {"gamma": 4, "measured": 1.6, "measured / theoretical": 0.85, "v": 1.2},
 ]
 
@@ -177,21 +180,32 @@ SPEC = [
 @pytest.mark.parametrize("isa", ["avx512", None])
 def test_decode_speed_goals_met_and_missed(isa):
     goals = decode_speed.check_goals(speed_rows(W4g128=2.0, W8=1.6), SPEC, isa)
-    assert verdicts(goals) == ["met", "met", "met"]
-    assert "(gamma 4)" in goals[-1]["goal"]  # the fastest draft length
-    goals = decode_speed.check_goals(speed_rows(W4g128=1.2, W8=1.6), SPEC[:1], isa)
-    assert verdicts(goals) == ["MISSED", "met", "MISSED"] and not not_measured(goals)
+    assert verdicts(goals) == ["met"] * 7
+    assert ["(gamma 2)" in goals[-2]["goal"], "(gamma 4)" in goals[-1]["goal"]] == [True, True]
+    slow = speed_rows({"W2": 1.4, "W3": 1.3, "exp4": 0.7}, W4g128=1.2, W8=1.6)
+    goals = decode_speed.check_goals(slow, SPEC, isa)
+    assert verdicts(goals) == ["MISSED", "met", "MISSED", "met", "MISSED", "met", "met"]
+    assert not not_measured(goals)
+
+
+def test_decode_speed_speculative_goal_holds_at_every_gamma_not_the_best():
+    spec = [{**SPEC[0], "measured / theoretical": 0.7}, SPEC[1]]  # gamma 4 fastest and met
+    goals = decode_speed.check_goals(speed_rows(W4g128=2.0, W8=1.6), spec, "avx512")
+    assert verdicts(goals)[-2:] == ["MISSED", "met"] and "(gamma 2)" in goals[-2]["goal"]
 
 
 def test_decode_speed_a_row_not_selected_is_missed_not_dropped():
-    goals = decode_speed.check_goals(speed_rows(W4g128=2.0), SPEC, "avx512")  # --rows FP32,W4g128
-    assert len(goals) == 3
-    (w8,) = not_measured(goals)
+    rows = speed_rows({}, W4g128=2.0)  # --rows FP32,W4g128
+    goals = decode_speed.check_goals(rows, SPEC, "avx512")
+    assert len(goals) == 7
+    w8, *sub4 = not_measured(goals)
     assert w8["goal"].startswith("W8 tok/s / FP32 tok/s") and "add W8 to --rows" in w8["goal"]
+    assert [g["goal"].split(" ")[0] for g in sub4] == ["W2", "W3", "exp4"]
+    assert all(f"add {g['goal'].split(' ')[0]} to --rows" in g["goal"] for g in sub4)
     rows = [{"row": "W4g128", "x FP32": None}, {"row": "W8", "x FP32": None}]  # no FP32 row
     assert all("add FP32 to --rows" in g["goal"] for g in not_measured(
-        decode_speed.check_goals(rows, SPEC, "avx512")))  # fmt: skip
-    assert report_goals(goals, skip=["W8"]) == 0
+        decode_speed.check_goals(rows, SPEC, "avx512"))[:2])  # fmt: skip
+    assert report_goals(goals, skip=["W8", "W2", "W3", "exp4"]) == 0
 
 
 def test_decode_speed_no_speculative_rows_is_missed():
@@ -203,21 +217,24 @@ def test_decode_speed_no_speculative_rows_is_missed():
 def avx2_rows(**rows: tuple[float, float | None]) -> list[dict]:
     """``row=(of limit, x torch)``, and every ``@torch`` row the ratios need."""
     out = [{"row": r, "of limit": lim, "x torch": xt} for r, (lim, xt) in rows.items()]
-    return out + [{"row": f"{r}@torch", "of limit": 0.3, "x torch": None} for r in rows]
+    out += [{"row": f"{r}@torch", "of limit": 0.3, "x torch": None} for r in rows]
+    return out + speed_rows()[1:]  # the sub-4-bit rows, met
 
 
 def test_decode_speed_avx2_goals_met_missed_and_missing():
     rows = avx2_rows(FP32=(0.5, 1.1), W8=(0.7, 1.4), W4g128=(0.7, 1.8))
-    assert verdicts(decode_speed.check_goals(rows, SPEC, "avx2")) == ["met"] * 7
-    spec = [{**SPEC[0], "v": 1.5}]
-    assert verdicts(decode_speed.check_goals(rows, spec, "avx2"))[-2:] == ["MISSED", "MISSED"]
+    assert verdicts(decode_speed.check_goals(rows, SPEC, "avx2")) == ["met"] * 11
+    spec = [{**SPEC[0], "v": 1.5, "measured / theoretical": 0.7}]
+    goals = decode_speed.check_goals(rows, spec, "avx2")
+    assert verdicts(goals)[5] == "MISSED" and goals[5]["goal"].startswith("v:")
+    assert verdicts(goals)[-1] == "MISSED"
     # --rows without W8@torch: W8 has no "x torch" (measure_rows divides by that row's rate)
     rows = avx2_rows(FP32=(0.5, 1.1), W8=(0.7, None), W4g128=(0.7, 1.8))
     rows = [r for r in rows if r["row"] != "W8@torch"]
     (w8,) = not_measured(decode_speed.check_goals(rows, SPEC, "avx2"))
     assert "add W8@torch to --rows" in w8["goal"]
     goals = decode_speed.check_goals(rows, [], "avx2")
-    assert len(goals) == 7 and len(not_measured(goals)) == 3  # W8 x torch, v, speculative
+    assert len(goals) == 10 and len(not_measured(goals)) == 3  # W8 x torch, v, speculative
 
 
 # --- default_model ------------------------------------------------------------------------------

@@ -49,7 +49,7 @@ def test_every_bench_has_one_section():
     doc = (REPO / render.DOC).read_text()
     sections = re.findall(r"^## `bench/(\w+)\.py`$", doc, re.M)
     assert sections == render.benches()
-    results = {p.name for p in (REPO / render.RESULTS).iterdir() if p.is_dir()}
+    results = {p.name.split("@")[0] for p in (REPO / render.RESULTS).iterdir() if p.is_dir()}
     assert results <= set(sections), f"results of no bench: {results - set(sections)}"
 
 
@@ -71,6 +71,24 @@ def test_a_result_renders_its_command_commit_machine_tables_and_goals(tmp_path, 
     assert result["machine"]["cpu"] in text
     missing = render.section("scaling", render.load("scaling", tmp_path))
     assert "Not measured at a recorded commit yet: run `python -m bench.scaling" in missing
+
+
+def test_a_variant_renders_beside_its_bench_not_instead(tmp_path, monkeypatch):
+    monkeypatch.setattr("sys.argv", ["bench/log_gaps.py"])
+    goals = [{"goal": "speed", "value": 3.25, "want": ">= 3", "verdict": "met"}]
+    write_result(tmp_path / "docs/results/log_gaps", "log_gaps", [], goals)
+    monkeypatch.setenv("LOWBIT_CPU_ISA", "avx2")
+    missed = [{**goals[0], "value": 1.5, "verdict": "MISSED"}]
+    write_result(tmp_path / "docs/results/log_gaps@avx2", "log_gaps", [], missed)
+    assert render.variants("log_gaps", tmp_path) == ["avx2"]
+    doc = render.render_doc(tmp_path)
+    main, variant = doc.split("## `bench/log_gaps.py`")[1].split("### Variant `log_gaps@avx2`")
+    assert "| speed | 3.25 | >= 3 | met |" in main and "| speed | 1.5 | >= 3 | MISSED |" in variant
+    assert "LOWBIT_CPU_ISA=avx2" in variant and "LOWBIT_CPU_ISA" not in main
+    block = render.render_block(tmp_path)
+    main, variant = block.split("\n")[2:4]  # log_gaps is one of README's headlines
+    assert main.startswith("- `bench/log_gaps.py`, goals: speed: 3.25")
+    assert variant.startswith("- `bench/log_gaps.py` (`@avx2`), goals: speed: 1.5 (want >= 3;")
 
 
 def _doc_paths(doc: Path) -> list[tuple[str, Path]]:
