@@ -6,8 +6,10 @@ starts with its time stamp (``[2026-12-02 16:44:22,576][pipeline.workflow][INFO]
 without one (a print of Lightning's, a traceback) belongs to the record above it. The table lists
 the longest gaps between consecutive records, then each gap with the lines around it.
 
-Goal (exit 1 when missed, or when fewer than two time-stamped records leave nothing to check): no
-gap longer than ``--max-gap`` seconds (60), so that a long stage keeps saying what it does.
+Goals (exit 1 when one is missed, or when fewer than two time-stamped records leave nothing to
+check): no gap longer than ``--max-gap`` seconds (60), so that a long stage keeps saying what it
+does; and the log, first to last record, spans at most ``--max-span`` seconds (600: the README's
+"about 10 minutes" for the default workflow on 2 cores).
 
 Usage:
   python -m bench.log_gaps /tmp/wf-log [--top 5] [--max-gap 60] [--context 2]
@@ -63,14 +65,22 @@ def gaps(lines: list[str]) -> list[Gap]:
     return sorted(found, key=lambda g: -g.seconds)
 
 
-def gap_goals(found: list[Gap], max_gap: float) -> list[dict]:
-    """No gap longer than ``max_gap`` seconds; missed when fewer than two time-stamped records
-    leave no gap to check."""
-    name, want = "longest gap between log lines, s", f"<= {max_gap:g}"
-    if not found:
-        return [unmeasured(name, want, "fewer than two time-stamped records")]
-    longest = max(g.seconds for g in found)
-    return [goal(name, longest, want, longest <= max_gap)]
+def gap_goals(
+    found: list[Gap], max_gap: float, span: float | None = None, max_span: float | None = None
+) -> list[dict]:
+    """No gap longer than ``max_gap`` seconds and (with ``max_span``) a log no longer than
+    ``max_span``; each missed when fewer than two time-stamped records leave nothing to check."""
+    checks = [("longest gap between log lines, s", max(g.seconds for g in found) if found else None,
+               max_gap)]  # fmt: skip
+    if max_span is not None:
+        name = "the log's span, first to last record, s"
+        checks.append((name, span if found else None, max_span))
+    return [
+        goal(name, value, f"<= {want:g}", value <= want)
+        if value is not None
+        else unmeasured(name, f"<= {want:g}", "fewer than two time-stamped records")
+        for name, value, want in checks
+    ]
 
 
 def log_file(path: Path) -> Path:
@@ -92,11 +102,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("log", type=Path, help="a log file, or a run dir (its newest lowbit.log)")
     p.add_argument("--top", type=int, default=5, help="gaps to list")
     p.add_argument("--max-gap", type=float, default=60.0, help="the goal, in seconds")
+    p.add_argument("--max-span", type=float, default=600.0,
+                   help="the whole log's goal, s (0: none, e.g. for one stage's log)")  # fmt: skip
     p.add_argument("--context", type=int, default=2, help="lines shown either side of a gap")
     p.add_argument("--out", type=Path, default=None, help="folder for result.json (none: no file)")
     add_goal_args(p)
     args = p.parse_args(argv)
 
+    max_span = args.max_span or None
     path = log_file(args.log)
     lines = path.read_text(errors="replace").splitlines()
     found = gaps(lines)
@@ -105,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         print(
             "fewer than two time-stamped records ([YYYY-MM-DD HH:MM:SS,mmm] ...): no gap to check"
         )
-        return report_goals(gap_goals(found, args.max_gap), skip=args.skip_goal)
+        return report_goals(gap_goals(found, args.max_gap, None, max_span), skip=args.skip_goal)
     top = found[: args.top]
     rows = [
         {
@@ -122,9 +135,10 @@ def main(argv: list[str] | None = None) -> int:
         for i in range(start, end):
             mark = ">" if i in (g.before, g.after) else " "
             print(f"{mark} {i + 1:6d}  {_short(lines[i])}")
-    goals = gap_goals(found, args.max_gap)
     stamps = [t for t in map(stamp, lines) if t is not None]
-    span = f"the log spans {(stamps[-1] - stamps[0]).total_seconds():.0f} s, first to last record"
+    seconds = (stamps[-1] - stamps[0]).total_seconds()
+    goals = gap_goals(found, args.max_gap, seconds, max_span)
+    span = f"the log spans {seconds:.0f} s, first to last record"
     print(span)
     if args.out:
         write_result(args.out, "log_gaps", [result_table(str(path), rows, COLUMNS)], goals,

@@ -339,6 +339,10 @@ def test_log_gaps_longest_gap_met_missed_and_missing():
     assert verdicts(log_gaps.gap_goals(found, 60.0)) == ["MISSED"]
     assert verdicts(log_gaps.gap_goals(found, 75.0)) == ["met"]
     assert len(not_measured(log_gaps.gap_goals([], 60.0))) == 1
+    goals = log_gaps.gap_goals(found, 75.0, 610.0, 600.0)  # the workflow took too long
+    assert verdicts(goals) == ["met", "MISSED"] and goals[1]["value"] == 610.0
+    assert verdicts(log_gaps.gap_goals(found, 75.0, 590.0, 600.0)) == ["met", "met"]
+    assert len(not_measured(log_gaps.gap_goals([], 60.0, None, 600.0))) == 2
 
 
 # --- outliers -----------------------------------------------------------------------------------

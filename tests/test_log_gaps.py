@@ -57,4 +57,13 @@ def test_a_log_without_time_stamps_cannot_be_checked(tmp_path, capsys):
     assert "(not measured: fewer than two time-stamped records)" in capsys.readouterr().out
     write_log(log, [(0, "only one record")])
     assert main([str(log)]) == 1
-    assert main([str(log), "--skip-goal", "longest gap"]) == 0  # narrowed on purpose
+    assert main([str(log), "--skip-goal", "longest gap", "--skip-goal", "span"]) == 0  # narrowed
+
+
+def test_a_workflow_longer_than_the_readme_says_misses_the_span_goal(tmp_path, capsys):
+    log = tmp_path / "lowbit.log"
+    write_log(log, [(30 * i, f"step {i}") for i in range(22)])  # 630 s, never silent for 60
+    assert main([str(log)]) == 1
+    out = capsys.readouterr().out
+    assert "| the log's span, first to last record, s | 630 | <= 600 | MISSED |" in out
+    assert main([str(log), "--max-span", "0"]) == 0  # one stage's log: no span goal
