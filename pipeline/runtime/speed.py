@@ -47,13 +47,29 @@ def kv_cache_bytes(model: nn.Module, context: float) -> int:
 
 def decode_passes(fn, prompts: Sequence[torch.Tensor], seed: int, repeats: int):
     """(counters merged over every pass, the tokens/s of each pass) after an untimed warm-up."""
-    warm = torch.Generator(device=prompts[0].device).manual_seed(seed)
-    fn(prompts[0][:, :8], warm)
-    runs = [decode_prompts(fn, list(prompts), seed) for _ in range(repeats)]
-    total = runs[0]
+    total, rates, _ = paired_passes(fn, None, prompts, seed, repeats)
+    return total, rates
+
+
+def paired_passes(fn, base, prompts: Sequence[torch.Tensor], seed: int, repeats: int):
+    """:func:`decode_passes` of ``fn``, each pass right after one of ``base`` (None: none):
+    (fn's merged counters, fn's tokens/s per pass, base's per pass). A speed-up taken pass by
+    pass from alternating passes sees the machine alike on both sides: a VM's memory bandwidth
+    drifts by tens of percent between runs seconds apart, which medians of two separate series
+    of passes turn into a speed-up that changes from one draft length to the next."""
+    fns = [fn] if base is None else [base, fn]
+    for f in fns:  # untimed: the allocator and the kernels' first calls
+        f(prompts[0][:, :8], torch.Generator(device=prompts[0].device).manual_seed(seed))
+    runs = [[decode_prompts(f, list(prompts), seed) for f in fns] for _ in range(repeats)]
+    total = runs[0][-1]
     for run in runs[1:]:
-        total = total.merge(run)
-    return total, [r.tokens_per_s for r in runs]
+        total = total.merge(run[-1])
+    base_rates = [r[0].tokens_per_s for r in runs] if base is not None else []
+    return total, [r[-1].tokens_per_s for r in runs], base_rates
+
+
+def _plain(model: nn.Module, new_tokens: int, temperature: float):
+    return lambda x, g: plain_generate(model, x, new_tokens, temperature, g)
 
 
 def _timing(rates: list[float]) -> dict:
@@ -96,10 +112,7 @@ def decode_speed(
     plain = {}
     for name in dict.fromkeys([t for _, t in pairs] + list(models)):
         _, rates = decode_passes(
-            lambda x, g, m=models[name]: plain_generate(m, x, new_tokens, temperature, g),
-            prompts,
-            seed,
-            repeats,
+            _plain(models[name], new_tokens, temperature), prompts, seed, repeats
         )
         plain[name] = {
             **_timing(rates),
@@ -123,8 +136,11 @@ def decode_speed(
             models[target], models[draft], new_tokens, gamma=gamma, adaptive=window,
             temperature=temperature, temperature_schedule=temperature_schedule,
         )  # fmt: skip
-        stats, rates = decode_passes(fn, prompts, seed, repeats)
-        row = _pair_row(stats, gammas, cost, verify[target], _timing(rates), plain[target])
+        stats, rates, plain_rates = paired_passes(
+            fn, _plain(models[target], new_tokens, temperature), prompts, seed, repeats
+        )
+        speedup = statistics.median(s / max(p, 1e-9) for s, p in zip(rates, plain_rates))
+        row = _pair_row(stats, gammas, cost, verify[target], _timing(rates), speedup)
         row["weight_bytes"] = memory[target][0] + memory[draft][0]
         row["kv_bytes"] = memory[target][1] + memory[draft][1]
         spec[pair_name(draft, target)] = row
@@ -137,9 +153,10 @@ def _pair_row(
     cost: float,
     verify: dict[int, float],
     timing: dict,
-    plain: dict,
+    speedup: float,
 ) -> dict:
-    """A pair's measured speed next to the theory at the draft length it used.
+    """A pair's measured speed next to the theory at the draft length it used; ``speedup``: the
+    median over passes of its tokens/s over plain decoding's in the pass before.
 
     ``gamma`` averages the rounds that drafted; ``plain_share`` is the share of target calls
     that drafted nothing (adaptive plain steps, and a last round with no budget left).
@@ -148,7 +165,6 @@ def _pair_row(
     g_theory = min(gammas, key=lambda g: abs(g - used))  # the nearest measured one if adaptive
     v = verify[g_theory]
     theory = float(theoretical_speedup(stats.alpha_hat, g_theory, cost))
-    speedup = timing["tokens_per_s"] / max(plain["tokens_per_s"], 1e-9)
     return {
         **timing,
         "speedup": speedup,
