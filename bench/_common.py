@@ -323,12 +323,15 @@ def parsed_tables(title: str, lines: str | Sequence[str]) -> list[dict]:
 
 
 def _commit() -> tuple[str | None, bool]:
-    """HEAD's full hash and whether tracked files differ from it (None outside a checkout)."""
+    """HEAD's full hash and whether tracked files other than ``docs/results`` differ from it
+    (None outside a checkout)."""
     try:
         git = ["git", "-C", str(REPO)]
         head = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True,
                               timeout=10, check=True).stdout.strip()  # fmt: skip
-        status = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"],
+        # the benches' own committed results change as they run: not a change to what ran
+        status = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no", "--", ".",
+                                 ":(exclude)docs/results"],
                                 capture_output=True, text=True, timeout=10).stdout  # fmt: skip
     except (OSError, subprocess.SubprocessError):
         return None, False
