@@ -31,6 +31,7 @@ NOT_BENCHES = {"render"}
 # The README's headline figures: benches whose goals (or, for a bench without goals, one column
 # of its first table: (what it is, the column, the columns that label each row)) README quotes.
 HEADLINES: dict[str, tuple[str, str, tuple[str, ...]] | None] = {
+    "headline": None,
     "default_model": None,
     "log_gaps": None,
     "distill_effect": None,
