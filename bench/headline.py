@@ -143,7 +143,7 @@ class Pair:
             window = None
             if gamma is None:
                 lo, hi = min(self.args.gammas), max(self.args.gammas)
-                window = AdaptiveGamma(lo, hi, 64, cost_ratio=c, verify_cost=v)
+                window = AdaptiveGamma(lo, hi, 64, cost_ratio=c, verify_cost=v, timed=True)
             n = self.args.new_tokens
             fn = speculative_decoder(
                 self.target, self.draft, n, gamma=gamma or 1, adaptive=window, temperature=0.0

@@ -192,8 +192,9 @@ class Runtime:
             self.verify_cost = measure_verify_cost(self.model, GAMMAS, input_ids=ids)
         if self.adaptive is None:
             self.adaptive = AdaptiveGamma(
-                GAMMAS[0], GAMMAS[-1], cost_ratio=self.cost_ratio, verify_cost=self.verify_cost
-            )
+                GAMMAS[0], GAMMAS[-1], cost_ratio=self.cost_ratio, verify_cost=self.verify_cost,
+                timed=True,
+            )  # fmt: skip
         return self.adaptive
 
 

@@ -97,12 +97,14 @@ def decode_speed(
     seed: int = 0,
     repeats: int = 3,
     allow_plain: bool = True,
+    timed: bool = True,
 ) -> dict:
     """Plain and speculative decode speed of runtime models, batch 1, same prompts and seeds.
 
     ``models``: {name: causal LM} (targets and drafts); ``pairs``: (draft, target) names;
     ``adaptive``: (gamma_min, gamma_max, window), None = fixed ``gamma``, one window over every
-    pass, with plain steps if ``allow_plain``; prompt i uses seed + i in each of ``repeats``.
+    pass, with plain steps if ``allow_plain``, priced by each round's wall time if ``timed``
+    (``AdaptiveGamma``); prompt i uses seed + i in each of ``repeats``.
     Returns ``{"plain": {name: row}, "speculative": {"draft@target": row}}``.
     """
     if repeats < 1:
@@ -130,8 +132,9 @@ def decode_speed(
         if adaptive is not None:
             lo, hi, size = adaptive
             window = AdaptiveGamma(
-                lo, hi, size, cost_ratio=cost, verify_cost=verify[target], allow_plain=allow_plain
-            )
+                lo, hi, size, cost_ratio=cost, verify_cost=verify[target], allow_plain=allow_plain,
+                timed=timed,
+            )  # fmt: skip
         fn = speculative_decoder(
             models[target], models[draft], new_tokens, gamma=gamma, adaptive=window,
             temperature=temperature, temperature_schedule=temperature_schedule,

@@ -14,10 +14,19 @@ window. A probe costs about gamma c + v - 1 target steps more than a plain step,
 every 16 tokens slows plain decoding by (gamma c + v - 1) / 16, a few percent for a cheap draft,
 while a draft that starts agreeing (another kind of text) is noticed within a few probes, as
 each accepted block outweighs many rejected first positions in the window.
+
+``timed``: the decoder reports each round's wall time, and the expected speed-up of a gamma is
+priced with what its rounds really cost against a plain step, (gamma c + v) times the measured
+``overhead`` (median round time over median plain-step time, over the model's gamma c + v):
+the model leaves out each round's fixed work (sampling, the acceptance test, cache rollback,
+the draft's catch-up), which on CPU made speculation slower than plain decoding where the model
+promised a speed-up. A timed controller takes a few one-off plain steps early
+(``plain_samples``, one every fourth drafted round) so the plain side is measured too.
 """
 
 from __future__ import annotations
 
+import statistics
 from collections import deque
 from collections.abc import Mapping
 
@@ -46,6 +55,8 @@ class AdaptiveGamma:
         verify_cost: Mapping[int, float] | None = None,
         allow_plain: bool = True,
         probe_every: int = 16,
+        timed: bool = False,
+        plain_samples: int = 3,
     ) -> None:
         if not 1 <= gamma_min <= gamma_max:
             raise ValueError(
@@ -69,6 +80,10 @@ class AdaptiveGamma:
         self._rounds: deque[tuple[int, int]] = deque(maxlen=window)
         self._plain_run = 0  # plain steps since the last drafted round
         self.history: list[int] = []  # gamma used by each round (0: a plain step)
+        self.timed, self.plain_samples = timed, plain_samples
+        self._seconds: dict[int, deque[float]] = {}  # gamma (0: plain) -> recent round times
+        self._drafted = 0  # drafted rounds so far
+        self._timing_plain = False  # the current plain step is a one-off timing sample
 
     @property
     def alpha(self) -> float:
@@ -78,31 +93,74 @@ class AdaptiveGamma:
         return (accepted + 1.0) / (verified + 2.0)
 
     def speedup(self, gamma: int) -> float:
-        """Expected speed-up of ``gamma`` at the current alpha (gamma 0: plain decoding, 1)."""
+        """Expected speed-up of ``gamma`` at the current alpha (gamma 0: plain decoding, 1),
+        priced with the measured overhead when ``timed``."""
         if gamma == 0:
             return 1.0
         v = self.verify_cost.get(gamma, 1.0)
-        return float(theoretical_speedup(self.alpha, gamma, self.cost_ratio, v))
+        return float(theoretical_speedup(self.alpha, gamma, self.cost_ratio, v)) / self.overhead(
+            gamma
+        )
+
+    def overhead(self, gamma: int) -> float:
+        """What a ``gamma`` round really costs over the model's gamma c + v plain steps: from its
+        own timed rounds, else the median over the timed gammas, else 1 (untimed)."""
+        plain = self._median(0)
+        if plain is None:
+            return 1.0
+        ratios = {
+            g: self._median(g) / (plain * (g * self.cost_ratio + self.verify_cost.get(g, 1.0)))
+            for g in self._seconds
+            if g > 0
+        }
+        if gamma in ratios:
+            return ratios[gamma]
+        return statistics.median(ratios.values()) if ratios else 1.0
+
+    def _median(self, gamma: int) -> float | None:
+        times = self._seconds.get(gamma)
+        return statistics.median(times) if times else None
 
     def best_gamma(self) -> int:
         """The draft length in [gamma_min, gamma_max] with the highest expected speed-up."""
         return max(range(self.gamma_min, self.gamma_max + 1), key=self.speedup)
 
-    def update(self, accepted: int, verified: int) -> int:
-        """Record one round (accepted drafts, positions tested) and return the next gamma.
+    def update(self, accepted: int, verified: int, seconds: float | None = None) -> int:
+        """Record one round (accepted drafts, positions tested, its wall time when the decoder
+        timed a round at the gamma asked for) and return the next gamma.
 
         A round that tested nothing (``verified`` 0) is a plain step: it leaves the window alone.
         """
         if not 0 <= accepted <= verified:
             raise ValueError(f"need 0 <= accepted <= verified, got {accepted}, {verified}")
         self.history.append(self.gamma)
+        if self.timed and seconds is not None:
+            self._seconds.setdefault(self.gamma, deque(maxlen=16)).append(seconds)
         if verified == 0:
             self._plain_run += 1
-            if self.gamma == 0 and self._plain_run >= self.probe_every:
+            if self._timing_plain:  # a one-off sample: back to the best choice
+                self._timing_plain = False
+                self.gamma = self._choose()
+            elif self.gamma == 0 and self._plain_run >= self.probe_every:
                 self.gamma = self.best_gamma()  # one probe round refreshes alpha
             return self.gamma
         self._plain_run = 0
         self._rounds.append((accepted, verified))
-        best = self.best_gamma()
-        self.gamma = 0 if self.allow_plain and self.speedup(best) < 1.0 else best
+        self._drafted += 1
+        # time a plain step now and then: the other side of every comparison
+        sampled = len(self._seconds.get(0, ()))
+        if (
+            self.timed
+            and self.allow_plain
+            and sampled < self.plain_samples
+            and self._drafted % 4 == 0
+        ):
+            self._timing_plain = True
+            self.gamma = 0
+            return self.gamma
+        self.gamma = self._choose()
         return self.gamma
+
+    def _choose(self) -> int:
+        best = self.best_gamma()
+        return 0 if self.allow_plain and self.speedup(best) < 1.0 else best

@@ -197,6 +197,7 @@ def speculative_generate(
     vocab = vocab_size(target)
     produced, done = 0, False
     while produced < max_new_tokens and not done:
+        round_start = time.perf_counter()
         # Never draft past the budget: a round emits at most g + 1 tokens.
         g = min(adaptive.gamma if adaptive is not None else gamma, max_new_tokens - produced - 1)
         if adaptive is not None and adaptive.gamma == 0:  # plain step; the draft skips it
@@ -205,7 +206,7 @@ def speculative_generate(
             seq.extend(new)
             produced += len(new)
             stats.record_round(0, 0, len(new), [])
-            adaptive.update(0, 0)
+            adaptive.update(0, 0, time.perf_counter() - round_start)
             continue
         # Committed tokens the draft has not read yet: (1, 1), (1, 2) after a full accept, or
         # every token since it last drafted after plain steps (one forward catches it up).
@@ -227,10 +228,11 @@ def speculative_generate(
         seq.extend(new)
         produced += len(new)
         stats.record_round(g, n, len(new), ver.beta[0, :n_verified].tolist())
-        if adaptive is not None:
-            adaptive.update(n, n_verified)
         tgt.rollback(len(seq) - 1)
         drf.rollback(min(drf.length, len(seq) - 1))
+        if adaptive is not None:  # a round cut short by the budget is not the gamma it times
+            timed = time.perf_counter() - round_start if g == adaptive.gamma else None
+            adaptive.update(n, n_verified, timed)
     stats.seconds = time.perf_counter() - start
     return torch.tensor([seq], device=ids.device), stats
 

@@ -90,7 +90,9 @@ def test_adaptive_draft_length_is_priced_with_the_measured_costs(qmodels, monkey
     prompts = [torch.randint(0, 200, (1, 10), generator=torch.Generator().manual_seed(0))]
     kwargs = dict(new_tokens=24, temperature=0.0)
     fixed = decode_speed({"t": fp, "d": fp}, [("d", "t")], prompts, gamma=2, **kwargs)
-    speed = decode_speed({"t": fp, "d": fp}, [("d", "t")], prompts, adaptive=(2, 5, 64), **kwargs)
+    speed = decode_speed(  # untimed: the stand-in prices decide, not the clock
+        {"t": fp, "d": fp}, [("d", "t")], prompts, adaptive=(2, 5, 64), timed=False, **kwargs
+    )
     m, f = speed["speculative"]["d@t"], fixed["speculative"]["d@t"]
     # A self-draft accepts everything: the window drives gamma up, so each target call emits
     # more tokens than gamma 2's three; v is priced for every gamma the window may choose.

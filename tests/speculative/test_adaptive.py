@@ -144,3 +144,40 @@ def test_plain_decoding_probes_every_probe_every_steps_and_switches_back():
 def test_probe_every_must_be_positive():
     with pytest.raises(ValueError, match="probe_every"):
         AdaptiveGamma(cost_ratio=0.2, probe_every=0)
+
+
+def test_a_timed_controller_prices_rounds_with_what_they_cost():
+    # The model (c = 0.1, v = 1) promises alpha ~0.67 at gamma 3 a speed-up of 1.85; rounds that
+    # take 4 plain steps' time (fixed per-round work the model leaves out) give 0.6: plain wins.
+    adaptive = AdaptiveGamma(3, 3, cost_ratio=0.1, timed=True, plain_samples=2)
+    plain, round_s, seen = 0.010, 0.040, []
+    for _ in range(40):
+        g = adaptive.gamma
+        seen.append(g)
+        if g == 0:
+            adaptive.update(0, 0, plain)
+        else:
+            adaptive.update(2, 3, round_s)
+    assert seen[:4] == [3] * 4 and seen[4] == 0  # a one-off plain step to time the target
+    assert adaptive.overhead(3) == pytest.approx(round_s / (plain * 1.3))
+    assert adaptive.speedup(3) < 1 and adaptive.gamma == 0 and seen[-5:].count(0) >= 4
+    untimed = AdaptiveGamma(3, 3, cost_ratio=0.1)
+    for _ in range(40):
+        untimed.update(2, 3, round_s)  # seconds are ignored unless timed
+    assert untimed.overhead(3) == 1.0 and 0 not in untimed.history
+
+
+def test_a_timed_controller_keeps_drafting_when_rounds_pay():
+    adaptive = AdaptiveGamma(1, 4, cost_ratio=0.1, timed=True, plain_samples=3)
+    for _ in range(60):
+        g = adaptive.gamma
+        adaptive.update(0, 0, 0.010) if g == 0 else adaptive.update(g, g, 0.010 * (0.1 * g + 1.1))
+    assert adaptive.history.count(0) == 3  # only the timing samples
+    assert adaptive.gamma == 4 and adaptive.overhead(4) == pytest.approx(1.5 / 1.4)
+
+
+def test_without_plain_steps_a_timed_controller_still_drafts():
+    adaptive = AdaptiveGamma(1, 4, cost_ratio=0.1, timed=True, allow_plain=False)
+    for _ in range(20):
+        adaptive.update(0, 1, 0.05)
+    assert 0 not in adaptive.history and adaptive.overhead(1) == 1.0  # no plain time to compare

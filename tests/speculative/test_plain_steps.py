@@ -70,3 +70,16 @@ def test_sampled_plain_steps_are_reproducible(target, stranger, prompt):
         )[0]
 
     assert torch.equal(run(), run())
+
+
+def test_the_decoder_times_each_round_for_a_timed_controller(target, prompt, greedy_reference):
+    # The target drafting for itself: every round accepted; the controller is told each round's
+    # wall time, takes its one-off plain steps to time the target alone, and the output is exact.
+    adaptive = AdaptiveGamma(2, 2, cost_ratio=0.1, timed=True, plain_samples=2)
+    out, stats = speculative_generate(
+        target, target, prompt, N_NEW, adaptive=adaptive, temperature=0
+    )
+    assert torch.equal(out, greedy_reference) and stats.acceptance_rate == 1.0
+    assert adaptive.history[:5] == [2, 2, 2, 2, 0]  # the fourth drafted round asks for a sample
+    assert adaptive._median(0) > 0 and adaptive._median(2) > adaptive._median(0)
+    assert adaptive.overhead(2) > 0
