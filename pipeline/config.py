@@ -123,9 +123,15 @@ def positive(prefix: str, **values: float) -> None:
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """One model: a local HF checkpoint, or the size of the one bootstrap trains."""
+    """One model: a local HF checkpoint or a hub id in the HF cache, or the size of the one
+    bootstrap trains."""
 
-    path: str | None = None  # a local HF checkpoint dir replaces the bootstrap model
+    # A local HF checkpoint dir, or a hub id (org/name) found in the local HF cache (never
+    # downloaded; a local dir of that name wins); either replaces the bootstrap model.
+    path: str | None = None
+    # A hub id's branch, tag or commit (null: its default branch); pinned to the commit the cache
+    # holds, so a newer snapshot reruns the stages that read the model.
+    revision: str | None = None
     # "auto" keeps the saved dtype; stages that train a model upcast what they train.
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     layers: int = 4
@@ -134,16 +140,47 @@ class ModelSpec:
     intermediate: int = 384  # in_features stay multiples of 128, the largest group size
 
     def check(self, prefix: str) -> None:
-        if self.path is not None and not Path(self.path).is_dir():
+        if self.path is None and self.revision is not None:
+            raise ConfigError(f"{prefix}.revision", "is set but path is null", "a hub id in path")
+        if self.path is not None and self.revision is not None and Path(self.path).is_dir():
             raise ConfigError(
-                f"{prefix}.path",
-                f"is {self.path!r}, which is not a directory",
-                "a local HF checkpoint directory (config.json + *.safetensors), or null for the "
-                "bootstrap model",
+                f"{prefix}.revision",
+                f"is {self.revision!r} but path {self.path!r} is a local directory",
+                f"null, or a hub id in {prefix}.path",
             )
+        if self.path is not None:
+            from pipeline.models.hub import is_hub_id
+
+            if not Path(self.path).is_dir() and not is_hub_id(self.path):
+                raise ConfigError(
+                    f"{prefix}.path",
+                    f"is {self.path!r}, which is not a directory",
+                    "a local HF checkpoint directory (config.json + *.safetensors), a hub id "
+                    "(org/name) in the local HF cache, or null for the bootstrap model",
+                )
+            self.local_dir(prefix)  # a hub id the cache lacks fails here, naming the download
         positive(prefix, layers=self.layers, hidden=self.hidden, heads=self.heads)
         if self.hidden % self.heads:
             raise ConfigError(f"{prefix}.hidden", f"({self.hidden}) must be divisible by heads")
+
+    def local_dir(self, prefix: str) -> Path | None:
+        """The checkpoint folder: `path` itself, or a hub id's cached snapshot (None: bootstrap's
+        model). `prefix` (model.target) names the setting in the error."""
+        if self.path is None:
+            return None
+        from pipeline.models.hub import local_dir
+
+        return local_dir(self.path, self.revision, f"{prefix}.path")
+
+    def pinned(self, prefix: str) -> ModelSpec:
+        """This spec with a hub id's revision set to the commit of its cached snapshot."""
+        from pipeline.models.hub import commit
+
+        found = self.local_dir(prefix)
+        if found is None or Path(self.path).is_dir():
+            return self
+        log.info("%s.path=%s: the cached snapshot %s", prefix, self.path, found)
+        return dataclasses.replace(self, revision=commit(found))
 
 
 @dataclass(frozen=True)
@@ -178,6 +215,12 @@ class ModelConfig:
         """The ``dtype`` and ``device_map`` keyword arguments of the model loaders for ``role``."""
         spec = self.target if role == "target" else self.draft
         return {"dtype": spec.dtype, "device_map": self.device_map}
+
+    def pinned(self) -> ModelConfig:
+        """Hub ids pinned to their cached commits: what the fingerprints hash."""
+        return dataclasses.replace(
+            self, target=self.target.pinned("model.target"), draft=self.draft.pinned("model.draft")
+        )
 
 
 # Installed packages whose docstrings extend the built-in corpus, in reading order.
@@ -462,7 +505,7 @@ def defaults_node(stage_schemas: dict[str, type]) -> dict[str, Any]:
 
 
 def model_cfg(cfg: DictConfig) -> ModelConfig:
-    return parse(cfg.model, ModelConfig, "model")
+    return parse(cfg.model, ModelConfig, "model").pinned()
 
 
 def data_cfg(cfg: DictConfig) -> DataConfig:

@@ -25,22 +25,21 @@ _TEXT_PROBE = 1 << 20  # decoded as UTF-8; further on the loader reads a bad byt
 def check_inputs(models: ModelConfig, data: DataConfig) -> None:
     """Check the user's checkpoints and corpus (null paths: lowbit's own); LowbitError naming
     the key and the fix."""
-    for role in ("target", "draft"):
-        path = getattr(models, role).path
+    dirs = {role: getattr(models, role).local_dir(f"model.{role}") for role in ("target", "draft")}
+    for role, path in dirs.items():
         if path is not None:
-            check_checkpoint(Path(path), models.allow_bin, key=f"model.{role}.path")
-    if models.target.path is not None:  # the target's tokenizer is the one lowbit uses
-        tokenizer = load_tokenizer(models.target.path, key="model.target.path")
-        if models.draft.path is not None:
-            check_draft_vocabulary(tokenizer, models)
+            check_checkpoint(path, models.allow_bin, key=f"model.{role}.path")
+    if dirs["target"] is not None:  # the target's tokenizer is the one lowbit uses
+        tokenizer = load_tokenizer(dirs["target"], key="model.target.path")
+        if dirs["draft"] is not None:
+            check_draft_vocabulary(tokenizer, dirs["target"], dirs["draft"])
     if data.path is not None:
         check_data(data)
 
 
-def check_draft_vocabulary(target_tokenizer, models: ModelConfig) -> None:
+def check_draft_vocabulary(target_tokenizer, target: Path, draft: Path) -> None:
     """Refuse a draft whose tokenizer is not the target's: every stage tokenizes with the
     target's, so the draft would read and propose ids that mean other tokens to it."""
-    target, draft = Path(models.target.path), Path(models.draft.path)
     if draft.resolve() == target.resolve():
         return
     difference = vocabulary_difference(
