@@ -229,9 +229,19 @@ BUILTIN_PACKAGES = ("torch", "numpy", "scipy", "transformers", "pandas", "sklear
 
 @dataclass(frozen=True)
 class DataConfig:
-    """The corpus; a null path is the built-in one (pipeline/data/corpus.py)."""
+    """The corpus: local files, or a dataset in the local datasets cache; neither is the built-in
+    one (pipeline/data/corpus.py)."""
+
+    # How a run computes, not what: left out of fingerprints (tokens do not depend on it).
+    UNHASHED: ClassVar[tuple[str, ...]] = ("num_proc",)
 
     path: str | None = None
+    # A dataset in the local datasets cache (HF_DATASETS_CACHE, as `load_dataset` left it) or a
+    # hub snapshot of it (`hf download --repo-type dataset`), with its config and split (null:
+    # its only config; every split, kept as a DatasetDict's are).
+    name: str | None = None
+    config: str | None = None
+    split: str | None = None
     text_field: str = "text"
     # Text files: a document per line | paragraph (blank-line separated) | document (file).
     sample_by: Literal["line", "paragraph", "document"] = "line"
@@ -244,14 +254,32 @@ class DataConfig:
     eval_windows: int | None = None
     builtin_packages: list[str] = field(default_factory=lambda: list(BUILTIN_PACKAGES))
     builtin_max_chars: int | None = 12_000_000
+    num_proc: int = 1  # tokenizing processes (Dataset.map); a fast tokenizer batches on threads
+
+    @property
+    def source(self) -> str:
+        """The setting that chose the corpus, as messages name it."""
+        if self.name is None:
+            return "the built-in corpus" if self.path is None else f"data.path={self.path}"
+        given = {"config": self.config, "split": self.split}
+        parts = [f"data.{k}={v}" for k, v in given.items() if v is not None]
+        return f"data.name={self.name}" + (f" ({', '.join(parts)})" if parts else "")
 
     def check(self, prefix: str) -> None:
+        if self.path is not None and self.name is not None:
+            raise ConfigError(
+                f"{prefix}.name", "and data.path are both set", "one of them (the other null)"
+            )
+        for key in ("config", "split"):
+            if getattr(self, key) is not None and self.name is None:
+                raise ConfigError(f"{prefix}.{key}", "is set but data.name is null", "a name")
         if self.path is not None and not Path(self.path).exists():
             raise ConfigError(
                 f"{prefix}.path",
                 f"is {self.path!r}, which does not exist",
                 "local text/JSON/parquet files, a directory of them, a `save_to_disk` dataset "
-                "directory, or null for the built-in corpus",
+                "directory, or null (data.name for a cached dataset; both null: the built-in "
+                "corpus)",
             )
         positive(
             prefix,
@@ -259,6 +287,7 @@ class DataConfig:
             eval_seq_len=self.eval_seq_len,
             eval_windows=self.eval_windows,
             builtin_max_chars=self.builtin_max_chars,
+            num_proc=self.num_proc,
         )
         if not 0 < self.val_fraction + self.test_fraction < 0.5:
             raise ConfigError(f"{prefix}.val_fraction", "and test_fraction must sum to (0, 0.5)")
@@ -403,10 +432,14 @@ RUN_SECTIONS = ("name", "model", "data", "quant", "trainer")
 
 
 def _plain(value: Any) -> Any:
-    """A parsed section (dataclass or Fields) as plain values; anything else as it is."""
+    """A parsed section (dataclass or Fields) as plain values, less its UNHASHED fields; anything
+    else as it is."""
     if isinstance(value, Fields):
         return value.asdict()
-    return dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value
+    if not dataclasses.is_dataclass(value):
+        return value
+    unhashed = getattr(value, "UNHASHED", ())
+    return {k: v for k, v in dataclasses.asdict(value).items() if k not in unhashed}
 
 
 class Fields:
