@@ -123,9 +123,15 @@ def positive(prefix: str, **values: float) -> None:
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """One model: a local HF checkpoint, or the size of the one bootstrap trains."""
+    """One model: a local HF checkpoint or a hub id in the HF cache, or the size of the one
+    bootstrap trains."""
 
-    path: str | None = None  # a local HF checkpoint dir replaces the bootstrap model
+    # A local HF checkpoint dir, or a hub id (org/name) found in the local HF cache (never
+    # downloaded; a local dir of that name wins); either replaces the bootstrap model.
+    path: str | None = None
+    # A hub id's branch, tag or commit (null: its default branch); pinned to the commit the cache
+    # holds, so a newer snapshot reruns the stages that read the model.
+    revision: str | None = None
     # "auto" keeps the saved dtype; stages that train a model upcast what they train.
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     layers: int = 4
@@ -134,16 +140,47 @@ class ModelSpec:
     intermediate: int = 384  # in_features stay multiples of 128, the largest group size
 
     def check(self, prefix: str) -> None:
-        if self.path is not None and not Path(self.path).is_dir():
+        if self.path is None and self.revision is not None:
+            raise ConfigError(f"{prefix}.revision", "is set but path is null", "a hub id in path")
+        if self.path is not None and self.revision is not None and Path(self.path).is_dir():
             raise ConfigError(
-                f"{prefix}.path",
-                f"is {self.path!r}, which is not a directory",
-                "a local HF checkpoint directory (config.json + *.safetensors), or null for the "
-                "bootstrap model",
+                f"{prefix}.revision",
+                f"is {self.revision!r} but path {self.path!r} is a local directory",
+                f"null, or a hub id in {prefix}.path",
             )
+        if self.path is not None:
+            from pipeline.models.hub import is_hub_id
+
+            if not Path(self.path).is_dir() and not is_hub_id(self.path):
+                raise ConfigError(
+                    f"{prefix}.path",
+                    f"is {self.path!r}, which is not a directory",
+                    "a local HF checkpoint directory (config.json + *.safetensors), a hub id "
+                    "(org/name) in the local HF cache, or null for the bootstrap model",
+                )
+            self.local_dir(prefix)  # a hub id the cache lacks fails here, naming the download
         positive(prefix, layers=self.layers, hidden=self.hidden, heads=self.heads)
         if self.hidden % self.heads:
             raise ConfigError(f"{prefix}.hidden", f"({self.hidden}) must be divisible by heads")
+
+    def local_dir(self, prefix: str) -> Path | None:
+        """The checkpoint folder: `path` itself, or a hub id's cached snapshot (None: bootstrap's
+        model). `prefix` (model.target) names the setting in the error."""
+        if self.path is None:
+            return None
+        from pipeline.models.hub import local_dir
+
+        return local_dir(self.path, self.revision, f"{prefix}.path")
+
+    def pinned(self, prefix: str) -> ModelSpec:
+        """This spec with a hub id's revision set to the commit of its cached snapshot."""
+        from pipeline.models.hub import commit
+
+        found = self.local_dir(prefix)
+        if found is None or Path(self.path).is_dir():
+            return self
+        log.info("%s.path=%s: the cached snapshot %s", prefix, self.path, found)
+        return dataclasses.replace(self, revision=commit(found))
 
 
 @dataclass(frozen=True)
@@ -179,6 +216,12 @@ class ModelConfig:
         spec = self.target if role == "target" else self.draft
         return {"dtype": spec.dtype, "device_map": self.device_map}
 
+    def pinned(self) -> ModelConfig:
+        """Hub ids pinned to their cached commits: what the fingerprints hash."""
+        return dataclasses.replace(
+            self, target=self.target.pinned("model.target"), draft=self.draft.pinned("model.draft")
+        )
+
 
 # Installed packages whose docstrings extend the built-in corpus, in reading order.
 BUILTIN_PACKAGES = ("torch", "numpy", "scipy", "transformers", "pandas", "sklearn", "networkx")
@@ -186,9 +229,19 @@ BUILTIN_PACKAGES = ("torch", "numpy", "scipy", "transformers", "pandas", "sklear
 
 @dataclass(frozen=True)
 class DataConfig:
-    """The corpus; a null path is the built-in one (pipeline/data/corpus.py)."""
+    """The corpus: local files, or a dataset in the local datasets cache; neither is the built-in
+    one (pipeline/data/corpus.py)."""
+
+    # How a run computes, not what: left out of fingerprints (tokens do not depend on it).
+    UNHASHED: ClassVar[tuple[str, ...]] = ("num_proc",)
 
     path: str | None = None
+    # A dataset in the local datasets cache (HF_DATASETS_CACHE, as `load_dataset` left it) or a
+    # hub snapshot of it (`hf download --repo-type dataset`), with its config and split (null:
+    # its only config; every split, kept as a DatasetDict's are).
+    name: str | None = None
+    config: str | None = None
+    split: str | None = None
     text_field: str = "text"
     # Text files: a document per line | paragraph (blank-line separated) | document (file).
     sample_by: Literal["line", "paragraph", "document"] = "line"
@@ -201,14 +254,32 @@ class DataConfig:
     eval_windows: int | None = None
     builtin_packages: list[str] = field(default_factory=lambda: list(BUILTIN_PACKAGES))
     builtin_max_chars: int | None = 12_000_000
+    num_proc: int = 1  # tokenizing processes (Dataset.map); a fast tokenizer batches on threads
+
+    @property
+    def source(self) -> str:
+        """The setting that chose the corpus, as messages name it."""
+        if self.name is None:
+            return "the built-in corpus" if self.path is None else f"data.path={self.path}"
+        given = {"config": self.config, "split": self.split}
+        parts = [f"data.{k}={v}" for k, v in given.items() if v is not None]
+        return f"data.name={self.name}" + (f" ({', '.join(parts)})" if parts else "")
 
     def check(self, prefix: str) -> None:
+        if self.path is not None and self.name is not None:
+            raise ConfigError(
+                f"{prefix}.name", "and data.path are both set", "one of them (the other null)"
+            )
+        for key in ("config", "split"):
+            if getattr(self, key) is not None and self.name is None:
+                raise ConfigError(f"{prefix}.{key}", "is set but data.name is null", "a name")
         if self.path is not None and not Path(self.path).exists():
             raise ConfigError(
                 f"{prefix}.path",
                 f"is {self.path!r}, which does not exist",
                 "local text/JSON/parquet files, a directory of them, a `save_to_disk` dataset "
-                "directory, or null for the built-in corpus",
+                "directory, or null (data.name for a cached dataset; both null: the built-in "
+                "corpus)",
             )
         positive(
             prefix,
@@ -216,6 +287,7 @@ class DataConfig:
             eval_seq_len=self.eval_seq_len,
             eval_windows=self.eval_windows,
             builtin_max_chars=self.builtin_max_chars,
+            num_proc=self.num_proc,
         )
         if not 0 < self.val_fraction + self.test_fraction < 0.5:
             raise ConfigError(f"{prefix}.val_fraction", "and test_fraction must sum to (0, 0.5)")
@@ -360,10 +432,14 @@ RUN_SECTIONS = ("name", "model", "data", "quant", "trainer")
 
 
 def _plain(value: Any) -> Any:
-    """A parsed section (dataclass or Fields) as plain values; anything else as it is."""
+    """A parsed section (dataclass or Fields) as plain values, less its UNHASHED fields; anything
+    else as it is."""
     if isinstance(value, Fields):
         return value.asdict()
-    return dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value
+    if not dataclasses.is_dataclass(value):
+        return value
+    unhashed = getattr(value, "UNHASHED", ())
+    return {k: v for k, v in dataclasses.asdict(value).items() if k not in unhashed}
 
 
 class Fields:
@@ -462,7 +538,7 @@ def defaults_node(stage_schemas: dict[str, type]) -> dict[str, Any]:
 
 
 def model_cfg(cfg: DictConfig) -> ModelConfig:
-    return parse(cfg.model, ModelConfig, "model")
+    return parse(cfg.model, ModelConfig, "model").pinned()
 
 
 def data_cfg(cfg: DictConfig) -> DataConfig:

@@ -25,22 +25,21 @@ _TEXT_PROBE = 1 << 20  # decoded as UTF-8; further on the loader reads a bad byt
 def check_inputs(models: ModelConfig, data: DataConfig) -> None:
     """Check the user's checkpoints and corpus (null paths: lowbit's own); LowbitError naming
     the key and the fix."""
-    for role in ("target", "draft"):
-        path = getattr(models, role).path
+    dirs = {role: getattr(models, role).local_dir(f"model.{role}") for role in ("target", "draft")}
+    for role, path in dirs.items():
         if path is not None:
-            check_checkpoint(Path(path), models.allow_bin, key=f"model.{role}.path")
-    if models.target.path is not None:  # the target's tokenizer is the one lowbit uses
-        tokenizer = load_tokenizer(models.target.path, key="model.target.path")
-        if models.draft.path is not None:
-            check_draft_vocabulary(tokenizer, models)
-    if data.path is not None:
+            check_checkpoint(path, models.allow_bin, key=f"model.{role}.path")
+    if dirs["target"] is not None:  # the target's tokenizer is the one lowbit uses
+        tokenizer = load_tokenizer(dirs["target"], key="model.target.path")
+        if dirs["draft"] is not None:
+            check_draft_vocabulary(tokenizer, dirs["target"], dirs["draft"])
+    if data.path is not None or data.name is not None:
         check_data(data)
 
 
-def check_draft_vocabulary(target_tokenizer, models: ModelConfig) -> None:
+def check_draft_vocabulary(target_tokenizer, target: Path, draft: Path) -> None:
     """Refuse a draft whose tokenizer is not the target's: every stage tokenizes with the
     target's, so the draft would read and propose ids that mean other tokens to it."""
-    target, draft = Path(models.target.path), Path(models.draft.path)
     if draft.resolve() == target.resolve():
         return
     difference = vocabulary_difference(
@@ -58,10 +57,11 @@ def check_draft_vocabulary(target_tokenizer, models: ModelConfig) -> None:
 def check_data(data: DataConfig) -> None:
     """One line for data a run could not read, too short for a single window, or too few
     documents to carve the splits it lacks from."""
-    path = Path(data.path)
     kind, groups = "saved", {}
-    if is_saved_dataset(path):
-        room = _check_saved(data, path)
+    if data.name is not None:
+        room = _check_named(data)
+    elif is_saved_dataset(Path(data.path)):
+        room = _check_saved(data, Path(data.path))
     else:
         kind, groups = file_splits(data)
         files = [f for fs in groups.values() for f in fs]
@@ -70,7 +70,7 @@ def check_data(data: DataConfig) -> None:
     # `room` bounds the tokens from above; the windowing keeps its own exact check.
     if room < data.seq_len + 1:
         raise LowbitError(
-            f"data.path={data.path} holds at most {room} bytes of text, too few for one window "
+            f"{data.source} holds at most {room} bytes of text, too few for one window "
             f"of data.seq_len={data.seq_len} tokens plus its next-token target; add text or lower "
             "data.seq_len"
         )
@@ -196,6 +196,20 @@ def _parquet_room(file: Path, field: str, need: int) -> int:
         if room >= need:
             break
     return room
+
+
+def _check_named(data: DataConfig) -> int:
+    """Check data.name in the caches (memory-mapped Arrow, no string read); returns its room."""
+    import datasets
+
+    from pipeline.data.cached import load_named
+
+    found = load_named(data)
+    parts = {data.split: found} if isinstance(found, datasets.Dataset) else found
+    for split, ds in parts.items():
+        if data.text_field not in ds.column_names:
+            raise missing_field(data, f"split {split!r}", ds.column_names)
+    return sum(ds.data.column(data.text_field).nbytes for ds in parts.values())
 
 
 def _check_saved(data: DataConfig, path: Path) -> int:

@@ -1,9 +1,10 @@
 """Which models a run has, from the `model` section and the finished stage folders (`inputs`):
 the one answer for every stage and benchmark.
 
-Target: `model.target.path` or `bootstrap/target`, then `quantize/model`, `distill/model`. Draft:
-`model.draft.path` or bootstrap's (none for a user target without one: it drafts for itself),
-then `reinforce/draft`. The last of each that a run has is its final model.
+Target: `model.target.path` (a folder, or a hub id's cached snapshot) or `bootstrap/target`, then
+`quantize/model`, `distill/model`. Draft: `model.draft.path` or bootstrap's (none for a user
+target without one: it drafts for itself), then `reinforce/draft`. The last of each that a run has
+is its final model.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ def finished_stages(run_dir: Path) -> dict[str, Path]:
 def fp_target(model: ModelConfig, inputs: dict[str, Path]) -> Path:
     """The FP target checkpoint: the user's, or the one bootstrap trained."""
     if model.target.path:
-        return Path(model.target.path)
+        return model.target.local_dir("model.target")
     if "bootstrap" not in inputs:
         raise LowbitError("no target model: set model.target.path or run the bootstrap stage")
     return inputs["bootstrap"] / "target"
@@ -34,7 +35,7 @@ def fp_target(model: ModelConfig, inputs: dict[str, Path]) -> Path:
 def fp_draft(model: ModelConfig, inputs: dict[str, Path]) -> Path | None:
     """The FP draft checkpoint, or None (then the target drafts for itself)."""
     if model.draft.path:
-        return Path(model.draft.path)
+        return model.draft.local_dir("model.draft")
     if not model.target.path and "bootstrap" in inputs:
         return inputs["bootstrap"] / "draft"
     return None

@@ -148,3 +148,41 @@ def smoke_run(tmp_path_factory):
         "uri": f"sqlite:///{tmp / 'mlflow.db'}",
         "log": proc.stdout + proc.stderr,
     }
+
+
+@pytest.fixture
+def hf_home(tmp_path, monkeypatch) -> Path:
+    """An empty HF_HOME for one test. huggingface_hub and datasets read it once, at import, so
+    their cache locations are moved with it here, as a `lowbit` started with it set sees them."""
+    import datasets.config
+    import huggingface_hub.constants as hub
+
+    home = tmp_path / "hf"
+    monkeypatch.setenv("HF_HOME", str(home))
+    for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_DATASETS_CACHE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(hub, "HF_HUB_CACHE", str(home / "hub"))
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", home / "datasets")
+    return home
+
+
+def put_in_hub_cache(src: Path, cache: Path, repo_id: str, commit: str, repo_type="model") -> Path:
+    """Lay `src`'s files into the hub cache `cache` as `hf download` leaves them (blobs named by
+    their hash, a snapshot folder of links per commit, refs/main naming the newest commit);
+    returns the snapshot folder."""
+    import hashlib
+
+    from huggingface_hub.file_download import repo_folder_name
+
+    repo = cache / repo_folder_name(repo_id=repo_id, repo_type=repo_type)
+    snapshot = repo / "snapshots" / commit
+    for file in sorted(p for p in src.rglob("*") if p.is_file()):
+        blob = repo / "blobs" / hashlib.sha256(file.read_bytes()).hexdigest()
+        blob.parent.mkdir(parents=True, exist_ok=True)
+        blob.write_bytes(file.read_bytes())
+        link = snapshot / file.relative_to(src)
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(os.path.relpath(blob, link.parent))
+    (repo / "refs").mkdir(exist_ok=True)
+    (repo / "refs" / "main").write_text(commit)
+    return snapshot

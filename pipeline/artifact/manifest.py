@@ -64,13 +64,17 @@ def read_manifest(root: Path) -> dict:
     return manifest
 
 
-def verify(root: Path, manifest: dict | None = None) -> dict:
-    """The manifest, once every listed file is inside ``root`` with its size and sha256."""
+def verify(root: Path, manifest: dict | None = None, links_within: Path | None = None) -> dict:
+    """The manifest, once every listed file is inside ``root`` with its size and sha256; with
+    ``links_within``, a file may be a link that resolves inside that folder (a hub snapshot's
+    links to its repo's blobs)."""
     root = Path(root)
     manifest = manifest or read_manifest(root)
+    inside = Path(links_within or root).resolve()
     for rel, entry in manifest["files"].items():
         path = safe_relpath(root, rel)
-        if path.is_symlink() or not path.resolve().is_relative_to(root.resolve()):
+        linked = path.is_symlink() and links_within is None
+        if linked or not path.resolve().is_relative_to(inside):
             raise ArtifactError(
                 f"artifact file {rel} is a link or resolves outside {root}; refusing to load it"
             )

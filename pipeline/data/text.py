@@ -46,20 +46,18 @@ _SPLIT_RULE = (
 
 def load_splits(data: DataConfig) -> dict[str, list[str]]:
     """The corpus's "train", "validation" and "test" documents; the user's own splits if given."""
-    if data.path is None:
+    if data.path is None and data.name is None:
         given = {"train": builtin_documents(data.builtin_max_chars, data.builtin_packages)}
     else:
         given = _read_splits(data)
     if "train" not in given:
-        raise LowbitError(
-            f"data.path={data.path} has {sorted(given)} but no train split; " + _SPLIT_RULE
-        )
+        raise LowbitError(f"{data.source} has {sorted(given)} but no train split; " + _SPLIT_RULE)
     # A missing split is carved from train rather than refused (many datasets hold only train).
     missing = tuple(s for s in ("test", "validation") if s not in given)
     if missing and len(given) > 1:
         log.info(
-            "data.path=%s has no %s split: carving it from train by hash",
-            data.path,
+            "%s has no %s split: carving it from train by hash",
+            data.source,
             " or ".join(missing),
         )
     splits = split_documents(given.pop("train"), data, carve=missing) | given
@@ -76,32 +74,30 @@ def unseen_validation(splits: dict[str, list[str]], data: DataConfig) -> list[st
     dropped = len(splits["validation"]) - len(unseen)
     if dropped and not unseen:
         raise LowbitError(
-            f"data.path={data.path}: every validation document also appears in the train "
+            f"{data.source}: every validation document also appears in the train "
             "split; give a validation file with text of its own, or remove it to carve one"
         )
     if dropped:
         log.info(
-            "data.path=%s: %d validation document(s) also in the train split are left out "
-            "of validation",
-            data.path,
+            "%s: %d validation document(s) also in the train split are left out of validation",
+            data.source,
             dropped,
         )
     return unseen
 
 
 def _read_splits(data: DataConfig) -> dict[str, list[str]]:
-    """The user's documents per split named in data.path; all in "train" when undivided."""
+    """The user's documents per split (data.path or data.name); all in "train" when undivided."""
     import datasets
 
-    path = Path(data.path)
-    groups: dict[str, list[Path]] = {}  # split -> the user's files (none for a saved dataset)
+    groups: dict[str, list[Path]] = {}  # split -> the user's files (none for a dataset)
     replaced = False  # whether bad bytes are read as U+FFFD (else they raise)
-    if is_saved_dataset(path):
-        ds = datasets.load_from_disk(str(path))
-        if isinstance(ds, datasets.Dataset):
-            parts = {"train": [("the saved Dataset", ds)]}
-        else:
-            parts = _group([(k, (f"split {k!r}", ds[k])) for k in ds], data)
+    if data.name is not None:
+        from pipeline.data.cached import load_named
+
+        parts = _dataset_parts(load_named(data), data, f"split {data.split!r}")
+    elif is_saved_dataset(Path(data.path)):
+        parts = _dataset_parts(datasets.load_from_disk(data.path), data, "the saved Dataset")
     else:
         kind, groups = file_splits(data)
         # sample_by is the text builder's option; the other builders reject unknown options.
@@ -124,13 +120,22 @@ def _read_splits(data: DataConfig) -> dict[str, list[str]]:
             out[split] = [doc for where, ds in sources for doc in _texts(ds, data, where)]
         if not out[split]:
             raise LowbitError(
-                f"data.path={data.path}: the {split} split "
+                f"{data.source}: the {split} split "
                 f"({'; '.join(where for where, _ in sources)}) holds no non-empty text in "
                 f"{data.text_field!r}"
             )
         if replaced and any("\ufffd" in doc for doc in out[split]):
             _log_replaced(data, groups[split])
     return out
+
+
+def _dataset_parts(ds, data: DataConfig, alone: str) -> dict[str, list]:
+    """A DatasetDict's splits by name; a single Dataset (described by `alone`) is train."""
+    import datasets
+
+    if isinstance(ds, datasets.Dataset):
+        return {"train": [(alone, ds)]}
+    return _group([(k, (f"split {k!r}", ds[k])) for k in ds], data)
 
 
 def file_splits(data: DataConfig) -> tuple[str, dict[str, list[Path]]]:
@@ -211,9 +216,7 @@ def _group(named: list[tuple[str, object]], data: DataConfig) -> dict[str, list]
         return {"train": [item for _, item in named]}
     unclear = [name for (name, _), s in zip(named, splits, strict=True) if len(s) != 1]
     if unclear:
-        raise LowbitError(
-            f"data.path={data.path}: cannot tell the split of {unclear}; " + _SPLIT_RULE
-        )
+        raise LowbitError(f"{data.source}: cannot tell the split of {unclear}; " + _SPLIT_RULE)
     out: dict[str, list] = {}
     for (_, item), s in zip(named, splits, strict=True):
         out.setdefault(s.pop(), []).append(item)
@@ -258,7 +261,7 @@ def source_files(data: DataConfig) -> tuple[str, list[Path]]:
 def missing_field(data: DataConfig, where: str, fields: list[str]) -> LowbitError:
     """The error for a source without data.text_field, naming the fields it does have."""
     return LowbitError(
-        f"data.path={data.path} ({where}) has no column {data.text_field!r}; set "
+        f"{data.source} ({where}) has no column {data.text_field!r}; set "
         f"data.text_field to one of {list(fields)}"
     )
 
@@ -294,21 +297,35 @@ _UNIT = {"line": "one per line", "paragraph": "one per blank-line-separated para
 def too_few_documents(data: DataConfig, where: str, n: int, carve: tuple[str, ...]) -> LowbitError:
     """The error for a train split of `n` documents, too few to carve `carve` from."""
     return LowbitError(
-        f"data.path={data.path}: {where} holds {n} document{'s' if n != 1 else ''} "
+        f"{data.source}: {where} holds {n} document{'s' if n != 1 else ''} "
         f"({_UNIT[data.sample_by]}, data.sample_by={data.sample_by}), too few to carve "
         f"{' and '.join(carve)} from; split the text into more documents, or give each split "
         "its own file (a folder of train.txt, validation.txt, test.txt)"
     )
 
 
-def token_stream(docs: list[str], tokenizer) -> torch.Tensor:
-    """All documents tokenised and joined by EOS. # (N,)"""
+def token_stream(docs: list[str], tokenizer, num_proc: int = 1) -> torch.Tensor:
+    """All documents tokenised (`Dataset.map`, batched, over `num_proc` processes) and joined by
+    EOS. # (N,)"""
+    import datasets
+    import pyarrow.compute as pc
+
     eos = tokenizer.eos_token_id
-    ids: list[int] = []
-    for enc in tokenizer(docs, add_special_tokens=False)["input_ids"]:
-        ids.extend(enc)
-        ids.append(eos)
-    return torch.tensor(ids, dtype=torch.long)
+
+    def encode(batch: dict[str, list]) -> dict[str, list]:
+        ids = tokenizer(batch["text"], add_special_tokens=False)["input_ids"]
+        return {"ids": [doc + [eos] for doc in ids]}
+
+    mapped = datasets.Dataset.from_dict({"text": docs}).map(
+        encode,
+        batched=True,
+        num_proc=num_proc if num_proc > 1 and len(docs) > 1 else None,
+        remove_columns=["text"],
+        features=datasets.Features({"ids": datasets.List(datasets.Value("int64"))}),
+        new_fingerprint="token-stream",  # in memory, never cached: spare hashing the tokenizer
+    )
+    flat = pc.list_flatten(mapped.data.column("ids")).to_numpy()
+    return torch.from_numpy(flat.copy()).long()
 
 
 def windows(stream: torch.Tensor, seq_len: int, limit: int | None = None) -> torch.Tensor:
@@ -349,7 +366,8 @@ class Corpus:
 
     def stream(self, split: str) -> torch.Tensor:
         if split not in self._streams:
-            self._streams[split] = token_stream(self.splits[split], self.tokenizer)
+            docs, procs = self.splits[split], self.data.num_proc
+            self._streams[split] = token_stream(docs, self.tokenizer, procs)
         return self._streams[split]
 
     def calibration(self, samples: int, seq_len: int, seed: int) -> torch.Tensor:

@@ -19,7 +19,9 @@ from pipeline.errors import LowbitError
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="lowbit-run", description=__doc__.split("\n")[0])
-    p.add_argument("artifact", help="artifact directory (<run_dir>/export/artifact)")
+    p.add_argument(
+        "artifact", help="artifact directory (<run_dir>/export/artifact) or hub id in the HF cache"
+    )
     p.add_argument(
         "--prompt",
         action="append",

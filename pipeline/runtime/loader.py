@@ -227,9 +227,9 @@ def _read_tensors(root: Path, manifest: dict) -> dict[str, torch.Tensor]:
     return state
 
 
-def _read_manifest(root: Path, verify_hashes: bool) -> dict:
+def _read_manifest(root: Path, verify_hashes: bool, links_within: Path | None) -> dict:
     """The manifest, after checking paths (and hashes) and that lowbit-run reads its format."""
-    manifest = verify(root) if verify_hashes else read_manifest(root)
+    manifest = verify(root, None, links_within) if verify_hashes else read_manifest(root)
     for rel in manifest["files"]:
         safe_relpath(root, rel)
     if manifest.get("format") not in ("ascend", "lowbit"):
@@ -294,7 +294,8 @@ def load(
     verify_hashes: bool = True,
     kernel: str = "auto",
 ) -> Runtime:
-    """Load an ascend / lowbit artifact (``<run_dir>/export/artifact``).
+    """Load an ascend / lowbit artifact (``<run_dir>/export/artifact``, or a hub id whose
+    snapshot is in the local HF cache).
 
     Args:
         backend: "auto" (torch_npu when importable, else torch), "torch" or "npu".
@@ -308,8 +309,12 @@ def load(
     """
     from transformers import AutoTokenizer
 
-    root = Path(artifact_dir)
-    manifest = _read_manifest(root, verify_hashes)
+    from pipeline.models.hub import local_dir
+
+    root = local_dir(str(artifact_dir), None, "artifact")  # or one pushed to the hub, cached
+    # A hub snapshot's files are links to its repo's blobs (snapshots/<commit>/../../blobs).
+    from_hub = root.parents[1] if root != Path(artifact_dir) else None
+    manifest = _read_manifest(root, verify_hashes, from_hub)
     name, dev = resolve(backend)
     dev = torch.device(device if device is not None else dev)
     dtype = _float_dtype(dev, dtype)

@@ -39,7 +39,7 @@ def _config_shapes(m: ModelConfig) -> LayerShapes | None:
     if m.target.path is None:
         return shapes_from_spec(m.target, m.tokenizer.vocab_size)
     try:
-        return shapes_from_dir(Path(m.target.path))
+        return shapes_from_dir(m.target.local_dir("model.target"))
     except (OSError, KeyError, ValueError):
         return None  # not a checkpoint yet: checked at the start of run()
 

@@ -133,7 +133,7 @@ def run(cfg: BootstrapConfig, run: RunConfig, io: StageIO) -> dict:
     from pipeline.data.text import load_splits
 
     # each step takes seconds to tens of seconds before the first training line: say which
-    log.info("bootstrap: reading the corpus (%s)", data.path or "built-in")
+    log.info("bootstrap: reading the corpus (%s)", data.source)
     docs = load_splits(data)
     log.info("bootstrap: training a %d-token BPE tokenizer", m.tokenizer.vocab_size)
     tokenizer = train_tokenizer(docs["train"], m.tokenizer.vocab_size)

@@ -94,3 +94,18 @@ def test_compressed_tensors_artifact_is_refused(qmodels, tmp_path):
     export_artifact(qmodels.get("int4g128"), art, export_options(format="compressed-tensors"))
     with pytest.raises(ArtifactError, match="vLLM"):
         load(art, "torch")
+
+
+def test_an_artifact_in_the_hf_cache_loads_by_its_hub_id(qmodels, tmp_path, hf_home):
+    from pipeline.errors import LowbitError
+    from tests.conftest import put_in_hub_cache
+
+    art = tmp_path / "a"
+    export_artifact(qmodels.get("int4g128"), art, export_options(format="lowbit"))
+    snapshot = put_in_hub_cache(art, hf_home / "hub", "org/tiny-int4", "d4" * 20)
+    rt = load("org/tiny-int4", "torch", draft=None, kernel="reference")
+    assert rt.root == snapshot  # every file hashed against the manifest, through the cache's links
+    local = load(art, "torch", draft=None, kernel="reference")
+    torch.testing.assert_close(_logits(rt.model, tokens()), _logits(local.model, tokens()))
+    with pytest.raises(LowbitError, match=r"^artifact=org/absent .*`hf download org/absent`"):
+        load("org/absent", "torch")
