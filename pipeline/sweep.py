@@ -129,9 +129,9 @@ def measure(run_dir: Path) -> tuple[dict[str, float | None], list[str]]:
     elif "allocate" in done:
         values["bits"] = BitPlan.load(done["allocate"]).avg_bits
     else:
-        missing.append("bits/weight (neither allocate nor quantize finished)")
+        missing.append("bits/weight (no finished allocate or quantize stage)")
     if "evaluate" not in done:
-        return values, [*missing, "ppl, α, tokens/s (evaluate did not finish)"]
+        return values, [*missing, "ppl, α, tokens/s (no finished evaluate stage)"]
     ev = EvalResult.load(done["evaluate"])
     final = final_target(ev.ppl)
     if final is None:
@@ -270,8 +270,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="[%(levelname)s] %(message)s")
     if not (args.sweep_dir / POINTS).is_dir():
         log.error(
-            "%s holds no sweep points (%s/); give the dir a `lowbit -m` run printed as its "
-            "sweep dir (hydra.sweep.dir, by default <run_dir>/.multirun/<time>)",
+            "%s holds no sweep points (%s/); give the sweep dir of a `lowbit -m` run "
+            "(hydra.sweep.dir, by default <run_dir>/.multirun/<time>; its last line names it)",
             args.sweep_dir,
             POINTS,
         )
