@@ -2,7 +2,8 @@
 
 lowbit experiment=smoke run_dir=/tmp/r   # tiny, ~2 minutes
 lowbit --force stages=[quantize]         # also --verify, --no-repair, --dry-run, --version
-lowbit -m quant.budget_bits=2.5,3,4      # a sweep: each point in its own run dir
+lowbit -m quant.budget_bits=2.5,3,4      # a sweep: each point in its own run dir, then
+                                         # sweep.md/.csv/.png over them (pipeline.sweep)
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import NoReturn
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -23,6 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from pipeline import __version__, conf_dir, preempt
 from pipeline.errors import Interrupted, LowbitError, disk_full, record_failure
+from pipeline.preempt import Preempted
 
 # Not __name__: that is "__main__" under `python -m pipeline`, outside the package's logger tree.
 log = logging.getLogger("pipeline.__main__")
@@ -138,6 +139,14 @@ def _relaunch(nproc: int) -> None:
     os.execv(sys.executable, cmd)
 
 
+def _console_logging(config: DictConfig) -> None:
+    """Hydra configures logging in each job; the launching process logs to the console alone."""
+    logging_cfg = OmegaConf.to_container(config.hydra.job_logging)
+    logging_cfg["handlers"].pop("file", None)
+    logging_cfg["root"]["handlers"] = ["console"]
+    logging.config.dictConfig(logging_cfg)
+
+
 class WritableRunDir(Callback):
     """Hydra makes its output dir under `run_dir` before `_main` runs: a run dir that cannot be
     written is one line here, before Hydra's traceback and before any compute."""
@@ -157,28 +166,95 @@ class WritableRunDir(Callback):
         try:
             check_writable(Path(config.run_dir).resolve())
         except LowbitError as e:
-            # Hydra configures logging later, in the job: the console handler alone, now.
-            logging_cfg = OmegaConf.to_container(config.hydra.job_logging)
-            logging_cfg["handlers"].pop("file", None)
-            logging_cfg["root"]["handlers"] = ["console"]
-            logging.config.dictConfig(logging_cfg)
+            _console_logging(config)  # Hydra configures logging later, in the job
             log.error("%s", e)
             sys.exit(e.exit_code)
 
 
-def _exit(error: BaseException, run_dir: Path) -> NoReturn:
-    """Every failure the command reports: one line and an exit code, a traceback only in a log."""
+# hydra.job.env_set keys that carry the sweep to each point, in whatever process or host it runs.
+SWEEP_DIR, SWEEP_RUN = "LOWBIT_SWEEP_DIR", "LOWBIT_SWEEP_RUN_ID"
+
+
+def _quoted(value: str) -> str:
+    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+class SweepSummary(Callback):
+    """A sweep (`lowbit -m`) opens a parent MLflow run that each point's run nests under and,
+    after its last point, writes a table and a Pareto plot over the points (pipeline.sweep)."""
+
+    def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
+        if config.get("dry_run") is True:  # writes nothing
+            return
+        from pipeline import sweep
+        from pipeline.config import tracking_cfg
+
+        where = Path(config.hydra.sweep.dir).resolve()
+        try:
+            run_id = sweep.start(
+                where, tracking_cfg(config), str(config.name), list(config.hydra.overrides.task)
+            )
+        except Exception as e:
+            _console_logging(config)
+            sys.exit(_failure(e, where)[1])
+        # The launcher composes each point from these overrides, here or in a Slurm job.
+        carried = {SWEEP_DIR: str(where)} | ({SWEEP_RUN: run_id} if run_id else {})
+        for key, value in carried.items():
+            config.hydra.overrides.hydra.append(f"++hydra.job.env_set.{key}={_quoted(value)}")
+
+    def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
+        if config.get("dry_run") is True:
+            return
+        from pipeline import sweep
+
+        _console_logging(config)
+        where = Path(config.hydra.sweep.dir).resolve()
+        try:
+            found = sweep.finish(where)
+        except Exception as e:
+            sys.exit(_failure(e, where)[1])
+        log.info("sweep of %d points: %s", len(found), where / sweep.OUTPUTS[0])
+        failed = [r for r in found if r.point.status != sweep.FINISHED]
+        if failed:
+            shown = "; ".join(f"{r.label or f'#{r.point.num}'}: {r.status}" for r in failed)
+            log.error("%d of %d sweep points did not finish (%s)", len(failed), len(found), shown)
+            sys.exit(next((r.point.exit_code for r in failed if r.point.exit_code), 1))
+
+
+def _sweep_point(cfg: DictConfig, hydra_cfg, given: list[str]):
+    """This point's record (pipeline.sweep.SweepPoint) when a sweep runs it, its run nested
+    under the sweep's; None otherwise (a dry run's sweep records nothing)."""
+    carried = hydra_cfg.job.env_set
+    if hydra_cfg.mode != RunMode.MULTIRUN or SWEEP_DIR not in carried:
+        return None
+    from pipeline.sweep import SweepPoint
+
+    if carried.get(SWEEP_RUN):
+        cfg.tracking.parent_run_id = str(carried[SWEEP_RUN])
+    fixed = set(hydra_cfg.job.config.override_dirname.exclude_keys)
+    swept = {_key(o): o.split("=", 1)[1] for o in given if _key(o) not in fixed}
+    return SweepPoint(hydra_cfg.job.num, swept, str(Path(cfg.run_dir).resolve()))
+
+
+# A sweep goes on past a failed point; Ctrl-C and a time limit stop it (the latter to requeue).
+STOP_SWEEP = {Interrupted.exit_code, Preempted.exit_code}
+
+
+def _failure(error: BaseException, run_dir: Path) -> tuple[str, int]:
+    """Every failure the command reports: one line (logged) and an exit code, a traceback only
+    in a log."""
     known = disk_full(error, getattr(error, "stage_dir", None) or run_dir)
     if known is None and isinstance(error, LowbitError):
         known = error
     elif known is None and isinstance(error, KeyboardInterrupt):
         known = Interrupted("interrupted (SIGINT); finished stages are kept, rerun to resume")
     if known is not None:
-        log.error("%s", known)
-        sys.exit(known.exit_code)
-    # Outside any stage (tracking, report): the same one-line contract.
-    log.error("lowbit failed: %s", record_failure(error, run_dir / "logs" / "lowbit.log"))
-    sys.exit(1)
+        line, code = str(known), known.exit_code
+    else:  # outside any stage (tracking, report): the same one-line contract
+        line = f"lowbit failed: {record_failure(error, run_dir / 'logs' / 'lowbit.log')}"
+        code = 1
+    log.error("%s", line)
+    return line, code
 
 
 def _main(cfg: DictConfig) -> None:
@@ -193,6 +269,10 @@ def _main(cfg: DictConfig) -> None:
     devices = trainer.get("devices", 1)
     main_rank = os.environ.get("RANK", "0") == "0"
     point_log = None
+    point = _sweep_point(cfg, hydra_cfg, given)
+    sweep_dir = hydra_cfg.job.env_set.get(SWEEP_DIR)
+    if point is not None and main_rank:
+        point.save(sweep_dir)
     try:
         # Validate once, here, before starting ranks or touching any model.
         planned = workflow.plan(cfg, Path(cfg.run_dir).resolve())
@@ -212,8 +292,15 @@ def _main(cfg: DictConfig) -> None:
             if cfg.print_config:
                 print(OmegaConf.to_yaml(cfg), flush=True)
         workflow.run(cfg, planned)
+        if point is not None and main_rank:
+            point.ended("FINISHED").save(sweep_dir)
     except (Exception, KeyboardInterrupt) as e:
-        _exit(e, Path(cfg.run_dir).resolve())
+        line, code = _failure(e, Path(cfg.run_dir).resolve())
+        stop = point is None or code in STOP_SWEEP
+        if point is not None and main_rank:
+            point.ended("KILLED" if stop else "FAILED", line, code).save(sweep_dir)
+        if stop:
+            sys.exit(code)
     finally:
         if point_log is not None:
             logging.getLogger().removeHandler(point_log)

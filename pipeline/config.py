@@ -386,6 +386,8 @@ class TrackingConfig:
     enabled: bool = True
     # Seconds between CPU, memory (and GPU with pynvml) samples in each stage's run; 0 = off.
     system_metrics_s: float = 10.0
+    # The MLflow run this workflow's run nests under; a sweep (`lowbit -m`) sets its own.
+    parent_run_id: str | None = None
 
     def check(self, prefix: str) -> None:
         problem = tracking_uri_problem(self.uri)

@@ -80,3 +80,37 @@ def bars(
     ax.set_title(title)
     fig.savefig(path, dpi=110)
     return Path(path)
+
+
+def tradeoffs(
+    x: Sequence[float | None],
+    panels: Sequence[tuple[str, Sequence[float | None], Sequence[bool]]],
+    labels: Sequence[str],
+    path: Path,
+    title: str,
+    xlabel: str,
+) -> Path:
+    """One scatter panel per ``(ylabel, values, optimal)`` against the shared ``x``: every point
+    labelled, the optimal ones starred and joined (a Pareto front). A point without a value is
+    left out of that panel only."""
+    fig = _figure(0, width=4.2 * len(panels))
+    for ax, (ylabel, ys, optimal) in zip(fig.subplots(1, len(panels), squeeze=False)[0], panels):
+        shown = [
+            (float(a), float(b), label, best)
+            for a, b, label, best in zip(x, ys, labels, optimal)
+            if a is not None and b is not None
+        ]
+        if not shown:
+            ax.text(0.5, 0.5, "no values", ha="center", va="center", transform=ax.transAxes)
+        else:
+            ax.scatter([s[0] for s in shown], [s[1] for s in shown], color="tab:blue")
+            front = sorted((s[0], s[1]) for s in shown if s[3])
+            ax.plot(*zip(*front), "-*", color="tab:red", markersize=12, label="Pareto-optimal")
+            for a, b, label, _ in shown:
+                ax.annotate(label, (a, b), xytext=(4, 4), textcoords="offset points", fontsize=7)
+            ax.legend(fontsize=7)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+    fig.suptitle(title)
+    fig.savefig(path, dpi=110)
+    return Path(path)

@@ -1,10 +1,12 @@
 """MLflow bookkeeping: one parent run per workflow (id in `<run_dir>/_mlflow.json`, so a resumed
-run logs into it), one nested child run per stage; only rank 0 talks to MLflow, through the client
-API so stages can log from any thread."""
+run logs into it), one nested child run per stage, and the workflow's run itself nested under
+`tracking.parent_run_id` when given (a sweep's run); only rank 0 talks to MLflow, through the
+client API so stages can log from any thread."""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import socket
@@ -19,9 +21,13 @@ from typing import Any
 from pipeline.config import TrackingConfig
 from pipeline.errors import LowbitError
 
+log = logging.getLogger(__name__)
+
 _METRIC_CHARS = re.compile(r"[^\w\-. :/]")  # what MLflow accepts in a metric name
 # MLflow rejects long param values on some backends; the full config is an artifact.
 _MAX_PARAM = 500
+MARKER = "_mlflow.json"  # in a run dir (or a sweep dir): {"uri", "run_id"} of its parent run
+PARENT_TAG = "mlflow.parentRunId"  # what MLflow's UI nests runs by
 
 
 def flatten(d: Any, prefix: str = "") -> dict[str, str]:
@@ -145,6 +151,26 @@ class StageRun:
             self.client.set_terminated(self.run_id, status)
 
 
+def reopen(run_dir: Path) -> StageRun:
+    """The parent run `run_dir`'s marker names, to log more into it; a no-op handle (and a
+    warning when a marker exists) when there is none or its store no longer has it."""
+    try:
+        saved = json.loads((run_dir / MARKER).read_text())
+    except (OSError, ValueError):
+        return StageRun()
+    os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(saved["uri"])
+    try:
+        client.get_run(saved["run_id"])
+    except Exception as e:  # a wiped store, a server that is down
+        where = _without_password(saved["uri"])
+        log.warning("MLflow run %s in %s not reachable (%s)", saved["run_id"], where, e)
+        return StageRun()
+    return StageRun(client, saved["run_id"], saved["uri"])
+
+
 class Tracker:
     """The workflow's MLflow parent run and its children."""
 
@@ -192,7 +218,7 @@ class Tracker:
     def start_parent(self, name: str, params: dict[str, Any]) -> StageRun:
         if not self.active:
             return self.parent
-        marker = self.run_dir / "_mlflow.json"
+        marker = self.run_dir / MARKER
         run_id = None
         if marker.exists():
             saved = json.loads(marker.read_text())
@@ -215,14 +241,28 @@ class Tracker:
                 p.write_text(json.dumps(params, indent=1, default=str))
                 self.parent.log_artifact(p)
         self.parent = StageRun(self.client, run_id, self.uri)
+        self._nest(run_id)
         return self.parent
+
+    def _nest(self, run_id: str) -> None:
+        """Under `tracking.parent_run_id`, a resumed run too (it may be a new sweep's point)."""
+        parent = self.cfg.parent_run_id
+        if not parent:
+            return
+        try:
+            self.client.get_run(parent)
+        except Exception as e:  # another store (a swept tracking.uri) or a deleted run
+            where = _without_password(self.uri)
+            log.warning("MLflow run %s not found in %s (%s); not nested", parent, where, e)
+            return
+        self.client.set_tag(run_id, PARENT_TAG, parent)
 
     def start_stage(self, stage: str, params: dict[str, Any], tags: dict[str, Any]) -> StageRun:
         if not self.active:
             return StageRun()
         exp = self.client.get_experiment_by_name(self.cfg.experiment)
         all_tags = {**self._tags(), **{k: str(v) for k, v in tags.items()}}
-        all_tags["mlflow.parentRunId"] = self.parent.run_id
+        all_tags[PARENT_TAG] = self.parent.run_id
         all_tags["lowbit.stage"] = stage
         run = self.client.create_run(exp.experiment_id, run_name=stage, tags=all_tags)
         child = StageRun(self.client, run.info.run_id, self.uri)

@@ -178,3 +178,26 @@ def test_the_browse_command_of_a_database_store_hides_its_password(tmp_path):
     assert tracker.ui_command() == (
         "mlflow ui --backend-store-uri postgresql://mlflow:***@db.example:5432/mlflow"
     )
+
+
+def test_a_run_nests_under_tracking_parent_run_id_and_a_resumed_one_moves(tmp_path, caplog):
+    """A sweep's point nests its workflow run under the sweep's run; rerun in a new sweep, the
+    resumed run moves under that one; a parent the store lacks is a warning, never a crash."""
+    uri = f"sqlite:///{tmp_path / 'm.db'}"
+    (tmp_path / "run").mkdir()
+
+    def start(parent):
+        cfg = TrackingConfig(uri=uri, artifact_location=str(tmp_path / "art"), parent_run_id=parent)
+        tracker = Tracker(cfg, tmp_path / "run", active=True)
+        tracker.connect()
+        return tracker.start_parent("point", {}).run_id
+
+    run_id = start("0" * 32)
+    assert "MLflow run 00000000" in caplog.text and "not nested" in caplog.text
+    client = MlflowClient(uri)
+    assert "mlflow.parentRunId" not in client.get_run(run_id).data.tags
+    exp = client.get_experiment_by_name("lowbit").experiment_id
+    for sweep in ("sweep-a", "sweep-b"):
+        parent = client.create_run(exp, run_name=sweep).info.run_id
+        assert start(parent) == run_id
+        assert client.get_run(run_id).data.tags["mlflow.parentRunId"] == parent

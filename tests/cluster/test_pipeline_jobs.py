@@ -7,6 +7,8 @@ a job's start and end) add up to more than the suite's 15 min per test, hence th
 
 from __future__ import annotations
 
+import csv
+import json
 import re
 import time
 
@@ -44,15 +46,17 @@ def test_sbatch_two_rank_job_runs_every_stage(slurm_cluster, smoke_2rank_run):
     assert {r.info.status for r in runs} == {"FINISHED"}
 
 
-def test_submitit_sweep_runs_one_job_per_budget(slurm_cluster, lowbit_cli, tmp_path):
-    """`lowbit -m cluster=slurm quant.budget_bits=3,4`: two Slurm jobs, each with its own run.
+def test_submitit_sweep_runs_one_job_per_budget(slurm_cluster, lowbit_cli, tmp_path, mlflow_server):
+    """`lowbit -m cluster=slurm quant.budget_bits=3,4`: two Slurm jobs, each with its own run,
+    both nested under the sweep's MLflow run and summed up in its table.
 
     bootstrap, sensitivity, allocate is the cheapest stage list in which the budget matters.
     """
     stages = ["bootstrap", "sensitivity", "allocate"]
     run_dir = tmp_path / "bits${quant.budget_bits}"
     argv = [lowbit_cli, "-m", "experiment=smoke", "cluster=slurm", "quant.budget_bits=3,4"]
-    argv += overrides(run_dir, stages, None, f"hydra.sweep.dir={tmp_path}/sweep")
+    argv += overrides(run_dir, stages, mlflow_server, f"hydra.sweep.dir={tmp_path}/sweep")
+    argv += [f"tracking.experiment=submitit-{tmp_path.name}"]
     argv += [f"cluster.partition={slurm_cluster.partition}", "cluster.cpus_per_task=1"]
     argv += ["cluster.mem_gb=4", "cluster.timeout_min=20"]
     log = tmp_path / "sweep.log"
@@ -69,6 +73,19 @@ def test_submitit_sweep_runs_one_job_per_budget(slurm_cluster, lowbit_cli, tmp_p
     # Both ran as tasks of one Slurm array: submitit keeps a result per `<array id>_<task>`.
     results = sorted(p.parent.name for p in (tmp_path / "sweep").rglob("*_result.pkl"))
     assert len(results) == 2 and results[0][:-1] == results[1][:-1], results
+
+    # The jobs found the sweep's run id in their own config, on another process than the sweep.
+    with open(tmp_path / "sweep" / "sweep.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    done = [(r["quant.budget_bits"], r["status"]) for r in rows]
+    assert done == [("3", "finished"), ("4", "finished")]
+    assert all(float(r["bits"]) <= budget for r, budget in zip(rows, (3, 4))), rows
+    client = mlflow.MlflowClient(mlflow_server)
+    parent = json.loads((tmp_path / "sweep" / "_mlflow.json").read_text())["run_id"]
+    exp = client.get_run(parent).info.experiment_id
+    nested = client.search_runs([exp], f"tags.mlflow.parentRunId = '{parent}'")
+    points = {json.loads((d / "_mlflow.json").read_text())["run_id"] for d in runs.values()}
+    assert {r.info.run_id for r in nested} == points
 
 
 def test_requeued_job_resumes_without_recomputing_done_stages(slurm_cluster, lowbit_cli, tmp_path):
