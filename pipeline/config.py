@@ -562,8 +562,10 @@ def renamed_marker(new: str) -> str:
 
 
 def stage_defaults(schema: type) -> dict[str, Any]:
-    """A stage's defaults, plus a marker under each old key name (never a field's own name)."""
+    """A stage's defaults, plus a marker under each old key name (never a field's own name);
+    a key in the schema's LINKED ({key: dotted key}) defaults to that key's value."""
     node = dataclasses.asdict(schema())
+    node |= {k: f"${{{src}}}" for k, src in getattr(schema, "LINKED", {}).items()}
     old = getattr(schema, "RENAMED", {})
     return node | {k: renamed_marker(new) for k, new in old.items() if k not in node}
 

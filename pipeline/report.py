@@ -8,7 +8,8 @@ from pathlib import Path
 
 from pipeline.analysis.errorflow import format_error_flow
 from pipeline.errors import LowbitError
-from pipeline.evaluation.result import EvalResult
+from pipeline.evaluation.acceptance import column
+from pipeline.evaluation.result import GREEDY, EvalResult
 from pipeline.hardware import describe
 from pipeline.stages import ORDER
 
@@ -85,6 +86,7 @@ def _eval_tables(ev: EvalResult) -> list[str]:
         for pair, per in ev.acceptance.items():
             cells = [f"{per[s]:.3f}" if s in per else "" for s in scenarios]
             out.append(f"| {pair} | " + " | ".join(cells) + " |")
+    out += _modes_table(ev)
     if ev.speed_table:
         from pipeline.evaluation.speed import format_speed_table
 
@@ -99,6 +101,24 @@ def _eval_tables(ev: EvalResult) -> list[str]:
     if ev.error_flow:
         out += ["", "## Error flow (relative hidden-state error after each decoder layer)", ""]
         out += format_error_flow(ev.error_flow).splitlines()
+    return out
+
+
+def _modes_table(ev: EvalResult) -> list[str]:
+    """Each pair's acceptance and tokens per target call at the run's temperature and greedily."""
+    pairs = [pair for pair in ev.acceptance if ev.has_greedy(pair)]
+    if not pairs:
+        return []
+    at = "T" if ev.temperature is None else f"T = {ev.temperature:g}"
+    out = ["", "## Both decoding modes (mean over scenarios; τ: tokens per target call)", ""]
+    head = f"| pair | α ({at}) | τ ({at}) | greedy match | greedy α | greedy τ |"
+    out += [head, "|---" * 6 + "|"]
+    for pair in pairs:
+        mean = {m: column(ev.speculative, pair, m)["mean"] for m in ("alpha", "tau", *GREEDY)}
+        out.append(
+            f"| {pair} | {mean['alpha']:.3f} | {mean['tau']:.2f} | {mean['greedy_match']:.3f} | "
+            f"{mean['alpha_greedy']:.3f} | {mean['tau_greedy']:.2f} |"
+        )
     return out
 
 

@@ -36,6 +36,31 @@ def test_no_lm_eval_section_without_scores_and_the_error_flow_from_the_result(tm
     assert "Downstream" not in text and "## Error flow" in text and "0.02" in text
 
 
+def test_both_decoding_modes_render_per_pair_with_the_run_s_temperature(tmp_path):
+    def cell(alpha, tau, match, alpha_greedy, tau_greedy):
+        return dict(alpha=alpha, tau=tau, greedy_match=match, alpha_greedy=alpha_greedy,
+                    tau_greedy=tau_greedy)  # fmt: skip
+
+    ev = EvalResult(
+        ppl={"target_fp": 12.0},
+        acceptance={"d@t": {"mix": 0.7, "long": 0.5, "mean": 0.6}, "old@t": {"mix": 0.1}},
+        speculative={
+            "d@t": {"mix": cell(0.7, 3.0, 0.6, 0.55, 2.5), "long": cell(0.5, 2.0, 0.4, 0.45, 2.0)},
+            "old@t": {"mix": {"alpha": 0.1, "tau": 1.1}},  # written before greedy was measured
+        },
+        temperature=0.7,
+    )
+    (tmp_path / "evaluate").mkdir()
+    ev.save(tmp_path / "evaluate")
+    lines = write_report(tmp_path).read_text().splitlines()
+    i = lines.index("## Both decoding modes (mean over scenarios; τ: tokens per target call)")
+    assert lines[i + 2] == (
+        "| pair | α (T = 0.7) | τ (T = 0.7) | greedy match | greedy α | greedy τ |"
+    )
+    assert lines[i + 4] == "| d@t | 0.600 | 2.50 | 0.500 | 0.500 | 2.25 |"
+    assert not any(line.startswith("| old@t | 0.100 | 1.10") for line in lines)
+
+
 def test_an_unreadable_evaluation_leaves_one_line_and_the_rest_of_the_report(tmp_path):
     (tmp_path / "evaluate").mkdir()
     (tmp_path / "evaluate" / FILENAME).write_text(json.dumps({"schema_version": 99, "ppl": {}}))

@@ -3,8 +3,11 @@
 Per (draft, target, scenario), on the scenario's held-out prompts (definitions in
 :mod:`pipeline.speculative.metrics`): ``alpha_tf`` teacher-forced on the prompts; ``alpha`` the
 on-line alpha of real speculative decoding (Rao-Blackwellised, so a few prompts suffice);
-``acceptance_rate``, ``tau`` and the mean draft length ``gamma``. With ``adaptive`` each pair and
-scenario gets one AdaptiveGamma whose window runs on across prompts, as across a server's requests.
+``acceptance_rate``, ``tau`` and the mean draft length ``gamma``; with ``greedy``, the same pair
+decoded greedily too (``greedy_match``, ``alpha_greedy``, ``tau_greedy``), since greedy serving
+gains from argmax agreement alone, which alpha at T > 0 does not track. With ``adaptive`` each
+pair, scenario and mode gets one AdaptiveGamma whose window runs on across prompts, as across a
+server's requests.
 """
 
 from __future__ import annotations
@@ -147,42 +150,57 @@ def acceptance_table(
     max_prompts: int | None = None,
     batch_size: int = 8,
     seed: int = 0,
+    greedy: bool = False,
 ) -> Table:
     """{"draft@target": {scenario: {"alpha_tf", "alpha", "acceptance_rate", "tau", "gamma"}}}.
 
     ``pairs`` default to every combination; ``adaptive(draft, target)`` gives a fresh window per
-    scenario (None: fixed ``gamma``); ``max_prompts`` per scenario are decoded, prompt i with
-    seed + i, while alpha_tf uses all of them; temperature 0 is greedy.
+    scenario and mode (None: fixed ``gamma``); ``max_prompts`` per scenario are decoded, prompt i
+    with seed + i, while alpha_tf uses all of them; temperature 0 is greedy. ``greedy`` adds the
+    greedy mode beside it: ``greedy_match`` (teacher-forced argmax agreement), ``alpha_greedy``
+    (on-line) and ``tau_greedy`` (tokens per target call), decoded again unless temperature is 0.
     """
     pairs = list(pairs) if pairs is not None else [(d, t) for t in targets for d in drafts]
+    modes = [temperature] + ([0.0] if greedy and temperature > 0 else [])
     table: Table = {}
     cells = [(d, t, scen) for d, t in pairs for scen in scenarios]
     # `zip` asks `decoded` for the next count as each prompt starts, counting the last one done.
-    n_decode = sum(len(scenarios[scen][:max_prompts]) for _, _, scen in cells)
+    n_decode = len(modes) * sum(len(scenarios[scen][:max_prompts]) for _, _, scen in cells)
     decoded = iter(progress(range(n_decode), "acceptance: prompts decoded", unit="prompt"))
     for draft_name, target_name, scen in cells:
         target, draft = targets[target_name], drafts[draft_name]
         ids = torch.as_tensor(scenarios[scen], dtype=torch.long)  # (N, L)
         batches = [ids[i : i + batch_size] for i in range(0, len(ids), batch_size)]
-        m = {"alpha_tf": teacher_forced_acceptance(target, draft, batches, temperature)}
         decode = [p[None].to(_device(target)) for p in ids[:max_prompts]]
-        window = adaptive(draft_name, target_name) if adaptive is not None else None
-
-        spec = speculative_decoder(
-            target, draft, new_tokens, gamma=gamma, adaptive=window, temperature=temperature,
-            temperature_schedule=temperature_schedule,
-        )  # fmt: skip
-        stats = decode_prompts(spec, (p for p, _ in zip(decode, decoded)), seed)
-        m.update(
-            alpha=stats.alpha_hat,
-            acceptance_rate=stats.acceptance_rate,
-            tau=stats.tau,
-            gamma=sum(stats.gammas) / max(len(stats.gammas), 1),
-        )
+        m: dict[str, float] = {}
+        for t in modes:
+            spec = speculative_decoder(
+                target, draft, new_tokens, gamma=gamma, temperature=t,
+                adaptive=adaptive(draft_name, target_name) if adaptive is not None else None,
+                temperature_schedule=temperature_schedule,
+            )  # fmt: skip
+            got = _measure(target, draft, batches, spec, zip(decode, decoded), t, seed)
+            if t == temperature:
+                m |= got
+            if greedy and t == 0:
+                m |= {"greedy_match": got["alpha_tf"], "alpha_greedy": got["alpha"]}
+                m["tau_greedy"] = got["tau"]
         table.setdefault(pair_name(draft_name, target_name), {})[scen] = m
     for _ in decoded:  # the last prompt is done: progress' closing line
         pass
     return table
+
+
+def _measure(target, draft, batches, spec, prompts, temperature: float, seed: int) -> dict:
+    """One pair's metrics on one scenario in one decoding mode (``prompts``: (prompt, count))."""
+    stats = decode_prompts(spec, (p for p, _ in prompts), seed)
+    return {
+        "alpha_tf": teacher_forced_acceptance(target, draft, batches, temperature),
+        "alpha": stats.alpha_hat,
+        "acceptance_rate": stats.acceptance_rate,
+        "tau": stats.tau,
+        "gamma": sum(stats.gammas) / max(len(stats.gammas), 1),
+    }
 
 
 def column(table: Table, pair: str, metric: str = "alpha") -> dict[str, float]:
@@ -201,6 +219,9 @@ def report_acceptance(table: Table, out_dir: Path) -> dict[str, dict[str, float]
         log.info("evaluate: α %-36s %s", pair, "  ".join(f"{s} {v:.3f}" for s, v in per.items()))
         tau = column(table, pair, "tau")["mean"]
         log.info("evaluate: τ %-36s %.2f tokens per target call", pair, tau)
+        if all("greedy_match" in m for m in table[pair].values()):
+            match, tau = (column(table, pair, k)["mean"] for k in ("greedy_match", "tau_greedy"))
+            log.info("evaluate: greedy %-31s match %.3f, τ %.2f", pair, match, tau)
     fig = plot_acceptance(alpha, ylabel="on-line acceptance α", title="acceptance per scenario")
     fig.savefig(out_dir / "acceptance.png", dpi=120)
     plt.close(fig)  # pyplot keeps every open figure alive

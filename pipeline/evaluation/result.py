@@ -13,6 +13,8 @@ from pipeline.evaluation.harness import lm_eval_metrics
 SCHEMA_VERSION = 2  # 2 adds speed_table; files without a version are version 1
 FILENAME = "eval.json"
 SCHEMA = "lowbit.eval"
+# The greedy mode's metrics per pair and scenario (acceptance_table's `greedy`).
+GREEDY = ("greedy_match", "alpha_greedy", "tau_greedy")
 
 
 @dataclass(frozen=True)
@@ -27,12 +29,19 @@ class EvalResult(handoff.HandOff):
     ppl: dict[str, float]
     ppl_protocol: dict[str, int | str] | None = None  # split, window, windows, tokens scored
     acceptance: dict[str, dict[str, float]] = field(default_factory=dict)  # on-line alpha
+    # pair -> scenario -> metric: at `temperature`, and greedy (GREEDY) beside it
     speculative: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
+    temperature: float | None = None  # of acceptance and speed (0: greedy); None: not recorded
     costs: dict[str, dict] | None = None  # {"cost_ratio": c, "verify_cost": {gamma: v}}
     error_flow: dict[str, list[float]] = field(default_factory=dict)  # error after each layer
     lm_eval: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
     speed: dict | None = None  # pipeline.runtime.speed.decode_speed's result
     speed_table: dict | None = None  # pipeline.evaluation.speed.speed_table's: the design's rows
+
+    def has_greedy(self, pair: str) -> bool:
+        """Whether every scenario of `pair` has the greedy mode's metrics (older files: none)."""
+        cells = self.speculative.get(pair, {}).values()
+        return bool(cells) and all(set(GREEDY) <= set(c) for c in cells)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -55,6 +64,10 @@ class EvalResult(handoff.HandOff):
             key = pair.replace("@", "-vs-")
             out.update({f"alpha_{key}_{s}": v for s, v in per.items()})
             out[f"tau_{key}_mean"] = column(self.speculative, pair, "tau")["mean"]
+            for metric in GREEDY if self.has_greedy(pair) else ():
+                values = column(self.speculative, pair, metric)
+                shown = values if metric == "greedy_match" else {"mean": values["mean"]}
+                out.update({f"{metric}_{key}_{s}": v for s, v in shown.items()})
         speed = self.speed or {"plain": {}, "speculative": {}}
         out.update({f"tok_s_{k}": v["tokens_per_s"] for k, v in speed["plain"].items()})
         for pair, v in speed["speculative"].items():

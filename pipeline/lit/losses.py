@@ -16,6 +16,13 @@ with R = w_a * accepted / gamma + w_t * (accepted + 1) / ((gamma * c + 1) * (gam
 Position k is verified with probability prod_{j<k} beta_j, so the TVD over verified positions is
 an unbiased pathwise gradient of the expected accepted length; the policy gradient carries the part
 through the sampled tokens. Tokens after the first rejection affect no reward and are left out.
+
+Serving greedily (T = 0), acceptance is argmax agreement, which TVD at any T > 0 only loosely
+tracks: the target verifies greedily (the reward counts greedily accepted tokens), the draft still
+samples at its schedule temperature (the policy gradient needs a stochastic policy), and both TVD
+terms become the hinge of :func:`pipeline.speculative.rewards.greedy_margin_loss`, the on-policy
+one weighted toward a round's early positions (:func:`round_weights`). DistillSpec's finding
+(Zhou et al. 2024): the divergence that pays is the one matching the decoding mode.
 """
 
 from __future__ import annotations
@@ -29,7 +36,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from pipeline.speculative.metrics import align_vocab
 from pipeline.speculative.rewards import (
+    greedy_margin_loss,
     kl_to_reference,
     policy_gradient_loss,
     sampled_logprobs,
@@ -172,6 +181,37 @@ def proposal_logits(model: torch.nn.Module, sequences: torch.Tensor, gamma: int)
     return logits_at(model, sequences, torch.arange(s - gamma - 1, s - 1))
 
 
+def acceptance_term(
+    p_logits: Tensor, q_logits: Tensor, weights: Tensor | None, temperature: float, margin: float
+) -> Tensor:
+    """The serving mode's dense term over (B, K, V) logits: TVD at T > 0 (1 - expected
+    acceptance), the greedy margin at T = 0; ``weights`` (B, K) weigh the positions."""
+    if temperature == 0:
+        return greedy_margin_loss(p_logits, q_logits, weights, margin)
+    return tvd_loss(p_logits, q_logits, weights, temperature)
+
+
+def round_weights(mask: Tensor, temperature: float) -> Tensor:
+    """(B, G) verified positions -> their weights in the on-policy term.
+
+    Greedy: (G - k) / G at position k. A greedy mismatch at k ends the round and forfeits up to
+    the G - k tokens from k on, so an early disagreement costs more accepted tokens per call.
+    """
+    if temperature > 0:
+        return mask
+    gamma = mask.shape[1]
+    return mask * (gamma - torch.arange(gamma, device=mask.device)) / gamma
+
+
+def _context_rows(t: int, count: int, generator: torch.Generator | None) -> Tensor | None:
+    """(K,) sorted random context positions of the teacher-forced term, or None."""
+    if count <= 0 or t <= 1:
+        return None
+    device = generator.device if generator is not None else "cpu"
+    perm = torch.randperm(t - 1, generator=generator, device=device)
+    return perm[:count].sort().values.cpu()
+
+
 def reinforce_loss(
     target: torch.nn.Module,
     draft: torch.nn.Module,
@@ -186,14 +226,13 @@ def reinforce_loss(
     advantages: Callable[[torch.Tensor], torch.Tensor],
     generator: torch.Generator | None = None,
     context_positions: int = 0,
+    greedy_margin: float = 1.0,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """One on-policy round on ``contexts`` (B, T) and the loss of the module docstring."""
+    """One on-policy round on ``contexts`` (B, T) and the loss of the module docstring;
+    ``temperature`` is the serving one (0: greedy, with ``greedy_margin`` in nats)."""
     t = contexts.shape[1]
-    rows = None  # (K,) context positions of the context term, each predicting the next token
-    if weights.context_tvd > 0 and context_positions > 0 and t > 1:
-        device = generator.device if generator is not None else "cpu"
-        perm = torch.randperm(t - 1, generator=generator, device=device)
-        rows = perm[:context_positions].sort().values.cpu()
+    # (K,) context positions of the context term, each predicting the next token
+    rows = _context_rows(t, context_positions if weights.context_tvd > 0 else 0, generator)
     ro = draft_rollout(
         target,
         draft,
@@ -210,31 +249,51 @@ def reinforce_loss(
     keep = proposed if rows is None else torch.cat([rows, proposed])
     q_all = logits_at(draft, ro.sequences, keep)  # (B, K + G, V_q)
     q_logits = q_all[:, -gamma:]
-    context_tvd = (
+    context_term = (
         torch.zeros((), device=q_all.device)
         if rows is None
-        else tvd_loss(ro.p_context.to(q_all.device), q_all[:, :-gamma], None, temperature)
+        else acceptance_term(
+            ro.p_context.to(q_all.device), q_all[:, :-gamma], None, temperature, greedy_margin
+        )
     )
     with torch.no_grad():
         ref_logits = proposal_logits(reference, ro.sequences, gamma)
     vocab = min(q_logits.shape[-1], ro.p_logits.shape[-1])  # proposals come from the shared rows
+    # At T = 0 the target accepted greedily: the reward counts the tokens a greedy round keeps.
     reward = speculative_reward(
         ver.n_accepted, gamma, cost_ratio, weights.w_acceptance, weights.w_throughput
     )  # (B,)
     adv = advantages(reward)
     logq = sampled_logprobs(q_logits[..., :vocab], ro.tokens.to(q_logits.device), draft_temp)
     pg = policy_gradient_loss(logq, adv.to(logq.device), mask)
-    tvd = tvd_loss(ro.p_logits[:, :gamma].to(q_logits.device), q_logits, mask, temperature)
+    p_logits = ro.p_logits[:, :gamma].to(q_logits.device)
+    on_policy = acceptance_term(
+        p_logits, q_logits, round_weights(mask, temperature), temperature, greedy_margin
+    )
     kl = kl_to_reference(q_logits, ref_logits, mask)
-    loss = weights.pg * pg + weights.tvd * tvd + weights.kl * kl + weights.context_tvd * context_tvd
+    loss = (
+        weights.pg * pg
+        + weights.tvd * on_policy
+        + weights.kl * kl
+        + weights.context_tvd * context_term
+    )
+    term = "margin" if temperature == 0 else "tvd"
     stats = {
         "reward": reward.mean().item(),
         "acceptance": ver.n_accepted.float().mean().item() / gamma,
         "alpha": (ver.beta * mask).sum().item() / mask.sum().clamp_min(1).item(),
-        "tvd": tvd.item(),
-        "context_tvd": context_tvd.item(),
+        "greedy_match": _agreement(p_logits, q_logits, mask),
+        term: on_policy.item(),
+        f"context_{term}": context_term.item(),
         "kl": kl.item(),
         "pg": pg.item(),
         "draft_temperature": draft_temp,
     }
     return loss, stats
+
+
+def _agreement(p_logits: Tensor, q_logits: Tensor, mask: Tensor) -> float:
+    """Share of the verified positions where the draft's argmax is the target's."""
+    p_logits, q_logits = align_vocab(p_logits, q_logits)
+    agree = (p_logits.argmax(-1) == q_logits.argmax(-1)) & mask.to(p_logits.device)
+    return agree.sum().item() / mask.sum().clamp_min(1).item()

@@ -1,10 +1,12 @@
 """On-policy acceptance training of the draft: the reinforce stage's LightningModule and data.
 
 The draft proposes gamma tokens at temperature T = T0 * (1 + 0.1 * cos(step / 1000)), the frozen
-target verifies them, and the draft learns from :func:`pipeline.lit.losses.reinforce_loss`; a
-windowed acceptance monitor lowers the lr when acceptance falls. A quantized draft trains only
-its step sizes and zero points. Validation: teacher-forced alpha = mean sum_x min(p, q) per
-scenario, then averaged (deterministic, so checkpoints are compared on the same positions).
+target verifies them at the serving temperature (greedily at 0), and the draft learns from
+:func:`pipeline.lit.losses.reinforce_loss`; a windowed acceptance monitor lowers the lr when
+acceptance falls. A quantized draft trains only its step sizes and zero points. Validation, per
+scenario then averaged (deterministic, so checkpoints are compared on the same positions):
+teacher-forced alpha = mean sum_x min(p, q) and greedy match = the share of positions where the
+draft's argmax is the target's; checkpoints are compared on the serving mode's (match at T = 0).
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from pipeline.models.quantized import (
 )
 from pipeline.quant.fakequant import FakeQuantLinear
 from pipeline.speculative.cost import measure_cost_ratio
-from pipeline.speculative.metrics import expected_acceptance
+from pipeline.speculative.metrics import align_vocab, expected_acceptance
 from pipeline.speculative.monitor import AcceptanceMonitor
 from pipeline.speculative.rewards import MovingAverageBaseline
 from pipeline.speculative.schedule import draft_temperature
@@ -52,7 +54,10 @@ class ReinforceHParams:
 
     train: TrainConfig = field(default_factory=lambda: TrainConfig(lr=3e-3, warmup=10))
     gamma: int = 4  # draft tokens proposed per context
-    temperature: float = 1.0  # decoding temperature the acceptance is trained and measured at
+    # The decoding temperature the draft is trained, selected and measured for (0: greedy);
+    # the defaults node links it to stage.evaluate.temperature (the stage's LINKED).
+    serve_temperature: float = 1.0
+    greedy_margin: float = 1.0  # nats of log-odds the greedy term asks of the target's argmax
     draft_t0: float = 1.0  # T0 of the draft sampling schedule
     w_acceptance: float = 0.7
     w_throughput: float = 0.3
@@ -71,6 +76,16 @@ class ReinforceHParams:
     keep: KeepConfig = field(default_factory=KeepConfig)  # when the best check replaces the input
 
     @property
+    def selection_key(self) -> str:
+        """The validation metric checkpoints and the keep decision compare: the serving mode's."""
+        return "greedy_match" if self.serve_temperature == 0 else "alpha"
+
+    @property
+    def alpha_temperature(self) -> float:
+        """Where validation measures alpha: serving greedily, at T = 1 (alpha(0) is the match)."""
+        return self.serve_temperature or 1.0
+
+    @property
     def loss_weights(self) -> LossWeights:
         return LossWeights(
             pg=self.pg_weight,
@@ -82,10 +97,15 @@ class ReinforceHParams:
         )
 
     def check(self, prefix: str) -> None:
-        positive(prefix, gamma=self.gamma, temperature=self.temperature, draft_t0=self.draft_t0)
-        positive(prefix, cost_ratio=self.cost_ratio)
+        positive(prefix, gamma=self.gamma, draft_t0=self.draft_t0, cost_ratio=self.cost_ratio)
+        if not self.serve_temperature >= 0:
+            raise ConfigError(
+                f"{prefix}.serve_temperature",
+                f"is {self.serve_temperature}",
+                ">= 0 (0: greedy serving; it follows stage.evaluate.temperature by default)",
+            )
         weights = ("w_acceptance", "w_throughput", "pg_weight", "tvd_weight", "kl_weight")
-        for key in (*weights, "context_tvd_weight", "context_positions"):
+        for key in (*weights, "context_tvd_weight", "context_positions", "greedy_margin"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"{prefix}.{key}", f"must be >= 0, got {getattr(self, key)}")
         ranges = (
@@ -180,17 +200,21 @@ def load_draft(path: Path, allow_bin: bool, grad_scale: str) -> torch.nn.Module:
     return draft
 
 
-def result_draft(fit, draft_dir: Path, allow_bin: bool, grad_scale: str) -> torch.nn.Module:
+def result_draft(
+    fit, draft_dir: Path, allow_bin: bool, grad_scale: str, key: str = "alpha"
+) -> torch.nn.Module:
     """A fresh copy of the starting draft: kept as is, or given the best checkpoint's tensors
-    (whatever the strategy did to the trained module, e.g. ZeRO-3 partitions)."""
+    (whatever the strategy did to the trained module, e.g. ZeRO-3 partitions); `key`: the
+    validation metric the decision compared."""
     if not fit.kept:
         return best_weights(fit, "draft.", lambda: load_draft(draft_dir, allow_bin, grad_scale))
     log.warning(
         "reinforce: no checkpoint beat the starting draft beyond the validation noise (best "
-        "teacher-forced alpha %.4f at step %d vs %.4f before training; %s): keeping it unchanged",
-        fit.chosen["alpha"],
+        "teacher-forced %s %.4f at step %d vs %.4f before training; %s): keeping it unchanged",
+        key,
+        fit.chosen[key],
         fit.chosen["step"],
-        fit.before["alpha"],
+        fit.before[key],
         fit.margin.text(),
     )
     return load_model(draft_dir, allow_bin)
@@ -215,7 +239,8 @@ class DraftReinforce(L.LightningModule):
         reference = copy.deepcopy(draft).eval().requires_grad_(False)
         # Outside the module tree: DDP neither broadcasts nor checkpoints them.
         self._frozen = (target.eval().requires_grad_(False), reference)
-        self.gamma, self.temperature, self.cost_ratio = hp.gamma, hp.temperature, hp.cost_ratio
+        self.gamma, self.temperature = hp.gamma, hp.serve_temperature
+        self.cost_ratio = hp.cost_ratio
         self.weights = hp.loss_weights
         self.baseline = MovingAverageBaseline(hp.baseline_momentum)
         self.monitor = AcceptanceMonitor(hp.monitor_window, hp.lr_drop_threshold)
@@ -223,7 +248,8 @@ class DraftReinforce(L.LightningModule):
         # Validation results: the starting draft's (sanity check, step 0) and one per check.
         self.val_input: dict[str, float] | None = None
         self.val_history: list[dict[str, float]] = []
-        self._val: dict[str, list[float]] = {}  # scenario -> one alpha per validation prompt
+        # scenario -> metric ("alpha", "greedy_match") -> one value per validation prompt
+        self._val: dict[str, dict[str, list[float]]] = {}
 
     def on_fit_start(self) -> None:
         self.draft.train()  # loaded models come in eval mode; Lightning does not switch them
@@ -264,6 +290,7 @@ class DraftReinforce(L.LightningModule):
             advantages=self._advantages,
             context_positions=self.hp.context_positions,
             generator=gen,
+            greedy_margin=self.hp.greedy_margin,
         )
         if self._monitor(stats["alpha"]):
             self.lr_scale *= self.hp.lr_drop_factor
@@ -300,21 +327,27 @@ class DraftReinforce(L.LightningModule):
         name, ids = batch  # ids (B, L)
         p_logits = self._frozen[0](input_ids=ids).logits  # (B, L, V_p)
         q_logits = self.draft(input_ids=ids).logits  # (B, L, V_q)
-        _, beta = expected_acceptance(p_logits, q_logits.to(p_logits.device), self.temperature)
-        # One alpha per prompt (a scenario's prompts are equally long: its mean is theirs).
-        self._val.setdefault(name, []).extend(beta.double().mean(1).tolist())
+        p_logits, q_logits = align_vocab(p_logits, q_logits.to(p_logits.device))
+        _, beta = expected_acceptance(p_logits, q_logits, self.hp.alpha_temperature)
+        match = (p_logits.argmax(-1) == q_logits.argmax(-1)).double()  # (B, L)
+        # One value per prompt (a scenario's prompts are equally long: its mean is theirs).
+        per = self._val.setdefault(name, {"alpha": [], "greedy_match": []})
+        per["alpha"].extend(beta.double().mean(1).tolist())
+        per["greedy_match"].extend(match.mean(1).tolist())
 
     def on_validation_epoch_end(self) -> None:
         if not self._val:
             return
-        per_scenario = {name: sum(a) / len(a) for name, a in self._val.items()}
-        alpha = sum(per_scenario.values()) / len(per_scenario)  # scenarios weigh alike
-        result = {"step": float(self.global_step), "alpha": alpha} | {
-            f"alpha_{name}": a for name, a in per_scenario.items()
-        }
-        # Paired window by window with the input's; grouped by scenario, as alpha weighs them.
-        result["windows"] = [a for per in self._val.values() for a in per]
-        result["window_groups"] = [i for i, per in enumerate(self._val.values()) for _ in per]
+        result: dict = {"step": float(self.global_step)}
+        for metric in ("alpha", "greedy_match"):
+            per_scenario = {name: _mean(v[metric]) for name, v in self._val.items()}
+            result[metric] = _mean(per_scenario.values())  # scenarios weigh alike
+            result |= {f"{metric}_{name}": a for name, a in per_scenario.items()}
+        # The serving mode's scores, paired prompt by prompt with the input's; grouped by
+        # scenario, as the mean weighs them.
+        key = self.hp.selection_key
+        result["windows"] = [a for per in self._val.values() for a in per[key]]
+        result["window_groups"] = [i for i, per in enumerate(self._val.values()) for _ in per[key]]
         if self.trainer.sanity_checking:
             if self.val_input is None:
                 self.val_input = result
@@ -350,3 +383,8 @@ class DraftReinforce(L.LightningModule):
             self.cost_ratio = state["cost_ratio"]
         self.val_input = state.get("val_input", self.val_input)
         self.val_history = list(state.get("val_history", []))
+
+
+def _mean(values) -> float:
+    values = list(values)
+    return sum(values) / len(values)

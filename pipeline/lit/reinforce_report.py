@@ -1,5 +1,6 @@
-"""What a reinforce run reports: on-line acceptance of the draft before and after, and the
-teacher-forced validation it was selected on (`reinforce.json`, a plot, the stage metrics)."""
+"""What a reinforce run reports: on-line acceptance of the draft before and after in the serving
+mode (greedy at serve_temperature 0), and the teacher-forced validation it was selected on
+(`reinforce.json`, a plot, the stage metrics)."""
 
 from __future__ import annotations
 
@@ -15,16 +16,23 @@ from pipeline.lit.keep import Margin
 log = logging.getLogger(__name__)
 
 AFTER = "draft_reinforced"  # the trained draft's name in the tables
+_SELECTION = {
+    "alpha": "teacher-forced alpha = mean sum_x min(p, q) at the serving temperature, mean over "
+    "scenarios; higher is better",
+    "greedy_match": "greedy match = share of positions where the draft's argmax is the target's, "
+    "mean over scenarios (serving greedily); higher is better",
+}
 
 
 def measure(cfg, seed: int, target_name: str, target, drafts: dict, scenarios: dict) -> dict:
-    """On-line acceptance of each draft against the target on the held-out prompts."""
+    """On-line acceptance of each draft against the target on the held-out prompts, decoded at
+    the serving temperature (at 0 alpha is the greedy acceptance, alpha_tf the greedy match)."""
     return acceptance_table(
         {target_name: target},
         drafts,
         scenarios,
         gamma=cfg.gamma,
-        temperature=cfg.temperature,
+        temperature=cfg.serve_temperature,
         new_tokens=cfg.eval_new_tokens,
         seed=seed,
     )
@@ -54,14 +62,15 @@ def summary(cfg, fit: Fit, module, sets: dict) -> dict:
     return {
         "steps": module.global_step,
         "gamma": cfg.gamma,
-        "temperature": cfg.temperature,
+        "serve_temperature": cfg.serve_temperature,
         "cost_ratio": module.cost_ratio,
         "kept_input": fit.kept,
         "validation": {
             "split": "validation",
             "prompts": _shapes(sets["validation"]),
-            "metric": "teacher-forced alpha = mean sum_x min(p, q), mean over scenarios; higher "
-            "is better",
+            "metric": _SELECTION[cfg.selection_key],
+            "selected_on": cfg.selection_key,
+            "alpha_temperature": cfg.alpha_temperature,
             **fit.validation(),
         },
         "eval_split": "test",
@@ -122,8 +131,11 @@ def _metrics(report: dict, alpha: dict) -> dict:
         metrics |= Margin.load(val["keep"]).metrics()
     if val["input"] is not None:
         metrics["val_alpha_tf_before_mean"] = val["input"]["alpha"]
+        metrics["val_greedy_match_before_mean"] = val["input"]["greedy_match"]
     metrics |= {
+        "serve_temperature": report["serve_temperature"],
         "val_alpha_tf_after_mean": written["alpha"],
+        "val_greedy_match_after_mean": written["greedy_match"],
         "val_alpha_tf_best_mean": val["best"]["alpha"],
         "best_step": val["best"]["step"],
         "val_prompts": float(min(n for n, _ in val["prompts"].values())),

@@ -3,7 +3,9 @@
 The draft is trained on its own proposals (on-policy, DistillSpec, Zhou et al. 2024) with a
 policy-gradient term on R = 0.7 * acceptance + 0.3 * throughput minus a moving-average
 baseline (TVD++, Goel et al. 2024), the dense TVD term (expected acceptance is exactly
-1 - TVD), and a KL anchor to the starting draft. Pure functions of tensors.
+1 - TVD), and a KL anchor to the starting draft. Serving greedily, a draft token is accepted iff
+it is the target's argmax: the dense term is then a hinge on the draft's log-odds of that token
+(:func:`greedy_margin_loss`). Pure functions of tensors.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from pipeline.speculative.schedule import draft_temperature
 __all__ = [
     "MovingAverageBaseline",
     "draft_temperature",
+    "greedy_margin_loss",
     "kl_to_reference",
     "measure_cost_ratio",
     "policy_gradient_loss",
@@ -106,6 +109,33 @@ def tvd_loss(
     p = torch.softmax(p_logits.float() / temperature, dim=-1)
     q = torch.softmax(q_logits.float() / temperature, dim=-1)
     return masked_mean(0.5 * (p - q).abs().sum(-1), mask)
+
+
+def greedy_margin_loss(
+    p_logits: torch.Tensor,
+    q_logits: torch.Tensor,
+    weights: torch.Tensor | None = None,
+    margin: float = 1.0,
+) -> torch.Tensor:
+    """Weighted mean of max(0, margin - (z_q[y] - max_{x != y} z_q[x])), y the target's argmax.
+
+    (..., V) target and draft logits, (...) weights (None: all 1); no grad into p. Zero exactly
+    where the draft's argmax is the target's by at least ``margin`` nats of log-odds.
+    """
+    # Greedy verification accepts iff argmax q = argmax p, so only positions that disagree (or
+    # agree narrowly) carry gradient, as OSD learns from rejections; cross-entropy to the argmax
+    # would keep sharpening agreeing positions toward one-hot rows, spending the KL anchor's
+    # budget and alpha at T > 0 without accepting one more greedy token.
+    p_logits, q_logits = align_vocab(p_logits.detach(), q_logits)
+    y = p_logits.argmax(-1, keepdim=True)  # (..., 1)
+    z = q_logits.float()
+    z_y = z.gather(-1, y).squeeze(-1)
+    z_other = z.scatter(-1, y, float("-inf")).amax(-1)
+    hinge = torch.relu(margin - (z_y - z_other))  # (...)
+    if weights is None:
+        return hinge.mean()
+    weights = weights.to(hinge.device, hinge.dtype)
+    return (hinge * weights).sum() / weights.sum().clamp_min(1e-12)
 
 
 def kl_to_reference(

@@ -49,7 +49,9 @@ def draft_rollout(
     """Propose ``gamma`` tokens per (B, T) context with the draft and verify them with the target.
 
     ``draft_temperature`` (None: ``temperature``) changes the draft's sampling only: verification
-    tests against the distribution sampled. ``context_positions`` (K,) < T - 1: target logits to
+    tests against the distribution sampled; at ``temperature`` 0 it accepts a token iff it is the
+    target's argmax, whatever the draft sampled (so a training draft may explore while the
+    target verifies greedily, as it serves). ``context_positions`` (K,) < T - 1: target logits to
     return too from the same forward (for a teacher-forced loss).
     """
     contexts = torch.as_tensor(contexts, dtype=torch.long)
@@ -59,15 +61,13 @@ def draft_rollout(
         raise ValueError(f"gamma must be >= 1, got {gamma}")
     greedy = temperature == 0
     t_draft = temperature if draft_temperature is None else draft_temperature
-    if greedy and t_draft != 0:
-        raise ValueError("greedy verification (temperature=0) needs a greedy draft")
     drf = CachedLM(draft)
     vocab = vocab_size(target)
     feed, tokens, q_logits, q_probs = contexts, [], [], []
     for _ in range(gamma):
         logits = drf.forward(feed, keep=1)[:, -1]  # (B, V_q)
         q = draft_probs(logits, vocab, t_draft)  # (B, V)
-        tok = sample_tokens(q, generator, greedy)  # (B,)
+        tok = sample_tokens(q, generator, t_draft == 0)  # (B,)
         tokens.append(tok)
         q_logits.append(logits)
         q_probs.append(q)

@@ -35,6 +35,9 @@ class EvaluateConfig:
     """Perplexity of every model in the run; acceptance of every draft/target pair per scenario."""
 
     batch_size: int = 8
+    # Decoding temperature of every acceptance and speed measurement (0: greedy, the runtime's
+    # default); stage.reinforce.serve_temperature follows it. Greedy match and tokens per call
+    # of greedy decoding are reported beside it either way.
     temperature: float = 1.0
     scenarios: list[str] = field(default_factory=lambda: ["long", "repetition", "rare", "mix"])
     scenario_prompts: int = 8  # held-out prompts per scenario (teacher-forced alpha uses all)
@@ -61,7 +64,6 @@ class EvaluateConfig:
         positive(
             prefix,
             batch_size=self.batch_size,
-            temperature=self.temperature,
             spec_new_tokens=self.spec_new_tokens,
             gamma=self.gamma,
             gamma_min=self.gamma_min,
@@ -72,16 +74,15 @@ class EvaluateConfig:
         from pipeline.data.scenarios import SCENARIOS
         from pipeline.errors import ConfigError
 
-        if self.gamma_max < self.gamma_min:
-            raise ConfigError(
-                f"{prefix}.gamma_max", f"is {self.gamma_max}", f">= gamma_min ({self.gamma_min})"
-            )
-        if self.speed_repeats < 3:
-            raise ConfigError(
-                f"{prefix}.speed_repeats", f"is {self.speed_repeats}", ">= 3 (median of passes)"
-            )
-        if not 50 <= self.window <= 100:
-            raise ConfigError(f"{prefix}.window", f"is {self.window}", "50 <= window <= 100")
+        ranges = (
+            ("temperature", self.temperature >= 0, ">= 0 (0: greedy)"),
+            ("gamma_max", self.gamma_max >= self.gamma_min, f">= gamma_min ({self.gamma_min})"),
+            ("speed_repeats", self.speed_repeats >= 3, ">= 3 (median of passes)"),
+            ("window", 50 <= self.window <= 100, "50 <= window <= 100"),
+        )
+        for key, ok, allowed in ranges:
+            if not ok:
+                raise ConfigError(f"{prefix}.{key}", f"is {getattr(self, key)}", allowed)
         for i, s in enumerate(self.scenarios):
             if s not in SCENARIOS:
                 raise ConfigError(f"{prefix}.scenarios[{i}]", f"is {s!r}", ", ".join(SCENARIOS))
@@ -132,9 +133,11 @@ def _speculative(cfg: EvaluateConfig, run: RunConfig, corpus, tokenizer, targets
         max_prompts=cfg.spec_prompts,
         batch_size=cfg.batch_size,
         seed=run.seed,
+        greedy=True,
         **decoding,
     )
     out["speculative"], out["acceptance"] = table, report_acceptance(table, io.out_dir)
+    out["temperature"] = cfg.temperature
     if cfg.timing:  # last: it converts the models to the runtime's kernels in place
         window = (cfg.gamma_min, cfg.gamma_max, cfg.window) if cfg.adaptive else None
         out |= speed_report(

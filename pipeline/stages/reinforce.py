@@ -1,9 +1,11 @@
 """reinforce: train the draft for acceptance against the target it will serve.
 
 The draft (`model.draft.path` or the bootstrap draft) trains on-policy on the acceptance
-scenarios against the run's final target (`pipeline.lit.reinforce`); the checkpoint with the
-best teacher-forced alpha on the validation split is kept when its gain holds beyond the noise
-of the prompts (`pipeline.lit.keep`), else the starting draft. `cost_ratio` set: reproducible
+scenarios against the run's final target (`pipeline.lit.reinforce`) for the decoding it will
+serve (`serve_temperature`, stage.evaluate.temperature's by default: greedy at 0, sampled at T);
+the checkpoint best on the validation split in that mode (greedy match at 0, teacher-forced
+alpha(T) otherwise) is kept when its gain holds beyond the noise of the prompts
+(`pipeline.lit.keep`), else the starting draft. `cost_ratio` set: reproducible
 bit for bit; null: measured once, kept for a resume. Without a draft the target drafts for
 itself and the stage is skipped.
 """
@@ -53,10 +55,13 @@ class ReinforceConfig(ReinforceHParams):
     val_prompts: int = 32  # per scenario, validation split: the checkpoint selection
 
     RENAMED = RENAMED | {
+        "temperature": "serve_temperature",
         "checkpoint_every": "train.checkpoint_every",
         "grad_clip": "train.grad_clip",
         "quant_grad_scale": "train.quant_grad_scale",
     }
+    # One setting drives both: the draft trains for the decoding evaluate measures.
+    LINKED = {"serve_temperature": "stage.evaluate.temperature"}
 
     def check(self, prefix: str) -> None:
         super().check(prefix)
@@ -114,8 +119,8 @@ def run(cfg: ReinforceConfig, run: RunConfig, io: StageIO) -> dict:
         dist=io.dist,
         logger=io.log.lightning_logger() or False,
         select=Selection(
-            "val/alpha",
-            "alpha",
+            f"val/{cfg.selection_key}",
+            cfg.selection_key,
             larger_is_better=True,
             keep=cfg.keep,
             seed=seed,
@@ -127,7 +132,8 @@ def run(cfg: ReinforceConfig, run: RunConfig, io: StageIO) -> dict:
         return {}
 
     device = next(target.parameters()).device  # Lightning may have moved the module back
-    draft = result_draft(fit, draft_dir, allow_bin, grad_scale).to(device).eval()
+    draft = result_draft(fit, draft_dir, allow_bin, grad_scale, cfg.selection_key)
+    draft = draft.to(device).eval()
     pairs = {"before": f"{start}@{target_name}", "after": f"{rr.AFTER}@{target_name}"}
     if fit.kept:
         table[pairs["after"]] = table[pairs["before"]]

@@ -89,6 +89,38 @@ def test_the_temperature_schedule_reaches_the_decoder(target, stranger, monkeypa
     assert seen == [False, False, True, True]
 
 
+def test_the_greedy_mode_is_measured_beside_the_temperature(target, stranger, monkeypatch):
+    """With `greedy`, each cell also holds greedy decoding's numbers: the same as a table decoded
+    at temperature 0, and decoded once more only when the temperature is not 0 already."""
+    from pytest import approx
+
+    from pipeline.speculative import decoding
+
+    decoded_at = []
+    real = decoding.speculative_generate
+
+    def spy(*args, **kwargs):
+        decoded_at.append(kwargs["temperature"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(decoding, "speculative_generate", spy)
+    models = ({"t": target}, {"self": target, "other": stranger}, _scenarios())
+    kwargs = dict(gamma=3, new_tokens=8, max_prompts=2)
+    both = acceptance_table(*models, temperature=1.0, greedy=True, **kwargs)
+    assert decoded_at == ([1.0] * 2 + [0.0] * 2) * 4  # 2 pairs x 2 scenarios, 2 prompts each
+    decoded_at.clear()
+    greedy = acceptance_table(*models, temperature=0.0, greedy=True, **kwargs)
+    assert decoded_at == [0.0] * 8
+    for pair, per in both.items():
+        for scen, m in per.items():
+            g = greedy[pair][scen]
+            assert m["greedy_match"] == approx(g["alpha_tf"]) == approx(g["greedy_match"])
+            assert m["alpha_greedy"] == approx(g["alpha"]) and m["tau_greedy"] == approx(g["tau"])
+    for m in both["self@t"].values():  # a draft that is its target: every argmax agrees
+        assert m["greedy_match"] == approx(1.0) and m["tau_greedy"] > 2.0
+    assert all(m["greedy_match"] < 0.5 for m in both["other@t"].values())
+
+
 def test_the_adaptive_draft_length_is_priced_with_the_measured_costs(monkeypatch):
     from pipeline.evaluation import acceptance
     from tests.speculative.conftest import perturbed, tiny_llama

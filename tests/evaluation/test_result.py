@@ -4,6 +4,7 @@ a version it does not know, and flattens to the tracker's metrics."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -70,6 +71,21 @@ def test_a_missing_or_corrupt_file_names_the_stage_to_rerun(tmp_path, text):
         (tmp_path / FILENAME).write_text(text)
     with pytest.raises(LowbitError, match="rerun the evaluate stage"):
         EvalResult.load(tmp_path)
+
+
+def test_greedy_metrics_reach_the_tracker_where_measured():
+    greedy = {"greedy_match": 0.5, "alpha_greedy": 0.45, "tau_greedy": 2.0}
+    cells = {s: m | greedy for s, m in FULL.speculative["draft_fp@target_fp"].items()}
+    cells["long"] = cells["long"] | {"greedy_match": 0.3}
+    ev = replace(FULL, speculative={"draft_fp@target_fp": cells}, temperature=0.0)
+    assert ev.has_greedy("draft_fp@target_fp") and not FULL.has_greedy("draft_fp@target_fp")
+    m = ev.metrics()
+    assert m["greedy_match_draft_fp-vs-target_fp_long"] == 0.3
+    assert m["greedy_match_draft_fp-vs-target_fp_mean"] == pytest.approx(0.4)
+    assert m["tau_greedy_draft_fp-vs-target_fp_mean"] == 2.0
+    assert m["alpha_greedy_draft_fp-vs-target_fp_mean"] == pytest.approx(0.45)
+    assert not any(k.startswith(("greedy", "tau_greedy")) for k in FULL.metrics())
+    assert EvalResult.from_dict(ev.to_dict()) == ev  # the temperature round-trips
 
 
 def test_metrics_flatten_every_measurement():

@@ -9,8 +9,9 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from pipeline.lit.config import TrainConfig
+from pipeline.lit.fit import Selection, pick_best
 from pipeline.lit.lm import step_loader
-from pipeline.lit.losses import LossWeights, proposal_logits, reinforce_loss
+from pipeline.lit.losses import LossWeights, proposal_logits, reinforce_loss, round_weights
 from pipeline.lit.qat import prepare_qat
 from pipeline.lit.reinforce import (
     DraftReinforce,
@@ -248,8 +249,105 @@ def test_rollout_draft_temperature_is_what_the_draft_samples_at(target):
     gen = torch.Generator().manual_seed(0)
     ro = draft_rollout(target, draft, _contexts(4, 6), 3, draft_temperature=0.0, generator=gen)
     assert torch.equal(ro.tokens, ro.q_logits.argmax(-1))  # a greedy draft, sampled target
-    with pytest.raises(ValueError, match="greedy"):
-        draft_rollout(target, draft, _contexts(2, 6), 2, temperature=0.0, draft_temperature=1.0)
+    # A sampling draft, a greedy target: accepted while the proposals are the target's argmax.
+    ro = draft_rollout(
+        target, draft, _contexts(4, 6), 3, temperature=0.0, draft_temperature=1.0, generator=gen
+    )
+    assert not torch.equal(ro.tokens, ro.q_logits.argmax(-1))
+    match = ro.tokens == ro.p_logits[:, :3].argmax(-1)
+    assert torch.equal(ro.verification.n_accepted, match.long().cumprod(-1).sum(-1))
+
+
+def test_greedy_round_weights_favour_a_round_s_early_positions():
+    mask = torch.tensor([[True, True, True, False], [True, False, False, False]])
+    assert round_weights(mask, 0.0).tolist() == [[1.0, 0.75, 0.5, 0.0], [1.0, 0.0, 0.0, 0.0]]
+    assert torch.equal(round_weights(mask, 0.7), mask)  # sampled: every verified position alike
+
+
+def _greedy_match(target, draft, contexts) -> float:
+    """Teacher-forced share of positions where the draft's argmax is the target's."""
+    with torch.no_grad():
+        p, q = target(input_ids=contexts).logits, draft(input_ids=contexts).logits
+    return (p.argmax(-1) == q.argmax(-1)).float().mean().item()
+
+
+def _train_greedy_match(target, serve_temperature: float, steps: int = 12) -> tuple[float, float]:
+    """Greedy match on unseen contexts before and after `steps` of the reinforce objective."""
+    draft = perturbed(target, 0.05, seed=11).requires_grad_(True).train()
+    reference = copy.deepcopy(draft).requires_grad_(False)
+    held_out = _contexts(16, 12, seed=99)
+    before = _greedy_match(target, draft, held_out)
+    opt = torch.optim.Adam(draft.parameters(), lr=3e-3)
+    baseline = MovingAverageBaseline()
+    for step in range(steps):
+        loss, stats = reinforce_loss(
+            target,
+            draft,
+            reference,
+            _contexts(8, 12, seed=step),
+            gamma=4,
+            temperature=serve_temperature,
+            draft_temp=1.0,
+            cost_ratio=0.3,
+            weights=replace(WEIGHTS, context_tvd=1.0),
+            advantages=baseline.advantages,
+            generator=torch.Generator().manual_seed(step),
+            context_positions=8,
+        )
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    term = "margin" if serve_temperature == 0 else "tvd"
+    assert {term, f"context_{term}", "greedy_match"} <= set(stats)
+    return before, _greedy_match(target, draft, held_out)
+
+
+def test_serving_greedily_the_objective_raises_the_greedy_match_tvd_at_1_does_not(target):
+    """The same steps on the same tiny pair: the serve_temperature = 0 objective raises the
+    argmax agreement on contexts it never saw, the T = 1 one (TVD) leaves it where it was."""
+    before, greedy = _train_greedy_match(target, 0.0)
+    same, sampled = _train_greedy_match(target, 1.0)
+    assert before == same
+    assert greedy > before + 0.05 and greedy > sampled + 0.05, (before, greedy, sampled)
+
+
+def _validated(target, draft, serve_temperature: float) -> dict:
+    """The validation record DraftReinforce writes for `draft` (a real Lightning validation)."""
+    hp = ReinforceHParams(serve_temperature=serve_temperature, cost_ratio=0.3)
+    module = DraftReinforce(draft, target, hp, seed=0)
+    gen = torch.Generator().manual_seed(3)
+    prompts = {
+        "mix": torch.randint(0, VOCAB, (8, 12), generator=gen),
+        "long": torch.randint(0, VOCAB, (8, 24), generator=gen),
+    }
+    trainer = L.Trainer(
+        accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False
+    )
+    trainer.validate(module, dataloaders=ReinforceData(prompts, prompts, 4, 0).val_dataloader())
+    return module.val_history[-1]
+
+
+def test_serving_greedily_the_keep_decision_compares_greedy_match(target):
+    """The input: the target with 4x sharper logits (its argmax everywhere, a poor alpha at
+    T = 1); the "trained" draft: a noisy copy (a better alpha at T = 1, some argmaxes lost).
+    Serving at T = 1 the noisy copy is handed on; serving greedily the input is kept."""
+    sharp = copy.deepcopy(target)
+    with torch.no_grad():
+        sharp.lm_head.weight.mul_(4.0)
+    noisy = perturbed(target, 0.01, seed=12)
+    decided = {}
+    for t in (1.0, 0.0):
+        before, after = _validated(target, sharp, t), _validated(target, noisy, t)
+        assert after["alpha"] > before["alpha"] and before["greedy_match"] == 1.0
+        assert after["greedy_match"] < before["greedy_match"]
+        key = ReinforceHParams(serve_temperature=t).selection_key
+        # The paired windows are the serving mode's per-prompt scores (8 prompts a scenario).
+        assert sum(after["windows"]) / 16 == pytest.approx(after[key])
+        select = Selection(f"val/{key}", key, larger_is_better=True, seed=0)
+        chosen, kept, margin = pick_best("reinforce", before, [after], select)
+        decided[t] = (key, kept, margin.gain)
+    assert decided[1.0][:2] == ("alpha", False) and decided[1.0][2] > 0
+    assert decided[0.0][:2] == ("greedy_match", True) and decided[0.0][2] < 0
 
 
 def _scripted_loss(monkeypatch, alphas=None, nan_at=None):

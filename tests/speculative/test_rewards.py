@@ -9,6 +9,7 @@ from pipeline.speculative.metrics import expected_acceptance
 from pipeline.speculative.rewards import (
     MovingAverageBaseline,
     draft_temperature,
+    greedy_margin_loss,
     kl_to_reference,
     measure_cost_ratio,
     policy_gradient_loss,
@@ -78,6 +79,56 @@ def test_tvd_loss_respects_mask_and_does_not_train_the_target():
     loss.backward()
     assert p.grad is None
     assert q.grad[0, 1].abs().sum() > 0 and q.grad[1].abs().sum() == 0
+
+
+def test_greedy_margin_is_zero_exactly_where_the_draft_argmax_agrees_by_the_margin():
+    gen = torch.Generator().manual_seed(0)
+    p = torch.randn(4, 6, 9, generator=gen)
+    q = torch.randn(4, 6, 9, generator=gen)
+    y = p.argmax(-1, keepdim=True)
+    q[0] = p[0] + 3.0 * torch.nn.functional.one_hot(y[0, :, 0], 9)  # row 0 agrees by > 1 nat
+    q.requires_grad_()
+    gap = q.gather(-1, y).squeeze(-1) - q.scatter(-1, y, -1e9).amax(-1)  # (4, 6) log-odds
+    per_position = torch.clamp(1.0 - gap, min=0.0)
+    assert greedy_margin_loss(p, q).item() == pytest.approx(per_position.mean().item(), rel=1e-6)
+    w = torch.rand(4, 6, generator=gen)
+    expected = (per_position * w).sum() / w.sum()
+    assert greedy_margin_loss(p, q, w).item() == pytest.approx(expected.item(), rel=1e-6)
+    greedy_margin_loss(p, q).backward()
+    grad = q.grad.abs().sum(-1)  # (4, 6)
+    assert ((grad > 0) == (gap < 1.0)).all() and (gap >= 1.0).any()
+    # A draft agreeing everywhere by the margin scores 0, one disagreeing anywhere above 0.
+    agreeing = 4.0 * torch.nn.functional.one_hot(p.argmax(-1), 9).float()
+    assert greedy_margin_loss(p, agreeing).item() == 0.0
+    agreeing[0, 0] = agreeing[0, 0].roll(1)
+    assert greedy_margin_loss(p, agreeing).item() > 0.0
+
+
+def test_a_tvd_step_at_t1_can_raise_alpha_and_lose_the_argmax_the_margin_step_keeps_it():
+    """Greedy serving needs argmax agreement. A draft over-predicting the target's top token
+    (0.45 vs 0.40) with the runner-up under-predicted: one TVD step at T = 1 moves mass from the
+    top token to the runner-up, which raises alpha(T = 1) and flips the draft's argmax, so greedy
+    verification rejects; the same step on the margin loss widens the agreeing gap."""
+    p = torch.tensor([[0.40, 0.35, 0.25]]).log()
+    start = torch.tensor([[0.45, 0.33, 0.22]]).log()
+
+    def step(loss_fn):
+        q = start.clone().requires_grad_()
+        loss_fn(p, q).backward()
+        return (q - 1.0 * q.grad).detach()
+
+    def alpha(q):
+        return expected_acceptance(p, q)[0].item()
+
+    def agrees(q):
+        return bool((q.argmax(-1) == p.argmax(-1)).all())
+
+    tvd_step, margin_step = step(tvd_loss), step(greedy_margin_loss)
+    assert agrees(start)
+    assert alpha(tvd_step) > alpha(start) and not agrees(tvd_step)
+    assert agrees(margin_step)
+    gap = (margin_step[0, 0] - margin_step[0, 1:].max()).item()
+    assert gap > (start[0, 0] - start[0, 1]).item()
 
 
 def test_kl_to_reference():

@@ -19,6 +19,7 @@ STAGES = "stages=[bootstrap,evaluate]"
         ("stage.evaluate.gamma_min=0", "gamma_min"),
         ("stage.evaluate.gamma_max=1", "gamma_max"),
         ("stage.evaluate.speed_repeats=2", "speed_repeats"),
+        ("stage.evaluate.temperature=-0.1", "temperature"),
     ],
 )
 def test_check_names_the_bad_key(tmp_path, override, key):
@@ -34,16 +35,25 @@ def test_defaults_adapt_gamma_2_to_5_over_64_verifications():
     assert cfg.allow_plain and cfg.speed_repeats == 3
 
 
-@pytest.mark.parametrize("adaptive", [True, False])
-def test_end_to_end_records_costs_and_the_draft_length(boot, tmp_path, adaptive):
+@pytest.mark.parametrize(("adaptive", "temperature"), [(True, 1.0), (False, 0.0)])
+def test_end_to_end_records_costs_and_the_draft_length(boot, tmp_path, adaptive, temperature):
     from tests.stages.conftest import boot_cfg
 
     tiny = ("stage.evaluate.timing=false", "stage.evaluate.scenarios=[mix]")
-    cfg = boot_cfg(boot, tmp_path, STAGES, *tiny, f"stage.evaluate.adaptive={adaptive}")
+    decoding = (f"stage.evaluate.adaptive={adaptive}", f"stage.evaluate.temperature={temperature}")
+    cfg = boot_cfg(boot, tmp_path, STAGES, *tiny, *decoding)
     metrics = workflow.run(cfg)["evaluate"]["metrics"]
     ev = EvalResult.load(tmp_path / "run" / "evaluate")
     row = ev.speculative["draft_fp@target_fp"]["mix"]
     assert metrics["tau_draft_fp-vs-target_fp_mean"] == pytest.approx(row["tau"])
+    # Greedy decoding's numbers beside the temperature's, in eval.json and the metrics.
+    assert ev.temperature == temperature
+    assert 0 <= row["greedy_match"] <= 1 and row["tau_greedy"] >= 1
+    if temperature == 0:  # greedy already: the same numbers, decoded once
+        assert (row["greedy_match"], row["tau_greedy"]) == (row["alpha_tf"], row["tau"])
+    key = "draft_fp-vs-target_fp"
+    assert metrics[f"greedy_match_{key}_mean"] == pytest.approx(row["greedy_match"])
+    assert metrics[f"tau_greedy_{key}_mean"] == pytest.approx(row["tau_greedy"])
     if not adaptive:
         assert ev.costs is None and row["gamma"] <= 4  # fixed gamma 4 (shorter at the end)
         return

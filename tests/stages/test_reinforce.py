@@ -61,13 +61,16 @@ def force(monkeypatch, steps: dict[int, float], at_start: float = 1.0) -> None:
     monkeypatch.setattr(cls, "training_step", training_step)
 
 
-def val_alpha(cfg, target, draft) -> float:
-    """Teacher-forced alpha on the stage's validation prompts, mean over scenarios (reference)."""
+def val_alpha(cfg, target, draft, temperature: float = 1.0) -> float:
+    """Teacher-forced alpha on the stage's validation prompts, mean over scenarios (reference);
+    at temperature 0, the share of positions where the argmaxes agree."""
     tokenizer = load_tokenizer(target)
     docs = load_splits(data_cfg(cfg))["validation"]
     sets = heldout_scenarios(tokenizer, docs, n_prompts=8, prompt_len=24, long_len=80, seed=0)
     t, d = load_causal_lm(target).eval(), load_causal_lm(draft).eval()
-    alphas = [teacher_forced_acceptance(t, d, [torch.tensor(v)]) for v in sets.values()]
+    alphas = [
+        teacher_forced_acceptance(t, d, [torch.tensor(v)], temperature) for v in sets.values()
+    ]
     return sum(alphas) / len(alphas)
 
 
@@ -254,6 +257,9 @@ def test_no_draft_means_self_speculation_and_a_skip(boot, tmp_path):
         ("stage.reinforce.lr_drop_factor=0", "lr_drop_factor"),
         ("stage.reinforce.lr_drop_factor=1.5", "lr_drop_factor"),
         ("stage.reinforce.keep.min_gain=-0.01", "keep.min_gain"),
+        ("stage.reinforce.serve_temperature=-0.5", "serve_temperature"),
+        ("stage.evaluate.temperature=-1", "serve_temperature"),  # what it follows by default
+        ("stage.reinforce.greedy_margin=-1", "greedy_margin"),
     ],
 )
 def test_check_names_the_bad_key(tmp_path, override, key):
@@ -293,3 +299,50 @@ def test_a_nan_step_is_skipped_by_the_guard(boot, tmp_path, monkeypatch):
     assert metrics["nan_skipped"] == 1.0
     draft = load_causal_lm(tmp_path / "run" / "reinforce" / "draft")
     assert all(torch.isfinite(p).all() for p in draft.parameters())
+
+
+def test_serve_temperature_follows_evaluate_and_moves_the_fingerprint(tmp_path):
+    """One setting drives both stages: evaluate's temperature is reinforce's serving one unless
+    set apart (or through the old name, `temperature`), and each value is its own fingerprint."""
+    from pipeline.config import run_config
+    from pipeline.stageplan import fingerprint
+
+    def stage(*overrides):
+        cfg = smoke_cfg(tmp_path, "tracking=none", STAGES, *overrides)
+        return workflow.make_stage(cfg, "reinforce", run_config(cfg))
+
+    default = stage()
+    assert default.cfg.serve_temperature == 1.0 and default.cfg.selection_key == "alpha"
+    greedy = {
+        name: stage(*overrides)
+        for name, overrides in {
+            "evaluate": ["stage.evaluate.temperature=0"],
+            "own": ["stage.reinforce.serve_temperature=0"],
+            "old name": ["stage.reinforce.temperature=0"],
+        }.items()
+    }
+    assert all(s.cfg.serve_temperature == 0 for s in greedy.values())
+    assert greedy["own"].cfg.selection_key == "greedy_match"
+    prints = {name: fingerprint(s, {}) for name, s in greedy.items()}
+    assert len(set(prints.values())) == 1 and fingerprint(default, {}) not in prints.values()
+    apart = stage("stage.evaluate.temperature=0", "stage.reinforce.serve_temperature=0.7")
+    assert apart.cfg.serve_temperature == 0.7
+    assert fingerprint(apart, {}) not in {fingerprint(default, {}), *prints.values()}
+
+
+def test_serving_greedily_trains_and_keeps_on_greedy_match(boot, tmp_path):
+    cfg = boot_cfg(boot, tmp_path, STAGES, *TINY, "stage.evaluate.temperature=0")
+    metrics = workflow.run(cfg)["reinforce"]["metrics"]
+    report = json.loads((tmp_path / "run" / "reinforce" / "reinforce.json").read_text())
+    val = report["validation"]
+    assert report["serve_temperature"] == 0 and metrics["serve_temperature"] == 0
+    assert val["selected_on"] == "greedy_match" and val["alpha_temperature"] == 1.0
+    # The keep decision paired the per-prompt greedy matches: its gain is theirs.
+    best = val["input"] if report["kept_input"] else val["best"]
+    assert metrics["keep_windows"] == 32 and len(val["input"]["windows"]) == 32
+    gain = val["best"]["greedy_match"] - val["input"]["greedy_match"]
+    assert metrics["keep_gain"] == pytest.approx(gain)
+    assert metrics["val_greedy_match_after_mean"] == best["greedy_match"]
+    reference = val_alpha(cfg, boot["target"], boot["draft"], temperature=0.0)
+    assert metrics["val_greedy_match_before_mean"] == pytest.approx(reference, rel=1e-6)
+    assert 0 < reference < 1
