@@ -201,6 +201,9 @@ class DataConfig:
     eval_windows: int | None = None
     builtin_packages: list[str] = field(default_factory=lambda: list(BUILTIN_PACKAGES))
     builtin_max_chars: int | None = 12_000_000
+    # Render every document through the target tokenizer's chat template (pipeline/data/chat.py):
+    # a text_field of role/content message lists is one conversation, plain text one user turn.
+    chat_template: bool = False
 
     def check(self, prefix: str) -> None:
         if self.path is not None and not Path(self.path).exists():
