@@ -64,7 +64,7 @@ def force(monkeypatch, steps: dict[int, float], at_start: float = 1.0) -> None:
 def val_alpha(cfg, target, draft) -> float:
     """Teacher-forced alpha on the stage's validation prompts, mean over scenarios (reference)."""
     tokenizer = load_tokenizer(target)
-    docs = load_splits(data_cfg(cfg))["validation"]
+    docs = load_splits(data_cfg(cfg), tokenizer)["validation"]
     sets = heldout_scenarios(tokenizer, docs, n_prompts=8, prompt_len=24, long_len=80, seed=0)
     t, d = load_causal_lm(target).eval(), load_causal_lm(draft).eval()
     alphas = [teacher_forced_acceptance(t, d, [torch.tensor(v)]) for v in sets.values()]
@@ -293,3 +293,19 @@ def test_a_nan_step_is_skipped_by_the_guard(boot, tmp_path, monkeypatch):
     assert metrics["nan_skipped"] == 1.0
     draft = load_causal_lm(tmp_path / "run" / "reinforce" / "draft")
     assert all(torch.isfinite(p).all() for p in draft.parameters())
+
+
+def test_with_data_chat_template_the_prompts_are_cut_from_rendered_documents(
+    boot, tmp_path, chat_target
+):
+    chat = (
+        "tracking=none", "model=hf", f"model.target.path={chat_target}",
+        f"model.draft.path={boot['draft']}", "stages=[reinforce]", "data.chat_template=true",
+    )  # fmt: skip
+    cfg = smoke_cfg(tmp_path, *chat, *TINY, "stage.reinforce.train.steps=2")
+    workflow.run(cfg)
+    report = json.loads((tmp_path / "run" / "reinforce" / "reinforce.json").read_text())
+    start = report["validation"]["input"]["alpha"]  # the starting draft on the validation prompts
+    assert start == pytest.approx(val_alpha(cfg, chat_target, boot["draft"]), rel=1e-5)
+    plain = smoke_cfg(tmp_path, *chat[:-1], *TINY)
+    assert start != pytest.approx(val_alpha(plain, chat_target, boot["draft"]), rel=1e-3)
