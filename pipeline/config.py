@@ -255,6 +255,9 @@ class DataConfig:
     builtin_packages: list[str] = field(default_factory=lambda: list(BUILTIN_PACKAGES))
     builtin_max_chars: int | None = 12_000_000
     num_proc: int = 1  # tokenizing processes (Dataset.map); a fast tokenizer batches on threads
+    # Render every document through the target tokenizer's chat template (pipeline/data/chat.py):
+    # a text_field of role/content message lists is one conversation, plain text one user turn.
+    chat_template: bool = False
 
     @property
     def source(self) -> str:

@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 
 from pipeline.config import DataConfig, ModelConfig
+from pipeline.data.chat import require_template
 from pipeline.data.text import file_splits, is_saved_dataset, missing_field, too_few_documents
 from pipeline.errors import LowbitError
 from pipeline.models.hf import check_checkpoint, load_tokenizer, vocabulary_difference
@@ -33,6 +34,18 @@ def check_inputs(models: ModelConfig, data: DataConfig) -> None:
         tokenizer = load_tokenizer(dirs["target"], key="model.target.path")
         if dirs["draft"] is not None:
             check_draft_vocabulary(tokenizer, dirs["target"], dirs["draft"])
+        if data.chat_template:
+            require_template(
+                tokenizer,
+                f"data.chat_template=true with model.target.path={models.target.path}",
+                "set data.chat_template=false, or add the model's chat template to its "
+                "tokenizer files",
+            )
+    elif data.chat_template:
+        raise LowbitError(
+            "data.chat_template=true, but the bootstrap model's tokenizer has no chat template; "
+            "set model.target.path to a chat model's checkpoint, or data.chat_template=false"
+        )
     if data.path is not None or data.name is not None:
         check_data(data)
 

@@ -120,6 +120,10 @@ def test_stage_defaults_live_in_the_dataclasses_only():
         (["experiment=smoke", "stage.bootstrap.precision=bf16-mixed"], "stage.bootstrap.precision",
          "bf16-mixed"),
         (["tracking=none"], "tracking.enabled", False),
+        (["data.chat_template=true"], "data.chat_template", True),
+        (["stage.evaluate.lm_eval.gen_kwargs={max_gen_toks:64,until:[x]}"],
+         "stage.evaluate.lm_eval.gen_kwargs.until", ["x"]),
+        (["stage.evaluate.lm_eval.log_samples=true"], "stage.evaluate.lm_eval.log_samples", True),
     ],
 )  # fmt: skip
 def test_overrides_reach_the_parsed_config(overrides, key, value):

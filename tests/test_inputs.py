@@ -286,6 +286,19 @@ def test_a_draft_without_tokenizer_files_cannot_be_checked(valid, draft):
     assert "holds no tokenizer files" in draft_fails(valid, draft)
 
 
+def test_data_chat_template_needs_a_target_tokenizer_that_has_one(valid, ckpt):
+    from transformers import AutoTokenizer
+
+    message = fails("model=hf", f"model.target.path={ckpt}", "data.chat_template=true")
+    assert message.startswith(f"data.chat_template=true with model.target.path={ckpt}: the ")
+    assert "tokenizer has no chat template" in message and "data.chat_template=false" in message
+    assert "bootstrap model's tokenizer has no chat template" in fails("data.chat_template=true")
+    tok = AutoTokenizer.from_pretrained(ckpt)
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    tok.save_pretrained(ckpt)
+    check(make_cfg("model=hf", f"model.target.path={ckpt}", "data.chat_template=true"))
+
+
 # ------------------------------------------------------------------------------ data
 def test_no_file_of_a_supported_kind(valid, tmp_path):
     (tmp_path / "notes.md").write_text("\n".join(LINES))

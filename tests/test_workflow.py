@@ -100,6 +100,21 @@ def test_the_fingerprint_hashes_parsed_values_of_the_sections_read(toy_stages, t
     assert CALLS == ["evaluate"]
 
 
+def test_data_chat_template_moves_the_fingerprint_of_every_stage_that_reads_the_corpus():
+    from pipeline.config import run_config
+    from pipeline.stageplan import fingerprint
+
+    def fingerprints(*overrides: str) -> dict[str, str]:
+        composed = make_cfg(*overrides)
+        run = run_config(composed)
+        return {n: fingerprint(workflow.make_stage(composed, n, run), {}) for n in composed.stages}
+
+    off, on = fingerprints(), fingerprints("data.chat_template=true")
+    moved = {name for name in off if on[name] != off[name]}
+    assert moved >= {"sensitivity", "quantize", "distill", "reinforce", "evaluate"}
+    assert not moved & {"allocate", "export"}  # they read no text
+
+
 def test_a_stage_listing_fields_gets_only_those_and_reruns_only_for_them(toy_stages, tmp_path):
     seen = {}
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from pipeline.config import DataConfig
+from pipeline.data.chat import Conversation, Document, conversation, render_documents
 from pipeline.data.corpus import builtin_documents
 from pipeline.errors import LowbitError
 
@@ -44,8 +45,9 @@ _SPLIT_RULE = (
 )
 
 
-def load_splits(data: DataConfig) -> dict[str, list[str]]:
-    """The corpus's "train", "validation" and "test" documents; the user's own splits if given."""
+def load_splits(data: DataConfig, tokenizer=None) -> dict[str, list[str]]:
+    """The corpus's "train", "validation" and "test" documents; the user's own splits if given.
+    With data.chat_template, each as `tokenizer`'s chat template writes it (pipeline.data.chat)."""
     if data.path is None and data.name is None:
         given = {"train": builtin_documents(data.builtin_max_chars, data.builtin_packages)}
     else:
@@ -62,10 +64,13 @@ def load_splits(data: DataConfig) -> dict[str, list[str]]:
         )
     splits = split_documents(given.pop("train"), data, carve=missing) | given
     splits["validation"] = unseen_validation(splits, data)
+    if data.chat_template:  # after the split: a document's split does not depend on the template
+        where = f"data.path={data.path}"
+        return {s: render_documents(d, tokenizer, f"{where}, {s} split") for s, d in splits.items()}
     return splits
 
 
-def unseen_validation(splits: dict[str, list[str]], data: DataConfig) -> list[str]:
+def unseen_validation(splits: dict[str, list[Document]], data: DataConfig) -> list[Document]:
     """The validation documents training never reads: the training stages keep a model only
     for a gain on text they did not train on. A carved split holds none of train's documents
     (a document's split is a function of its text); a user's files may repeat one."""
@@ -86,7 +91,7 @@ def unseen_validation(splits: dict[str, list[str]], data: DataConfig) -> list[st
     return unseen
 
 
-def _read_splits(data: DataConfig) -> dict[str, list[str]]:
+def _read_splits(data: DataConfig) -> dict[str, list[Document]]:
     """The user's documents per split (data.path or data.name); all in "train" when undivided."""
     import datasets
 
@@ -223,10 +228,24 @@ def _group(named: list[tuple[str, object]], data: DataConfig) -> dict[str, list]
     return out
 
 
-def _texts(ds, data: DataConfig, where: str) -> list[str]:
+def _texts(ds, data: DataConfig, where: str) -> list[Document]:
+    """The non-empty texts of data.text_field; with data.chat_template its conversations too."""
     if data.text_field not in ds.column_names:
         raise missing_field(data, where, ds.column_names)
-    return [t for t in ds[data.text_field] if isinstance(t, str) and t.strip()]
+    docs: list[Document] = []
+    for value in ds[data.text_field]:
+        if isinstance(value, str) and value.strip():
+            docs.append(value)
+        elif isinstance(value, list) and value:
+            if not data.chat_template:
+                raise LowbitError(
+                    f"data.path={data.path} ({where}): {data.text_field!r} holds conversations "
+                    "(lists of role/content messages), not text; set data.chat_template=true to "
+                    "render them through the tokenizer's chat template"
+                )
+            if chat := conversation(value, f"data.path={data.path} ({where})"):
+                docs.append(chat)
+    return docs
 
 
 def is_saved_dataset(path: Path) -> bool:
@@ -267,13 +286,14 @@ def missing_field(data: DataConfig, where: str, fields: list[str]) -> LowbitErro
 
 
 def split_documents(
-    docs: list[str], data: DataConfig, carve: tuple[str, ...] = ("test", "validation")
-) -> dict[str, list[str]]:
+    docs: list[Document], data: DataConfig, carve: tuple[str, ...] = ("test", "validation")
+) -> dict[str, list[Document]]:
     """Deterministic assignment by a hash of each document; train keeps what `carve` leaves."""
     # Fixed hash intervals, so a document's carved split does not depend on which are carved.
-    out: dict[str, list[str]] = {"train": []} | {s: [] for s in carve}
+    out: dict[str, list[Document]] = {"train": []} | {s: [] for s in carve}
     for doc in docs:
-        u = int.from_bytes(hashlib.sha1(doc.encode()).digest()[:8], "big") / 2**64
+        raw = (doc.json if isinstance(doc, Conversation) else doc).encode()
+        u = int.from_bytes(hashlib.sha1(raw).digest()[:8], "big") / 2**64
         if u < data.test_fraction:
             out["test" if "test" in carve else "train"].append(doc)
         elif u < data.test_fraction + data.val_fraction:
@@ -361,7 +381,7 @@ class Corpus:
     def __init__(self, data: DataConfig, tokenizer, splits: dict[str, list[str]] | None = None):
         self.data = data
         self.tokenizer = tokenizer
-        self.splits = splits or load_splits(data)
+        self.splits = splits or load_splits(data, tokenizer)
         self._streams: dict[str, torch.Tensor] = {}
 
     def stream(self, split: str) -> torch.Tensor:

@@ -7,11 +7,15 @@ is downloaded: task data comes from the local datasets cache or task YAMLs under
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 import importlib.util
+import json
 import logging
 import math
 import os
 import random
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,10 +26,12 @@ import torch
 from torch import nn
 
 from pipeline.config import positive
+from pipeline.data.chat import require_template
 from pipeline.errors import ConfigError, LowbitError
 
 KEY = "stage.evaluate.lm_eval"  # where the config lives, for messages raised at run time
 INSTALL = "pip install 'lowbit[eval]' (lm-eval[hf]>=0.4.10)"
+SAMPLES = "lm_eval_samples"  # <evaluate>/lm_eval_samples/<model>/<task>.jsonl
 
 log = logging.getLogger(__name__)
 
@@ -39,9 +45,23 @@ class LmEvalConfig:
     limit: int | float | None = None  # documents per task: a count, or a fraction in (0, 1)
     include_path: str | None = None  # a directory of extra task YAMLs
     batch_size: int = 8
+    # Prompts through the tokenizer's chat template, as chat models serve; null: data.chat_template
+    apply_chat_template: bool | None = None
+    # Few-shot examples as user/assistant turns, not one user turn; null: with the chat template.
+    fewshot_as_multiturn: bool | None = None
+    # Over each generate_until task's generation_kwargs (max_gen_toks, temperature...); null: none.
+    gen_kwargs: dict | None = None
+    # lm-eval's record per document (prompt, responses, scores) under the stage's folder (SAMPLES).
+    log_samples: bool = False
 
     def check(self, prefix: str) -> None:
         positive(prefix, batch_size=self.batch_size, limit=self.limit)
+        for key, value in (self.gen_kwargs or {}).items():
+            scalar = isinstance(value, str | int | float | bool)
+            if not (scalar or isinstance(value, list) and all(isinstance(v, str) for v in value)):
+                allowed = "a number, string or list of strings"
+                raise ConfigError(f"{prefix}.gen_kwargs.{key}", f"is {value!r}", allowed)
+        self.resolved(chat_template=self.apply_chat_template is not False, prefix=prefix)
         if self.num_fewshot is not None and self.num_fewshot < 0:
             raise ConfigError(f"{prefix}.num_fewshot", f"must be >= 0, got {self.num_fewshot}")
         if isinstance(self.limit, float) and self.limit >= 1:
@@ -62,22 +82,47 @@ class LmEvalConfig:
                 f"{prefix}.tasks", f"needs lm-eval, which is not installed: {INSTALL}"
             )
 
+    def resolved(self, chat_template: bool, prefix: str = KEY) -> LmEvalConfig:
+        """The nulls decided: the chat template as ``data.chat_template`` (``chat_template``),
+        few-shot examples as turns when it is applied."""
+        chat = chat_template if self.apply_chat_template is None else self.apply_chat_template
+        turns = chat if self.fewshot_as_multiturn is None else self.fewshot_as_multiturn
+        if turns and not chat:
+            raise ConfigError(
+                f"{prefix}.fewshot_as_multiturn",
+                "is true, but no chat template is applied (apply_chat_template is false, or null "
+                "with data.chat_template=false)",
+                f"false, or {prefix}.apply_chat_template=true",
+            )
+        return dataclasses.replace(self, apply_chat_template=chat, fewshot_as_multiturn=turns)
+
 
 def run_lm_eval(
-    models: dict[str, nn.Module], tokenizer: Any, cfg: LmEvalConfig, device: torch.device | str
+    models: dict[str, nn.Module],
+    tokenizer: Any,
+    cfg: LmEvalConfig,
+    device: torch.device | str,
+    out_dir: Path | None = None,
 ) -> dict[str, dict[str, dict[str, float]]]:
     """``{model: {task: {metric: value}}}`` of ``cfg.tasks`` (empty without tasks).
 
     Each model moves to ``device`` for its run and back. A metric under a filter other than
-    ``none`` is named ``<metric>_<filter>``. Raises LowbitError naming the task when lm-eval is
-    missing, a task is unknown or its data is not available offline.
+    ``none`` is named ``<metric>_<filter>``. With ``cfg.log_samples`` each model's per-document
+    records go to ``out_dir/SAMPLES/<model>/<task>.jsonl``. Raises LowbitError naming the task
+    when lm-eval is missing, a task is unknown or its data is not available offline, or naming
+    the key when the chat template is asked for and the tokenizer has none.
     """
     if not cfg.tasks:
         return {}
+    if cfg.apply_chat_template:
+        fix = f"set {KEY}.apply_chat_template=false (and data.chat_template=false)"
+        require_template(tokenizer, f"{KEY}.apply_chat_template is on", fix)
+    if cfg.log_samples and out_dir is None:
+        raise ValueError("log_samples needs the folder to write them to (out_dir)")
     try:
         import lm_eval
         from lm_eval.models.huggingface import HFLM
-        from lm_eval.tasks import TaskManager, get_task_dict
+        from lm_eval.tasks import get_task_dict
     except ImportError as err:
         raise LowbitError(
             f"{KEY}.tasks is set but lm-eval cannot be imported ({err}): {INSTALL}"
@@ -85,7 +130,7 @@ def run_lm_eval(
 
     out: dict[str, dict[str, dict[str, float]]] = {}
     with _isolated(torch.device(device)):
-        manager = TaskManager(include_path=cfg.include_path)
+        manager = _task_manager(cfg.include_path)
         for task in cfg.tasks:  # a bad name or missing data fails here, before any model runs
             try:
                 get_task_dict([task], manager)
@@ -103,11 +148,16 @@ def run_lm_eval(
                     num_fewshot=cfg.num_fewshot,
                     limit=cfg.limit,
                     task_manager=manager,
-                    log_samples=False,
+                    log_samples=cfg.log_samples,
+                    apply_chat_template=bool(cfg.apply_chat_template),
+                    fewshot_as_multiturn=bool(cfg.fewshot_as_multiturn),
+                    gen_kwargs=dict(cfg.gen_kwargs) if cfg.gen_kwargs else None,
                     bootstrap_iters=1000,  # only non-mean metrics bootstrap; acc's is closed form
                 )
             finally:
                 model.to(home)
+            if cfg.log_samples:
+                _save_samples(results["samples"], out_dir / SAMPLES / name)
             out[name] = _numeric(results["results"])
             for task, metrics in out[name].items():
                 log.info("evaluate: lm_eval %-18s %-24s %s", name, task, _fmt(metrics))
@@ -122,6 +172,28 @@ def lm_eval_metrics(results: dict[str, dict[str, dict[str, float]]]) -> dict[str
         for task, metrics in tasks.items()
         for metric, v in metrics.items()
     }
+
+
+@functools.cache
+def _task_manager(include_path: str | None):
+    """lm-eval's index of its own task YAMLs and include_path's: thousands of files scanned, so
+    once per process (it holds names and paths; each run loads its tasks afresh)."""
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager(include_path=include_path)
+
+
+def _save_samples(samples: dict[str, list[dict]], folder: Path) -> None:
+    """One JSON line per document, lm-eval's record as it gives it (doc, arguments, resps...)."""
+    from lm_eval.utils import handle_non_serializable
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for task, rows in samples.items():
+        file = folder / (re.sub(r"[^\w.-]", "_", task) + ".jsonl")  # a group's "a/b" stays a name
+        with open(file, "w", encoding="utf-8") as f:
+            for row in rows:
+                f.write(json.dumps(row, default=handle_non_serializable, ensure_ascii=False) + "\n")
+    log.info("evaluate: lm_eval samples in %s", folder)
 
 
 def _numeric(task_results: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:

@@ -18,6 +18,7 @@ from torch import nn
 
 from pipeline.artifact.lowbit_format import LayerInfo, unpack_linear
 from pipeline.artifact.manifest import ArtifactError, read_manifest, safe_relpath, verify
+from pipeline.data.chat import render, require_template, user_turn
 from pipeline.runtime import float_rows
 from pipeline.runtime.backends import kernel_summary, make_linear, resolve
 from pipeline.runtime.hf_generate import check_options, eos_ids, hf_generate
@@ -65,17 +66,10 @@ class Runtime:
     def encode(self, prompt: str, chat: bool = False) -> torch.Tensor:
         """(1, T) prompt ids on the device; ``chat`` applies the tokenizer's chat template."""
         if chat:
-            if not getattr(self.tokenizer, "chat_template", None):
-                raise ArtifactError(
-                    f"{self.root}: the tokenizer has no chat template (tokenizer_config.json "
-                    "`chat_template`); pass the prompt without --chat / chat=True, already "
-                    "formatted, or export from a model whose tokenizer has one"
-                )
-            turn = [{"role": "user", "content": prompt}]
-            # The template writes the special tokens (BOS...) itself: tokenize it as it is.
-            prompt = self.tokenizer.apply_chat_template(
-                turn, tokenize=False, add_generation_prompt=True
-            )
+            fix = "pass the prompt without --chat / chat=True, already formatted, or export from "
+            fix += "a model whose tokenizer has one"
+            require_template(self.tokenizer, str(self.root), fix, ArtifactError)
+            prompt = render(self.tokenizer, user_turn(prompt), generation_prompt=True)
         ids = self.tokenizer(prompt, return_tensors="pt", add_special_tokens=not chat).input_ids
         if ids.shape[1] == 0:
             ids = torch.tensor([[self.tokenizer.bos_token_id or 0]])

@@ -166,9 +166,8 @@ def run(cfg: EvaluateConfig, run: RunConfig, io: StageIO) -> dict:
     fields = {"ppl": perplexities({**targets, **drafts}, test, cfg.batch_size)}
     fields["ppl_protocol"] = test.describe()
     if cfg.lm_eval.tasks:
-        fields["lm_eval"] = run_lm_eval(
-            targets, tokenizer, cfg.lm_eval, next(fp.parameters()).device
-        )
+        lm_eval = cfg.lm_eval.resolved(run.data.chat_template)
+        fields["lm_eval"] = run_lm_eval(targets, tokenizer, lm_eval, fp.device, io.out_dir)
     lowbit = {k.removeprefix("target_"): m for k, m in targets.items() if k != "target_fp"}
     probe = test.windows[: cfg.error_flow_windows]
     fields["error_flow"] = error_flows(fp, lowbit, probe, cfg.batch_size)
@@ -187,4 +186,6 @@ STAGE = Stage(
     needs=("bootstrap",),
     uses=("quantize", "distill", "reinforce"),
     sections=("model", "data"),
+    # lm_eval's nulls follow data.chat_template: a contradiction fails before any stage runs
+    check=lambda cfg, run: cfg.lm_eval.resolved(run.data.chat_template),
 )

@@ -96,7 +96,7 @@ def run(cfg: ReinforceConfig, run: RunConfig, io: StageIO) -> dict:
     target_name, target_dir = _target(run.model, io.inputs)
     draft_dir = runmodels.fp_draft(run.model, io.inputs)
     tokenizer = load_tokenizer(runmodels.fp_target(run.model, io.inputs))
-    docs = load_splits(run.data)
+    docs = load_splits(run.data, tokenizer)
     counts = {"train": cfg.train_prompts, "validation": cfg.val_prompts, "test": cfg.eval_prompts}
     sets = {s: _scenarios(cfg, seed, io, tokenizer, docs[s], s, n) for s, n in counts.items()}
     # The target only scores: it loads as the user asked; the draft keeps fp32 master weights.

@@ -32,3 +32,19 @@ def boot_cfg(boot, tmp_path, *overrides: str):
     if not (run_dir / "bootstrap").exists():
         shutil.copytree(boot["run_dir"] / "bootstrap", run_dir / "bootstrap")
     return smoke_cfg(tmp_path, "tracking=none", *overrides)
+
+
+@pytest.fixture
+def chat_target(boot, tmp_path):
+    """A copy of the smoke bootstrap target whose tokenizer has a chat template."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from tests.data.test_chat import TEMPLATE
+
+    path = shutil.copytree(boot["target"], tmp_path / "chat_target")
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.chat_template = TEMPLATE
+    tok.save_pretrained(path)
+    return path

@@ -1,11 +1,14 @@
-"""evaluate: its config checks, and one run recording costs and the draft length."""
+"""evaluate: its config checks, one run recording costs and the draft length, and the chat
+template reaching perplexity and lm-eval."""
 
 import pytest
 
 from pipeline import workflow
 from pipeline.errors import ConfigError
+from pipeline.evaluation.harness import SAMPLES
 from pipeline.evaluation.result import EvalResult
 from pipeline.stages import evaluate
+from tests._require import needs
 from tests.conftest import smoke_cfg
 
 STAGES = "stages=[bootstrap,evaluate]"
@@ -20,6 +23,8 @@ STAGES = "stages=[bootstrap,evaluate]"
         ("stage.evaluate.gamma_max=1", "gamma_max"),
         ("stage.evaluate.speed_repeats=2", "speed_repeats"),
         ("stage.evaluate.temperature=-0.1", "temperature"),
+        # null apply_chat_template follows data.chat_template, false here
+        ("stage.evaluate.lm_eval.fewshot_as_multiturn=true", "lm_eval.fewshot_as_multiturn"),
     ],
 )
 def test_check_names_the_bad_key(tmp_path, override, key):
@@ -93,3 +98,36 @@ def test_the_speed_table_covers_fp_and_the_quantized_target(boot, tmp_path):
         assert r["tokens_per_s_min"] <= r["tokens_per_s"] <= r["tokens_per_s_max"]
     assert metrics["x_fp_plain_target_quantized_plain"] == low["x_fp_plain"]
     assert (out / "speed.png").exists()
+
+
+@needs("lm-eval")
+def test_data_chat_template_reaches_perplexity_and_lm_eval_and_reruns_the_stage(
+    boot, tmp_path, chat_target
+):
+    from tests.evaluation.test_harness import samples, write_task
+
+    tasks, _ = write_task(tmp_path)
+    cfg = (
+        "tracking=none", "model=hf", f"model.target.path={chat_target}",
+        f"model.draft.path={boot['draft']}", "stages=[evaluate]", "stage.evaluate.timing=false",
+        "stage.evaluate.scenarios=[mix]", "stage.evaluate.adaptive=false",
+        "stage.evaluate.lm_eval.tasks=[tiny_mc]",
+        f"stage.evaluate.lm_eval.include_path={tasks}", "stage.evaluate.lm_eval.limit=2",
+        "stage.evaluate.lm_eval.log_samples=true", "data.eval_seq_len=64",
+    )  # fmt: skip
+    out = tmp_path / "run" / "evaluate"
+    runs = {}
+    for chat in (False, True):
+        done = workflow.run(smoke_cfg(tmp_path, *cfg, f"data.chat_template={chat}"))["evaluate"]
+        prompts = [r["arguments"][0][0] for r in samples(out, "target_fp", "tiny_mc")]
+        runs[chat] = done, EvalResult.load(out).ppl_protocol, prompts
+        assert f"{SAMPLES}/target_fp/tiny_mc.jsonl" in done["outputs"]  # hashed with the rest
+
+    (plain, plain_ppl, plain_prompts), (chat, chat_ppl, chat_prompts) = runs[False], runs[True]
+    assert chat["fingerprint"] != plain["fingerprint"]
+    # The same test documents, each wrapped in its user turn: more tokens (64-token windows).
+    assert chat_ppl["split"] == plain_ppl["split"] == "test"
+    assert chat_ppl["tokens"] > plain_ppl["tokens"]
+    # lm_eval.apply_chat_template is null: it follows data.chat_template.
+    assert all(p.startswith("<user>") and p.endswith("</user><assistant>") for p in chat_prompts)
+    assert not any("<user>" in p for p in plain_prompts)

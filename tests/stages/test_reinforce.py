@@ -65,7 +65,7 @@ def val_alpha(cfg, target, draft, temperature: float = 1.0) -> float:
     """Teacher-forced alpha on the stage's validation prompts, mean over scenarios (reference);
     at temperature 0, the share of positions where the argmaxes agree."""
     tokenizer = load_tokenizer(target)
-    docs = load_splits(data_cfg(cfg))["validation"]
+    docs = load_splits(data_cfg(cfg), tokenizer)["validation"]
     sets = heldout_scenarios(tokenizer, docs, n_prompts=8, prompt_len=24, long_len=80, seed=0)
     t, d = load_causal_lm(target).eval(), load_causal_lm(draft).eval()
     alphas = [
@@ -346,3 +346,19 @@ def test_serving_greedily_trains_and_keeps_on_greedy_match(boot, tmp_path):
     reference = val_alpha(cfg, boot["target"], boot["draft"], temperature=0.0)
     assert metrics["val_greedy_match_before_mean"] == pytest.approx(reference, rel=1e-6)
     assert 0 < reference < 1
+
+
+def test_with_data_chat_template_the_prompts_are_cut_from_rendered_documents(
+    boot, tmp_path, chat_target
+):
+    chat = (
+        "tracking=none", "model=hf", f"model.target.path={chat_target}",
+        f"model.draft.path={boot['draft']}", "stages=[reinforce]", "data.chat_template=true",
+    )  # fmt: skip
+    cfg = smoke_cfg(tmp_path, *chat, *TINY, "stage.reinforce.train.steps=2")
+    workflow.run(cfg)
+    report = json.loads((tmp_path / "run" / "reinforce" / "reinforce.json").read_text())
+    start = report["validation"]["input"]["alpha"]  # the starting draft on the validation prompts
+    assert start == pytest.approx(val_alpha(cfg, chat_target, boot["draft"]), rel=1e-5)
+    plain = smoke_cfg(tmp_path, *chat[:-1], *TINY)
+    assert start != pytest.approx(val_alpha(plain, chat_target, boot["draft"]), rel=1e-3)
