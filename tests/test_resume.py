@@ -24,7 +24,6 @@ from tests.conftest import REPO, WORKFLOW_TIMEOUT, lowbit_cmd
 # two independent runs would differ by it.
 ARGS = (
     "experiment=smoke",
-    "tracking=none",
     "trainer.enable_progress_bar=false",
     "data.builtin_max_chars=300000",
     "stage.bootstrap.max_steps=40",
@@ -54,12 +53,24 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
 pytestmark = pytest.mark.slow  # ~5 min on 2 cores: twenty-five CLI runs
 
 
-def lowbit(run_dir: Path, stages: list[str]) -> list[str]:
-    return lowbit_cmd(f"run_dir={run_dir}", f"stages=[{','.join(stages)}]", *ARGS)
+def lowbit(run_dir: Path, stages: list[str], *extra: str, tracking=("tracking=none",)):
+    return lowbit_cmd(
+        f"run_dir={run_dir}", f"stages=[{','.join(stages)}]", *ARGS, *extra, *tracking
+    )
 
 
 def done(run_dir: Path, stage: str) -> dict:
     return json.loads((run_dir / stage / "_done.json").read_text())
+
+
+def digests(run_dir: Path, stages: list[str]) -> dict[str, dict[str, str]]:
+    """Per stage, its fingerprint and the sha256 of each output, as its `_done.json` has them."""
+    out = {}
+    for stage in stages:
+        record = done(run_dir, stage)
+        hashes = {f: o["sha256"] for f, o in record["outputs"].items()}
+        out[stage] = {"fingerprint": record["fingerprint"], **hashes}
+    return out
 
 
 def without(uninterrupted: Path, tmp_path: Path, stage: str) -> Path:
@@ -71,17 +82,15 @@ def without(uninterrupted: Path, tmp_path: Path, stage: str) -> Path:
     return run
 
 
-def assert_rerun_matches(run: Path, uninterrupted: Path, stage: str) -> dict:
+def assert_rerun_matches(run: Path, uninterrupted: Path, stage: str, *extra: str) -> dict:
     """Rerun `stage` to the end; its outputs are the bytes the uninterrupted run wrote."""
     rerun = subprocess.run(
-        lowbit(run, [stage]), env=ENV, capture_output=True, text=True, timeout=WORKFLOW_TIMEOUT
-    )
+        lowbit(run, [stage], *extra), env=ENV, capture_output=True, text=True,
+        timeout=WORKFLOW_TIMEOUT,
+    )  # fmt: skip
     assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-5000:]
-    resumed, whole = done(run, stage), done(uninterrupted, stage)
-    assert resumed["fingerprint"] == whole["fingerprint"]
-    hashes = {f: o["sha256"] for f, o in resumed["outputs"].items()}
-    assert hashes == {f: o["sha256"] for f, o in whole["outputs"].items()}
-    return resumed
+    assert digests(run, [stage]) == digests(uninterrupted, [stage])
+    return done(run, stage)
 
 
 def one_line(proc: subprocess.CompletedProcess, code: int, run: Path, stage: str) -> str:
@@ -92,16 +101,6 @@ def one_line(proc: subprocess.CompletedProcess, code: int, run: Path, stage: str
     assert len(errors) == 1 and "Traceback" not in out, out[-5000:]
     assert not (run / stage).exists() and not (run / f".{stage}.tmp").exists()
     return errors[0]
-
-
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
-    run = tmp_path_factory.mktemp("resume") / "run"
-    proc = subprocess.run(
-        lowbit(run, STAGES), env=ENV, capture_output=True, text=True, timeout=WORKFLOW_TIMEOUT
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return run
 
 
 @pytest.mark.parametrize("stage", ["bootstrap", "distill", "reinforce"])
