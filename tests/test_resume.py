@@ -1,9 +1,11 @@
 """Exact resume: a stage stopped part-way and rerun writes the same bytes as an uninterrupted run,
 through the CLI: a training stage killed (SIGKILL) after a checkpoint (bootstrap, distill,
-reinforce), any stage interrupted by SIGINT, quantize and distill stopped by a full disk."""
+reinforce), any stage interrupted by SIGINT, quantize and distill stopped by a full disk (distill
+also while it writes best.ckpt)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -16,6 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.conftest import REPO, WORKFLOW_TIMEOUT, lowbit_cmd
 
@@ -236,3 +239,60 @@ def test_a_full_disk_is_one_line_and_the_rerun_after_freeing_space_resumes(
         size(64 << 20)
     assert "rerun the same command" in line
     assert_rerun_matches(run, uninterrupted, stage)
+
+
+# distill validating every 10 steps, checkpointing every 6 (a tenth): `last.ckpt` at step 6 is the
+# stage's first checkpoint, `best.ckpt` at step 10 its second, with last.ckpt kept beside it.
+VALIDATE_AT_10 = "stage.distill.train.val_every=10"
+
+
+def run_seeing_checkpoint(cmd: list[str], run: Path) -> int:
+    """Run a distill to the end; the size of its `last.ckpt`, seen while it ran (a finished
+    stage removes its work folder)."""
+    seen = 0
+    log = run.with_name("seeing.log")
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, env=ENV, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.time() + WORKFLOW_TIMEOUT
+        while proc.poll() is None:
+            for ckpt in run.glob(".work/*/*/last.ckpt"):
+                with contextlib.suppress(FileNotFoundError):  # the finished stage removed it
+                    seen = max(seen, ckpt.stat().st_size)
+            assert time.time() < deadline, f"distill still running after {WORKFLOW_TIMEOUT} s"
+            time.sleep(0.05)
+    finally:
+        proc.kill()
+        proc.wait(timeout=60)
+    assert proc.returncode == 0 and seen, log.read_text()[-5000:]
+    return seen
+
+
+def test_a_full_disk_while_best_ckpt_is_written_leaves_none_of_it_and_the_rerun_resumes(
+    uninterrupted, tmp_path, small_disk
+):
+    """Room for one checkpoint and a half: last.ckpt fits, best.ckpt beside it does not. The
+    checkpoints folder keeps last.ckpt whole and no byte of best.ckpt (on another file system
+    than /tmp, where a checkpoint staged there would be copied into place), and the rerun after
+    freeing space resumes from last.ckpt to the bytes of a run that never met a full disk."""
+    whole = without(uninterrupted, tmp_path / "whole", "distill")
+    ckpt_bytes = run_seeing_checkpoint(lowbit(whole, ["distill"], VALIDATE_AT_10), whole)
+
+    disk, size = small_disk
+    run = without(uninterrupted, tmp_path, "distill")
+    size(sum(f.stat().st_blocks * 512 for f in run.rglob("*")) + ckpt_bytes * 3 // 2)
+    run = Path(shutil.copytree(run, disk / "run"))
+    proc = subprocess.run(
+        lowbit(run, ["distill"], VALIDATE_AT_10), env=ENV, capture_output=True, text=True,
+        timeout=WORKFLOW_TIMEOUT,
+    )  # fmt: skip
+    line = one_line(proc, 2, run, "distill")
+    assert f"writing {run}" in line and "No space left on device" in line, line
+    assert "validation at step 10/60" in proc.stdout + proc.stderr  # then best.ckpt's write
+    (checkpoints,) = (run / ".work").glob("distill-*/checkpoints")
+    assert [p.name for p in checkpoints.iterdir()] == ["last.ckpt"]
+    assert torch.load(checkpoints / "last.ckpt", weights_only=True)["global_step"] == 6
+
+    size(64 << 20)
+    resumed = assert_rerun_matches(run, whole, "distill", VALIDATE_AT_10)
+    assert resumed["metrics"]["resumed_step"] == 6
