@@ -5,6 +5,8 @@ client API so stages can log from any thread."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import logging
 import os
@@ -15,6 +17,7 @@ import tempfile
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +73,25 @@ def _resolve_uri(uri: str) -> str:
     if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
         return "sqlite:///" + str(Path(uri[len("sqlite:///") :]).resolve())
     return uri
+
+
+@contextlib.contextmanager
+def _opening(uri: str) -> Iterator[None]:
+    """Hold `<database>.lock` while a sqlite store is first opened: MLflow creates a new
+    database's tables without a lock, and runs starting together on one new file (a sweep's
+    jobs, workflows side by side) would each migrate it, all but one failing."""
+    if not uri.startswith("sqlite:///"):
+        yield
+        return
+    db = Path(uri.removeprefix("sqlite:///"))
+    with contextlib.ExitStack() as held:
+        try:
+            db.parent.mkdir(parents=True, exist_ok=True)
+            lock = held.enter_context(open(db.with_name(f"{db.name}.lock"), "a"))
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        except OSError:  # a read-only folder, or no flock there: unguarded, as MLflow is
+            pass
+        yield
 
 
 class StageRun:
@@ -199,21 +221,32 @@ class Tracker:
         import mlflow
         from mlflow.tracking import MlflowClient
 
-        self.client = MlflowClient(self.uri)
         try:
-            exp = self.client.get_experiment_by_name(self.cfg.experiment)
-            if exp is None:
-                location = None
-                if self.cfg.artifact_location and not self.uri.startswith("http"):
-                    location = Path(self.cfg.artifact_location).resolve().as_uri()
-                self.client.create_experiment(
-                    self.cfg.experiment, artifact_location=location, tags=EXPERIMENT_TAGS
-                )
+            with _opening(self.uri):
+                self.client = MlflowClient(self.uri)
+                if self.client.get_experiment_by_name(self.cfg.experiment) is None:
+                    self._create_experiment()
         except mlflow.exceptions.MlflowException as e:
             raise LowbitError(
                 f"MLflow store tracking.uri={self.cfg.uri} is not usable: {e}. "
                 "Fix tracking.uri or run with tracking=none."
             ) from None
+
+    def _create_experiment(self) -> None:
+        """Create the experiment, unless a run started at the same time on the same store (a
+        sweep's other point, a second workflow) created it since this one looked."""
+        from mlflow.exceptions import MlflowException
+
+        location = None
+        if self.cfg.artifact_location and not self.uri.startswith("http"):
+            location = Path(self.cfg.artifact_location).resolve().as_uri()
+        try:
+            self.client.create_experiment(
+                self.cfg.experiment, artifact_location=location, tags=EXPERIMENT_TAGS
+            )
+        except MlflowException:
+            if self.client.get_experiment_by_name(self.cfg.experiment) is None:
+                raise
 
     def start_parent(self, name: str, params: dict[str, Any]) -> StageRun:
         if not self.active:

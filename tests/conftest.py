@@ -186,3 +186,18 @@ def put_in_hub_cache(src: Path, cache: Path, repo_id: str, commit: str, repo_typ
     (repo / "refs").mkdir(exist_ok=True)
     (repo / "refs" / "main").write_text(commit)
     return snapshot
+
+
+@pytest.fixture(scope="session")
+def uninterrupted(tmp_path_factory) -> Path:
+    """The short workflow of tests/test_resume.py (every stage but evaluate), run once per session
+    without a stop and without tracking: the bytes each resumed, interrupted or concurrent run of
+    it must write (tests/test_resume.py, tests/test_load.py, the cluster sweep)."""
+    from tests.test_resume import ENV, STAGES, lowbit  # it imports this module: not at the top
+
+    run = tmp_path_factory.mktemp("resume") / "run"
+    proc = subprocess.run(
+        lowbit(run, STAGES), env=ENV, capture_output=True, text=True, timeout=WORKFLOW_TIMEOUT
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return run

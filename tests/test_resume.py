@@ -1,9 +1,11 @@
 """Exact resume: a stage stopped part-way and rerun writes the same bytes as an uninterrupted run,
 through the CLI: a training stage killed (SIGKILL) after a checkpoint (bootstrap, distill,
-reinforce), any stage interrupted by SIGINT, quantize and distill stopped by a full disk."""
+reinforce), any stage interrupted by SIGINT, quantize and distill stopped by a full disk (distill
+also while it writes best.ckpt)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -16,6 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.conftest import REPO, WORKFLOW_TIMEOUT, lowbit_cmd
 
@@ -24,7 +27,6 @@ from tests.conftest import REPO, WORKFLOW_TIMEOUT, lowbit_cmd
 # two independent runs would differ by it.
 ARGS = (
     "experiment=smoke",
-    "tracking=none",
     "trainer.enable_progress_bar=false",
     "data.builtin_max_chars=300000",
     "stage.bootstrap.max_steps=40",
@@ -54,12 +56,24 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
 pytestmark = pytest.mark.slow  # ~5 min on 2 cores: twenty-five CLI runs
 
 
-def lowbit(run_dir: Path, stages: list[str]) -> list[str]:
-    return lowbit_cmd(f"run_dir={run_dir}", f"stages=[{','.join(stages)}]", *ARGS)
+def lowbit(run_dir: Path, stages: list[str], *extra: str, tracking=("tracking=none",)):
+    return lowbit_cmd(
+        f"run_dir={run_dir}", f"stages=[{','.join(stages)}]", *ARGS, *extra, *tracking
+    )
 
 
 def done(run_dir: Path, stage: str) -> dict:
     return json.loads((run_dir / stage / "_done.json").read_text())
+
+
+def digests(run_dir: Path, stages: list[str]) -> dict[str, dict[str, str]]:
+    """Per stage, its fingerprint and the sha256 of each output, as its `_done.json` has them."""
+    out = {}
+    for stage in stages:
+        record = done(run_dir, stage)
+        hashes = {f: o["sha256"] for f, o in record["outputs"].items()}
+        out[stage] = {"fingerprint": record["fingerprint"], **hashes}
+    return out
 
 
 def without(uninterrupted: Path, tmp_path: Path, stage: str) -> Path:
@@ -71,17 +85,15 @@ def without(uninterrupted: Path, tmp_path: Path, stage: str) -> Path:
     return run
 
 
-def assert_rerun_matches(run: Path, uninterrupted: Path, stage: str) -> dict:
+def assert_rerun_matches(run: Path, uninterrupted: Path, stage: str, *extra: str) -> dict:
     """Rerun `stage` to the end; its outputs are the bytes the uninterrupted run wrote."""
     rerun = subprocess.run(
-        lowbit(run, [stage]), env=ENV, capture_output=True, text=True, timeout=WORKFLOW_TIMEOUT
-    )
+        lowbit(run, [stage], *extra), env=ENV, capture_output=True, text=True,
+        timeout=WORKFLOW_TIMEOUT,
+    )  # fmt: skip
     assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-5000:]
-    resumed, whole = done(run, stage), done(uninterrupted, stage)
-    assert resumed["fingerprint"] == whole["fingerprint"]
-    hashes = {f: o["sha256"] for f, o in resumed["outputs"].items()}
-    assert hashes == {f: o["sha256"] for f, o in whole["outputs"].items()}
-    return resumed
+    assert digests(run, [stage]) == digests(uninterrupted, [stage])
+    return done(run, stage)
 
 
 def one_line(proc: subprocess.CompletedProcess, code: int, run: Path, stage: str) -> str:
@@ -92,16 +104,6 @@ def one_line(proc: subprocess.CompletedProcess, code: int, run: Path, stage: str
     assert len(errors) == 1 and "Traceback" not in out, out[-5000:]
     assert not (run / stage).exists() and not (run / f".{stage}.tmp").exists()
     return errors[0]
-
-
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
-    run = tmp_path_factory.mktemp("resume") / "run"
-    proc = subprocess.run(
-        lowbit(run, STAGES), env=ENV, capture_output=True, text=True, timeout=WORKFLOW_TIMEOUT
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return run
 
 
 @pytest.mark.parametrize("stage", ["bootstrap", "distill", "reinforce"])
@@ -237,3 +239,60 @@ def test_a_full_disk_is_one_line_and_the_rerun_after_freeing_space_resumes(
         size(64 << 20)
     assert "rerun the same command" in line
     assert_rerun_matches(run, uninterrupted, stage)
+
+
+# distill validating every 10 steps, checkpointing every 6 (a tenth): `last.ckpt` at step 6 is the
+# stage's first checkpoint, `best.ckpt` at step 10 its second, with last.ckpt kept beside it.
+VALIDATE_AT_10 = "stage.distill.train.val_every=10"
+
+
+def run_seeing_checkpoint(cmd: list[str], run: Path) -> int:
+    """Run a distill to the end; the size of its `last.ckpt`, seen while it ran (a finished
+    stage removes its work folder)."""
+    seen = 0
+    log = run.with_name("seeing.log")
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, env=ENV, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.time() + WORKFLOW_TIMEOUT
+        while proc.poll() is None:
+            for ckpt in run.glob(".work/*/*/last.ckpt"):
+                with contextlib.suppress(FileNotFoundError):  # the finished stage removed it
+                    seen = max(seen, ckpt.stat().st_size)
+            assert time.time() < deadline, f"distill still running after {WORKFLOW_TIMEOUT} s"
+            time.sleep(0.05)
+    finally:
+        proc.kill()
+        proc.wait(timeout=60)
+    assert proc.returncode == 0 and seen, log.read_text()[-5000:]
+    return seen
+
+
+def test_a_full_disk_while_best_ckpt_is_written_leaves_none_of_it_and_the_rerun_resumes(
+    uninterrupted, tmp_path, small_disk
+):
+    """Room for one checkpoint and a half: last.ckpt fits, best.ckpt beside it does not. The
+    checkpoints folder keeps last.ckpt whole and no byte of best.ckpt (on another file system
+    than /tmp, where a checkpoint staged there would be copied into place), and the rerun after
+    freeing space resumes from last.ckpt to the bytes of a run that never met a full disk."""
+    whole = without(uninterrupted, tmp_path / "whole", "distill")
+    ckpt_bytes = run_seeing_checkpoint(lowbit(whole, ["distill"], VALIDATE_AT_10), whole)
+
+    disk, size = small_disk
+    run = without(uninterrupted, tmp_path, "distill")
+    size(sum(f.stat().st_blocks * 512 for f in run.rglob("*")) + ckpt_bytes * 3 // 2)
+    run = Path(shutil.copytree(run, disk / "run"))
+    proc = subprocess.run(
+        lowbit(run, ["distill"], VALIDATE_AT_10), env=ENV, capture_output=True, text=True,
+        timeout=WORKFLOW_TIMEOUT,
+    )  # fmt: skip
+    line = one_line(proc, 2, run, "distill")
+    assert f"writing {run}" in line and "No space left on device" in line, line
+    assert "validation at step 10/60" in proc.stdout + proc.stderr  # then best.ckpt's write
+    (checkpoints,) = (run / ".work").glob("distill-*/checkpoints")
+    assert [p.name for p in checkpoints.iterdir()] == ["last.ckpt"]
+    assert torch.load(checkpoints / "last.ckpt", weights_only=True)["global_step"] == 6
+
+    size(64 << 20)
+    resumed = assert_rerun_matches(run, whole, "distill", VALIDATE_AT_10)
+    assert resumed["metrics"]["resumed_step"] == 6

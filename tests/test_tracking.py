@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import multiprocessing
 import time
 
 import pytest
@@ -201,3 +202,33 @@ def test_a_run_nests_under_tracking_parent_run_id_and_a_resumed_one_moves(tmp_pa
         parent = client.create_run(exp, run_name=sweep).info.run_id
         assert start(parent) == run_id
         assert client.get_run(run_id).data.tags["mlflow.parentRunId"] == parent
+
+
+def _connect_when_all_ready(cfg: TrackingConfig, run_dir, start, failed) -> None:
+    start.wait()
+    try:
+        Tracker(cfg, run_dir, active=True).connect()
+    except Exception as e:  # whatever a run would have died of
+        failed.put(f"{type(e).__name__}: {e}")
+
+
+def test_runs_starting_together_on_one_new_store_share_it(tmp_path):
+    """A sweep's points, or two workflows, start together on a sqlite store none has created:
+    one creates its tables, each finds the experiment or creates it, none fails because another
+    did it first. Processes, as runs are (forked: MLflow is imported once)."""
+    uri = f"sqlite:///{tmp_path / 'm.db'}"
+    cfg = TrackingConfig(uri=uri, artifact_location=str(tmp_path / "art"), experiment="together")
+    fork = multiprocessing.get_context("fork")
+    start, failed = fork.Barrier(4), fork.Queue()
+    runs = [
+        fork.Process(target=_connect_when_all_ready, args=(cfg, tmp_path / f"r{i}", start, failed))
+        for i in range(4)
+    ]
+    for run in runs:
+        run.start()
+    for run in runs:
+        run.join(timeout=240)
+    assert [run.exitcode for run in runs] == [0] * 4
+    assert failed.empty(), failed.get()
+    names = [e.name for e in MlflowClient(uri).search_experiments()]
+    assert names.count("together") == 1

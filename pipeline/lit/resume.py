@@ -10,6 +10,7 @@ answered at the next step boundary, or after that step's validation: `last.ckpt`
 from __future__ import annotations
 
 import math
+import os
 import random
 import shutil
 from pathlib import Path
@@ -17,6 +18,7 @@ from pathlib import Path
 import lightning as L
 import numpy as np
 import torch
+from lightning.fabric.plugins.io import TorchCheckpointIO
 from lightning.pytorch.callbacks import Checkpoint
 
 from pipeline import preempt
@@ -189,6 +191,27 @@ class ResumeCheckpoint(Checkpoint):
         rank, world = _rank_and_world()
         # Another world size: streams and shards do not map; the run continues, not identically.
         self._rng = every[rank] if len(every) == world else None
+
+
+class SiblingCheckpointIO(TorchCheckpointIO):
+    """Checkpoint files written beside their final name, then renamed into place.
+
+    Lightning's own writes through the system temp dir and moves the file: across file systems
+    (a node-local /tmp, a run dir on another disk) the move copies into the final name, so a full
+    disk leaves a partial `best.ckpt`, and a small /tmp refuses what the run dir has room for.
+    """
+
+    def save_checkpoint(self, checkpoint: dict, path, storage_options=None) -> None:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.partial")
+        try:
+            with open(tmp, "wb") as f:  # not a path: only so a refused write keeps its errno
+                torch.save(checkpoint, f)
+        except BaseException:
+            tmp.unlink(missing_ok=True)  # a full disk: give back the space the partial file holds
+            raise
+        os.replace(tmp, path)
 
 
 def _remove(path: Path) -> None:

@@ -241,7 +241,7 @@ def build_trainer(
         )
     if kw.get("logger") not in (None, False):
         kw["callbacks"] = [*_as_list(kw.get("callbacks")), _lr_monitor()]
-    kw["plugins"] = _without_auto_requeue(kw.get("plugins"))
+    kw["plugins"] = _with_sibling_checkpoints(_without_auto_requeue(kw.get("plugins")))
     lines = not kw["enable_progress_bar"]  # off a terminal the log is the only progress
     kw["callbacks"] = [*_as_list(kw.get("callbacks")), TrainingProgress(name or stage, lines=lines)]
     if str(kw.get("accelerator", "")).lower() == "npu":
@@ -269,6 +269,18 @@ def _without_auto_requeue(plugins: Any) -> list | None:
     if not SLURMEnvironment.detect() or any(isinstance(p, ClusterEnvironment) for p in given):
         return plugins
     return [*given, SLURMEnvironment(auto_requeue=False)]
+
+
+def _with_sibling_checkpoints(plugins: Any) -> list:
+    """Checkpoint files through `SiblingCheckpointIO` unless the config names a CheckpointIO."""
+    from lightning.fabric.plugins.io import CheckpointIO
+
+    from pipeline.lit.resume import SiblingCheckpointIO
+
+    given = _as_list(plugins)
+    if any(isinstance(p, CheckpointIO) for p in given):
+        return given
+    return [*given, SiblingCheckpointIO()]
 
 
 def _as_list(callbacks: Any) -> list:

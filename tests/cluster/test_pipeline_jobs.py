@@ -1,4 +1,5 @@
-"""lowbit under Slurm: the 2-rank sbatch job, a submitit sweep, and resume after requeue.
+"""lowbit under Slurm: the 2-rank sbatch job, a submitit sweep of four points, and resume after
+requeue.
 
 Each job runs experiment=smoke on the local cluster (tests/cluster/slurm.py), so a test takes
 one to a few minutes on 2 cores; all are marked slow. Their own waits (the session's smoke run,
@@ -10,13 +11,17 @@ from __future__ import annotations
 import csv
 import json
 import re
+import shutil
 import time
+from pathlib import Path
 
 import mlflow
 import pytest
 
 from tests._require import require
 from tests.test_preempt import ARGS, outputs, wait_for_checkpoint
+from tests.test_resume import ARGS as WORKFLOW_ARGS
+from tests.test_resume import digests
 
 from .runs import REPO, SMOKE_STAGES, overrides, read_done, run_cmd, tail
 from .slurm import missing_requirements
@@ -46,46 +51,66 @@ def test_sbatch_two_rank_job_runs_every_stage(slurm_cluster, smoke_2rank_run):
     assert {r.info.status for r in runs} == {"FINISHED"}
 
 
-def test_submitit_sweep_runs_one_job_per_budget(slurm_cluster, lowbit_cli, tmp_path, mlflow_server):
-    """`lowbit -m cluster=slurm quant.budget_bits=3,4`: two Slurm jobs, each with its own run,
-    both nested under the sweep's MLflow run and summed up in its table.
+def test_a_sweep_of_four_points_finishes_with_the_bytes_of_each_point_run_alone(
+    slurm_cluster, lowbit_cli, uninterrupted, tmp_path
+):
+    """`lowbit -m cluster=slurm quant.budget_bits=2.5,3,3.5,4`: one job array of four tasks, two
+    at a time on the cluster's 2 CPUs, all logging into one sqlite store; each point writes the
+    bytes it writes alone. Alone: the session's uninterrupted run for bootstrap and sensitivity
+    (the budget reaches neither), then each point's allocate and quantize in a local sweep."""
+    stages = ["bootstrap", "sensitivity", "allocate", "quantize"]
+    budgets = ("2.5", "3", "3.5", "4")
+    sweep = [lowbit_cli, "-m", *WORKFLOW_ARGS, f"stages=[{','.join(stages)}]"]
+    sweep.append(f"quant.budget_bits={','.join(budgets)}")
+    points = [Path("outputs", "smoke", f"quant.budget_bits={b}") for b in budgets]
 
-    bootstrap, sensitivity, allocate is the cheapest stage list in which the budget matters.
-    """
-    stages = ["bootstrap", "sensitivity", "allocate"]
-    run_dir = tmp_path / "bits${quant.budget_bits}"
-    argv = [lowbit_cli, "-m", "experiment=smoke", "cluster=slurm", "quant.budget_bits=3,4"]
-    argv += overrides(run_dir, stages, mlflow_server, f"hydra.sweep.dir={tmp_path}/sweep")
-    argv += [f"tracking.experiment=submitit-{tmp_path.name}"]
-    argv += [f"cluster.partition={slurm_cluster.partition}", "cluster.cpus_per_task=1"]
-    argv += ["cluster.mem_gb=4", "cluster.timeout_min=20"]
-    log = tmp_path / "sweep.log"
-    rc = run_cmd(argv, env=slurm_cluster.env, cwd=tmp_path, timeout=900, log=log)
+    alone = tmp_path / "alone"
+    for point in points:
+        for stage in stages[:2]:
+            shutil.copytree(uninterrupted / stage, alone / point / stage)
+    log = tmp_path / "alone.log"
+    rc = run_cmd([*sweep, "tracking=none"], env=slurm_cluster.env, cwd=alone, timeout=600, log=log)
     assert rc == 0, tail(log)
 
-    runs = {bits: tmp_path / f"bits{bits}" for bits in (3, 4)}
-    done = {bits: {s: read_done(d / s) for s in stages} for bits, d in runs.items()}
-    # Same config up to the budget: bootstrap agrees, the allocation reflects each budget.
-    assert done[3]["bootstrap"]["fingerprint"] == done[4]["bootstrap"]["fingerprint"]
-    assert done[3]["allocate"]["fingerprint"] != done[4]["allocate"]["fingerprint"]
-    plans = {bits: (d / "allocate" / "bitplan.json").read_text() for bits, d in runs.items()}
-    assert plans[3] != plans[4]
-    # Both ran as tasks of one Slurm array: submitit keeps a result per `<array id>_<task>`.
-    results = sorted(p.parent.name for p in (tmp_path / "sweep").rglob("*_result.pkl"))
-    assert len(results) == 2 and results[0][:-1] == results[1][:-1], results
+    jobs = tmp_path / "jobs"
+    jobs.mkdir()
+    uri = f"sqlite:///{jobs / 'mlflow.db'}"
+    argv = [*sweep, "cluster=slurm", f"cluster.partition={slurm_cluster.partition}"]
+    argv += ["cluster.cpus_per_task=1", "cluster.mem_gb=4", "cluster.timeout_min=20"]
+    argv += [f"tracking.uri={uri}", f"tracking.artifact_location={jobs / 'mlartifacts'}"]
+    argv += [f"hydra.sweep.dir={jobs / 'sweep'}"]
+    log = tmp_path / "sweep.log"
+    rc = run_cmd(argv, env=slurm_cluster.env, cwd=jobs, timeout=1200, log=log)
+    assert rc == 0, tail(log)
 
-    # The jobs found the sweep's run id in their own config, on another process than the sweep.
-    with open(tmp_path / "sweep" / "sweep.csv", newline="") as f:
+    for budget, point in zip(budgets, points):
+        assert digests(jobs / point, stages) == digests(alone / point, stages), budget
+    plans = [(jobs / p / "allocate" / "bitplan.json").read_bytes() for p in points]
+    assert plans[0] != plans[-1]  # the budget does reach the plan
+    # One array, its tasks two at a time: some two points trained side by side.
+    results = sorted(p.parent.name for p in (jobs / "sweep").rglob("*_result.pkl"))
+    assert len(results) == 4 and len({r.rsplit("_", 1)[0] for r in results}) == 1, results
+    timings = [read_done(jobs / p / "bootstrap")["timings"] for p in points]
+    spans = sorted((t["start"], t["end"]) for t in timings)
+    assert any(later[0] < earlier[1] for earlier, later in zip(spans, spans[1:])), spans
+
+    client = mlflow.MlflowClient(uri)
+    logged = client.search_runs([client.get_experiment_by_name("lowbit").experiment_id])
+    assert {r.info.status for r in logged} == {"FINISHED"}
+    # One sweep run, the four points' runs nested under it (each with its stages' runs): the
+    # jobs found the sweep's run id in their own config, on other processes than the sweep's.
+    (sweep_run,) = [r for r in logged if "mlflow.parentRunId" not in r.data.tags]
+    assert len(logged) == 1 + 4 * (1 + len(stages))
+    point_runs = {json.loads((jobs / p / "_mlflow.json").read_text())["run_id"] for p in points}
+    nested = {r.info.run_id for r in logged
+              if r.data.tags.get("mlflow.parentRunId") == sweep_run.info.run_id}  # fmt: skip
+    assert nested == point_runs
+    with open(jobs / "sweep" / "sweep.csv", newline="") as f:
         rows = list(csv.DictReader(f))
-    done = [(r["quant.budget_bits"], r["status"]) for r in rows]
-    assert done == [("3", "finished"), ("4", "finished")]
-    assert all(float(r["bits"]) <= budget for r, budget in zip(rows, (3, 4))), rows
-    client = mlflow.MlflowClient(mlflow_server)
-    parent = json.loads((tmp_path / "sweep" / "_mlflow.json").read_text())["run_id"]
-    exp = client.get_run(parent).info.experiment_id
-    nested = client.search_runs([exp], f"tags.mlflow.parentRunId = '{parent}'")
-    points = {json.loads((d / "_mlflow.json").read_text())["run_id"] for d in runs.values()}
-    assert {r.info.run_id for r in nested} == points
+    assert [(r["quant.budget_bits"], r["status"]) for r in rows] == [
+        (b, "finished") for b in budgets
+    ]
+    assert all(float(r["bits"]) <= float(b) for r, b in zip(rows, budgets)), rows
 
 
 def test_requeued_job_resumes_without_recomputing_done_stages(slurm_cluster, lowbit_cli, tmp_path):
