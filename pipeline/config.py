@@ -149,7 +149,7 @@ class ModelSpec:
                 f"null, or a hub id in {prefix}.path",
             )
         if self.path is not None:
-            from pipeline.models.hub import is_hub_id
+            from pipeline.hub import is_hub_id
 
             if not Path(self.path).is_dir() and not is_hub_id(self.path):
                 raise ConfigError(
@@ -168,13 +168,13 @@ class ModelSpec:
         model). `prefix` (model.target) names the setting in the error."""
         if self.path is None:
             return None
-        from pipeline.models.hub import local_dir
+        from pipeline.hub import local_dir
 
         return local_dir(self.path, self.revision, f"{prefix}.path")
 
     def pinned(self, prefix: str) -> ModelSpec:
         """This spec with a hub id's revision set to the commit of its cached snapshot."""
-        from pipeline.models.hub import commit
+        from pipeline.hub import commit
 
         found = self.local_dir(prefix)
         if found is None or Path(self.path).is_dir():

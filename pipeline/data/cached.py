@@ -49,7 +49,7 @@ def _hub_snapshot(data: DataConfig, missing: str):
     import datasets.config
     from huggingface_hub import constants
 
-    from pipeline.models.hub import is_hub_id, snapshot
+    from pipeline.hub import is_hub_id, snapshot
 
     if is_hub_id(data.name):
         try:

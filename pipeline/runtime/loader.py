@@ -303,7 +303,7 @@ def load(
     """
     from transformers import AutoTokenizer
 
-    from pipeline.models.hub import local_dir
+    from pipeline.hub import local_dir
 
     root = local_dir(str(artifact_dir), None, "artifact")  # or one pushed to the hub, cached
     # A hub snapshot's files are links to its repo's blobs (snapshots/<commit>/../../blobs).
