@@ -160,12 +160,11 @@ def run(cfg: EvaluateConfig, run: RunConfig, io: StageIO) -> dict:
     fp = targets["target_fp"]
     context = fp.config.max_position_embeddings if run.model.target.path else None
     test = corpus_heldout(corpus, "test", context)
+    io.log.log_input(test.windows, "test", run.data, "test")
     fields = {"ppl": perplexities({**targets, **drafts}, test, cfg.batch_size)}
     fields["ppl_protocol"] = test.describe()
     if cfg.lm_eval.tasks:
-        fields["lm_eval"] = run_lm_eval(
-            targets, tokenizer, cfg.lm_eval, next(fp.parameters()).device
-        )
+        fields["lm_eval"] = run_lm_eval(targets, tokenizer, cfg.lm_eval, fp.device)
     lowbit = {k.removeprefix("target_"): m for k, m in targets.items() if k != "target_fp"}
     probe = test.windows[: cfg.error_flow_windows]
     fields["error_flow"] = error_flows(fp, lowbit, probe, cfg.batch_size)
