@@ -19,7 +19,7 @@ FROM ${BASE_IMAGE}
 ARG LOWBIT_UID=1001
 # Every engine CI tests: DeepSpeed ZeRO trainers, the Slurm (submitit) launcher, the
 # compressed-tensors export and lm-eval tasks.
-ARG LOWBIT_EXTRAS=deepspeed,slurm,compressed-tensors,eval
+ARG LOWBIT_EXTRAS=deepspeed,slurm,compressed-tensors,eval,gpu
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from pipeline.config import TrackingConfig
+from pipeline.config import DataConfig, TrackingConfig
 from pipeline.errors import LowbitError
 
 log = logging.getLogger(__name__)
@@ -94,26 +94,42 @@ def _opening(uri: str) -> Iterator[None]:
         yield
 
 
+def _fluent_globals() -> tuple[str | None, str | None]:
+    """The environment variables behind MLflow's global tracking URI and sampling interval."""
+    from mlflow.environment_variables import (
+        MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL,
+        MLFLOW_TRACKING_URI,
+    )
+
+    names = (MLFLOW_TRACKING_URI.name, MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL.name)
+    return tuple(os.environ.get(name) for name in names)
+
+
 class StageRun:
     """Logging handle for one stage (a nested MLflow run), or a no-op."""
 
     def __init__(self, client=None, run_id: str | None = None, uri: str | None = None):
         self.client, self.run_id, self.uri = client, run_id, uri
-        self._monitor = None
+        self.sampling = False  # the run is this thread's active MLflow run, sampling system/*
+        self._globals: tuple[str | None, str | None] = (None, None)
 
     def monitor_system(self, interval_s: float) -> None:
-        """Sample CPU, memory, disk, GPU into ``system/*`` every ``interval_s`` until ``end``."""
+        """Sample CPU, memory, disk (GPU with the `gpu` extra) into ``system/*`` every
+        ``interval_s`` until ``end``, through MLflow's public API: the run becomes this thread's
+        active run, as `mlflow.start_run(log_system_metrics=True)` makes it."""
         if not self.active or interval_s <= 0:
             return
         import logging
 
-        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+        import mlflow
 
         logging.getLogger("mlflow.system_metrics").setLevel(logging.WARNING)  # start/stop lines
-        self._monitor = SystemMetricsMonitor(
-            self.run_id, sampling_interval=interval_s, tracking_uri=self.uri
-        )
-        self._monitor.start()
+        self._globals = _fluent_globals()  # both setters below export environment variables
+        mlflow.set_tracking_uri(self.uri)  # the fluent API's store, and its monitor's
+        mlflow.set_system_metrics_sampling_interval(interval_s)
+        # nested: another active run in this thread (a caller's own) stays active beneath it
+        mlflow.start_run(run_id=self.run_id, nested=True, log_system_metrics=True)
+        self.sampling = True
 
     @property
     def active(self) -> bool:
@@ -156,6 +172,42 @@ class StageRun:
         if self.active:
             self.client.log_dict(self.run_id, data, name)
 
+    def log_input(self, tokens, context: str, data: DataConfig, split: str) -> None:
+        """Record the tokens the stage read from ``split`` of the corpus as an MLflow dataset
+        input (`mlflow.data.context` = ``context``: training, validation, calibration, test):
+        its source (the path, or the built-in corpus's recipe), a digest of every token, and its
+        shape as the profile (windows x tokens, or one token stream)."""
+        if not self.active:
+            return
+        import hashlib
+
+        import mlflow.data
+        from mlflow.data.code_dataset_source import CodeDatasetSource
+        from mlflow.entities import Dataset, DatasetInput, InputTag
+        from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
+
+        array = tokens.detach().cpu().numpy()
+        if data.path is None:  # made from installed packages' docstrings: the recipe names it
+            source = CodeDatasetSource(
+                {
+                    "lowbit.corpus": "builtin",
+                    "packages": ",".join(data.builtin_packages),
+                    "max_chars": str(data.builtin_max_chars),
+                }
+            )
+        else:
+            source = str(Path(data.path).resolve())
+        label = "builtin" if data.path is None else Path(data.path).name
+        dataset = mlflow.data.from_numpy(
+            array,
+            source=source,
+            name=f"{label}:{split}",
+            # MLflow's own digest hashes a sample of rows; this one every token.
+            digest=hashlib.sha256(array.tobytes()).hexdigest()[:12],
+        )
+        tags = [InputTag(MLFLOW_DATASET_CONTEXT, context), InputTag("lowbit.split", split)]
+        self.client.log_inputs(self.run_id, [DatasetInput(Dataset(**dataset.to_dict()), tags)])
+
     def lightning_logger(self, prefix: str = ""):
         """A Lightning MLFlowLogger writing into this run (None when tracking is off); ``prefix``
         keeps several trainings of one stage apart ("target" -> target-train_loss)."""
@@ -166,10 +218,16 @@ class StageRun:
         return MLFlowLogger(tracking_uri=self.uri, run_id=self.run_id, prefix=prefix)
 
     def end(self, status: str = "FINISHED") -> None:
-        if self._monitor is not None:
-            self._monitor.finish()  # logs its last samples before the run closes
-            self._monitor = None
-        if self.active:
+        if self.sampling:
+            import mlflow
+
+            mlflow.set_tracking_uri(self.uri)
+            mlflow.end_run(status)  # stops the monitor after its last samples
+            self.sampling = False
+            uri, interval = self._globals  # as before the stage (None: unset)
+            mlflow.set_tracking_uri(uri)
+            mlflow.set_system_metrics_sampling_interval(interval)
+        elif self.active:
             self.client.set_terminated(self.run_id, status)
 
 

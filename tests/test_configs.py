@@ -201,3 +201,15 @@ def test_cli_prints_the_composed_config_without_running(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "steps: 5" in proc.stdout and "- int2g64" in proc.stdout
     assert "running" not in proc.stdout + proc.stderr
+    # The schemas, as `--cfg job` shows them: every field of every section, each default printed
+    # with its field's type (3.0, not 3, for a float).
+    shown = OmegaConf.create(proc.stdout)
+    schemas = {**SHARED, **{f"stage.{n}": stages.load(n).config for n in stages.ORDER}}
+    for section, schema in schemas.items():
+        printed = OmegaConf.select(shown, section)
+        for field in dataclasses.fields(schema):
+            value = OmegaConf.to_container(printed)[field.name]  # unresolved: ${oc.env:...}
+            default = getattr(schema(), field.name)
+            if default is not None and f"{section}.{field.name}" not in DEFAULT_CHOICES:
+                want = dict if dataclasses.is_dataclass(default) else type(default)
+                assert type(value) is want, (section, field.name, value)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import os
 import time
 
 import pytest
@@ -115,7 +116,9 @@ def test_unreachable_server_fails_at_start(toy_stages, tmp_path):  # noqa: F811
 
 
 def test_a_stage_run_samples_system_metrics_until_it_ends(tmp_path):
-    import time
+    """Through MLflow's public API (`start_run(log_system_metrics=True)` and its sampling
+    interval); the stage's run is the thread's active run only until it ends."""
+    import mlflow
 
     from pipeline.tracking import StageRun
 
@@ -123,16 +126,59 @@ def test_a_stage_run_samples_system_metrics_until_it_ends(tmp_path):
     client = MlflowClient(uri)
     run_id = client.create_run(client.create_experiment("x")).info.run_id
     stage = StageRun(client, run_id, uri)
+    before = os.environ.get("MLFLOW_TRACKING_URI")
     stage.monitor_system(0.2)
+    assert mlflow.active_run().info.run_id == run_id
     time.sleep(1.0)
-    stage.end()
+    stage.end("KILLED")
+    assert mlflow.active_run() is None
+    assert os.environ.get("MLFLOW_TRACKING_URI") == before  # the next run's default store
     run = client.get_run(run_id)
-    assert run.info.status == "FINISHED"
+    assert run.info.status == "KILLED"
     assert "system/cpu_utilization_percentage" in run.data.metrics
     assert "system/system_memory_usage_megabytes" in run.data.metrics
+    samples = client.get_metric_history(run_id, "system/cpu_utilization_percentage")
+    assert len(samples) >= 2  # every 0.2 s, not MLflow's default of 10 s
     off = StageRun(client, client.create_run(client.create_experiment("y")).info.run_id, uri)
-    off.monitor_system(0)  # tracking.system_metrics_s=0: no thread, no metrics
-    assert off._monitor is None
+    off.monitor_system(0)  # tracking.system_metrics_s=0: no monitor, no active run
+    assert not off.sampling and mlflow.active_run() is None
+    off.end()
+    assert not client.get_run(off.run_id).data.metrics
+
+
+def test_the_data_a_stage_read_is_a_dataset_input_of_its_run(tmp_path):
+    """Source (a path, or the built-in corpus's recipe), a digest of every token, the shape, and
+    the context it was used in, as MLflow's dataset inputs."""
+    import hashlib
+
+    import torch
+
+    from pipeline.config import DataConfig
+    from pipeline.tracking import StageRun
+
+    uri = f"sqlite:///{tmp_path / 'm.db'}"
+    client = MlflowClient(uri)
+    run_id = client.create_run(client.create_experiment("x")).info.run_id
+    stage = StageRun(client, run_id, uri)
+    calib = torch.arange(24).reshape(4, 6)  # (N, T) windows
+    stream = torch.arange(100)
+    (tmp_path / "corpus").mkdir()
+    stage.log_input(calib, "calibration", DataConfig(), "train")
+    stage.log_input(stream, "training", DataConfig(path=str(tmp_path / "corpus")), "train")
+    StageRun().log_input(calib, "calibration", DataConfig(), "train")  # tracking off: nothing
+    inputs = client.get_run(run_id).inputs.dataset_inputs
+    assert len(inputs) == 2
+    by_context = {
+        next(t.value for t in i.tags if t.key == "mlflow.data.context"): i.dataset for i in inputs
+    }
+    builtin, user = by_context["calibration"], by_context["training"]
+    assert builtin.name == "builtin:train" and builtin.source_type == "code"
+    assert json.loads(builtin.source)["tags"]["lowbit.corpus"] == "builtin"
+    assert builtin.digest == hashlib.sha256(calib.numpy().tobytes()).hexdigest()[:12]
+    assert json.loads(builtin.profile)["features_shape"] == [4, 6]  # windows x tokens
+    assert user.name == "corpus:train" and user.source_type == "local"
+    assert json.loads(user.source)["uri"] == str(tmp_path / "corpus")
+    assert user.digest != builtin.digest
 
 
 @pytest.mark.parametrize(

@@ -3,9 +3,11 @@
 The group holds Trainer keyword arguments plus a few lowbit keys that select a strategy object
 (`strategy: deepspeed` + `deepspeed_config`); the rest passes through. A `trainer.*` key wins over
 a stage's default, but one the stage must set itself is refused naming the stage key instead
-(`Owned`, `refuse_owned`). `check_trainer` runs before any rank starts, so a misfit is one line,
-not N ranks failing in torch.distributed. A `devices` list is exported to `visible_devices_env`
-before torch_npu initialises, so every later rank inherits the mask.
+(`Owned`, `refuse_owned`). `callbacks` and `loggers` are lists of `{_target_: ...}` entries that
+Hydra builds and adds beside the stage's own (`EXTRAS`). `check_trainer` runs before any rank
+starts, so a misfit is one line, not N ranks failing in torch.distributed. A `devices` list is
+exported to `visible_devices_env` before torch_npu initialises, so every later rank inherits the
+mask.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from omegaconf import DictConfig
 
 from pipeline import conf_dir
 from pipeline.config import to_plain
-from pipeline.errors import ConfigError
+from pipeline.errors import ConfigError, first_line
 from pipeline.hardware import resolve_precision
 from pipeline.lit.devices import (
     ASCEND_VISIBLE_DEVICES,
@@ -38,7 +40,14 @@ from pipeline.lit.devices import (
     visible_npus,
 )
 
-LOWBIT_KEYS = {"deepspeed_config", "dist_backend", "visible_devices_env"}
+LOWBIT_KEYS = {"deepspeed_config", "dist_backend", "visible_devices_env", "loggers"}
+# `trainer.<key>`: `{_target_: ...}` entries added to a stage's own callbacks and MLflow logger
+# (never in their place), and the class each entry must build.
+EXTRAS = {
+    "callbacks": "lightning.pytorch.callbacks.Callback",
+    "loggers": "lightning.pytorch.loggers.Logger",
+}
+_EXAMPLE = "[{_target_: lightning.pytorch.loggers.CSVLogger, save_dir: logs}]"
 
 
 def trainer_kwargs(cfg: DictConfig | dict) -> dict[str, Any]:
@@ -52,7 +61,58 @@ def trainer_kwargs(cfg: DictConfig | dict) -> dict[str, Any]:
             raise ConfigError(
                 f"trainer.{key}", "is not a lightning.Trainer argument", ", ".join(sorted(allowed))
             )
+    for key in EXTRAS:
+        _extra_entries(key, plain.get(key))
     return plain
+
+
+def _extra_entries(key: str, entries: Any) -> list[dict]:
+    """`trainer.<key>` checked before any compute: a list of entries whose `_target_` imports."""
+    from hydra.utils import get_object
+
+    if entries is None:
+        return []
+    if not isinstance(entries, list):
+        raise ConfigError(
+            f"trainer.{key}", f"is {entries!r}", f"a list of entries, e.g. {_EXAMPLE}"
+        )
+    for i, entry in enumerate(entries):
+        target = entry.get("_target_") if isinstance(entry, dict) else None
+        if not isinstance(target, str):
+            raise ConfigError(
+                f"trainer.{key}[{i}]", f"is {entry!r}", "a mapping with a `_target_` class path"
+            )
+        try:
+            get_object(target)
+        except Exception as e:
+            raise ConfigError(
+                f"trainer.{key}[{i}]._target_",
+                f"is {target!r}, which does not import ({first_line(e)})",
+                f"an importable class, e.g. {_EXAMPLE}",
+            ) from None
+    return entries
+
+
+def _built_extras(key: str, entries: Any) -> list:
+    """The objects `trainer.<key>` describes, each checked to be what the Trainer takes there."""
+    from hydra.utils import get_class, instantiate
+
+    out = []
+    base = get_class(EXTRAS[key])
+    for i, entry in enumerate(_extra_entries(key, entries)):
+        name = f"trainer.{key}[{i}]"
+        try:
+            obj = instantiate(entry)
+        except Exception as e:
+            raise ConfigError(
+                name, f"({entry['_target_']}) could not be built: {first_line(e)}"
+            ) from None
+        if not isinstance(obj, base):
+            raise ConfigError(
+                name, f"builds a {type(obj).__name__}", f"a subclass of {base.__name__}"
+            )
+        out.append(obj)
+    return out
 
 
 @dataclass(frozen=True)
@@ -68,17 +128,18 @@ def training_owned(stage: str) -> dict[str, str]:
     are what a user sets instead of `trainer.<key>` (`Owned.instead`)."""
     return {
         "default_root_dir": "it writes into its work dir under run_dir",
-        "logger": "it logs to the run's MLflow tracking (tracking=none: no logger)",
-        "callbacks": "its checkpoints and monitors are its own",
+        "logger": "it logs to the run's MLflow tracking; trainer.loggers adds loggers beside it",
+        "callbacks": "its checkpoints and monitors are its own; trainer.callbacks adds to them",
         "enable_checkpointing": f"it needs its checkpoints; see stage.{stage}",
     }
 
 
 def refuse_owned(cfg: DictConfig | dict | None, stage: str, instead: Mapping[str, str]) -> None:
-    """Refuse a `trainer.<key>` that the stage sets itself (a key of `instead`)."""
+    """Refuse a `trainer.<key>` that the stage sets itself (a key of `instead`); extra
+    callbacks are added to the stage's, not refused."""
     given = to_plain(cfg) or {}
     for key, fix in instead.items():
-        if given.get(key) is not None:
+        if given.get(key) is not None and key not in EXTRAS:
             raise ConfigError(
                 f"trainer.{key}", f"is set by the {stage} stage: {fix}; remove trainer.{key}"
             )
@@ -215,10 +276,15 @@ def build_trainer(
     owned = owned or {}
     refuse_owned(cfg, stage, {key: o.instead for key, o in owned.items()})
     kw = trainer_kwargs(cfg)
+    added = {key: _built_extras(key, kw.pop(key, None)) for key in EXTRAS}
     for key, value in defaults.items():
         if kw.get(key) is None:
             kw[key] = value
     kw.update({key: o.value for key, o in owned.items()})
+    kw["callbacks"] = [*_as_list(kw.get("callbacks")), *added["callbacks"]]
+    if added["loggers"]:  # beside the stage's MLflow logger (False: tracking is off)
+        own = kw.get("logger")
+        kw["logger"] = [*([] if own in (None, False) else _as_list(own)), *added["loggers"]]
     kw["devices"] = pin_visible_devices(kw)
     # "auto": bf16 where the device computes it natively, else fp32 (pipeline.hardware)
     if kw.get("precision") is not None:

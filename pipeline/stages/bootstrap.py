@@ -145,6 +145,7 @@ def run(cfg: BootstrapConfig, run: RunConfig, io: StageIO) -> dict:
         corpus.stream("train").numel(),
         len(tokenizer),
     )
+    io.log.log_input(corpus.stream("train"), "training", data, "train")
     metrics = {}
     trained = {}
     for tag, spec, steps in (
@@ -156,6 +157,7 @@ def run(cfg: BootstrapConfig, run: RunConfig, io: StageIO) -> dict:
         trained[tag] = model
     # Scored once both are trained, so a kill during the draft's training wastes no scoring.
     val = heldout(corpus.stream("validation"), "validation", data.seq_len)
+    io.log.log_input(val.windows, "validation", data, "validation")
     for tag, model in trained.items():
         ppl = perplexity(model, val.windows)
         log.info("bootstrap: %s perplexity %.2f (%s)", tag, ppl, val.label())

@@ -78,6 +78,8 @@ def run(cfg: DistillConfig, run: RunConfig, io: StageIO) -> dict:
     val = distill_report.validation_windows(corpus, seq_len, cfg.val_windows)
     module = DistillModule(student, teacher, cfg, weights, groups)
     data = DistillData(corpus.stream("train"), seq_len, cfg.train.batch, run.seed, val=val.windows)
+    io.log.log_input(corpus.stream("train"), "training", run.data, "train")
+    io.log.log_input(val.windows, "validation", run.data, "validation")
     fit = fit_validated(
         "distill",
         module,

@@ -163,6 +163,7 @@ def run(cfg: EvaluateConfig, run: RunConfig, io: StageIO) -> dict:
     fp = targets["target_fp"]
     context = fp.config.max_position_embeddings if run.model.target.path else None
     test = corpus_heldout(corpus, "test", context)
+    io.log.log_input(test.windows, "test", run.data, "test")
     fields = {"ppl": perplexities({**targets, **drafts}, test, cfg.batch_size)}
     fields["ppl_protocol"] = test.describe()
     if cfg.lm_eval.tasks:

@@ -42,13 +42,16 @@ class ExportConfig:
     # Tag symmetric per-channel int8 layers W8A8_DYNAMIC (activations quantized per token).
     w8a8_dynamic: bool = False
     include_draft: bool = True
-    # Both store a copy of the weights in MLflow's artifact store: off for very large models.
+    # Each stores the weights in MLflow's artifact store: the run's artifact/ and the model's own.
     log_artifact: bool = True
     register_model: bool = True
+    # An artifact larger than this (bytes) is stored once: the model then reads the run's logged
+    # artifact/ when it loads instead of holding a second copy (needs log_artifact).
+    single_copy_bytes: int = 1_000_000_000
     model_name: str | None = None  # registered model name; null = "<name>-<format>" (smoke-lowbit)
 
     def check(self, prefix: str) -> None:
-        positive(prefix, shard_bytes=self.shard_bytes)
+        positive(prefix, shard_bytes=self.shard_bytes, single_copy_bytes=self.single_copy_bytes)
 
     def options(self) -> ExportOptions:
         return ExportOptions(
@@ -139,7 +142,9 @@ def run(cfg: ExportConfig, run: RunConfig, io: StageIO) -> dict:
         from pipeline.runtime.mlflow_model import log_model
 
         name = cfg.model_name or f"{run.name}-{cfg.format}"
-        log_model(io.log.uri, io.log.run_id, art, name)
+        logged = art.name if cfg.log_artifact else None  # where log_artifact put it in the run
+        log_model(io.log.uri, io.log.run_id, art, name,
+                  logged_as=logged, single_copy_bytes=cfg.single_copy_bytes)  # fmt: skip
     return {
         "artifact_bytes": float(summary["artifact_bytes"]),
         "weights_bytes": float(manifest["weights_bytes"]),

@@ -92,6 +92,7 @@ def run(cfg: QuantizeConfig, run: RunConfig, io: StageIO) -> dict:
     target = fp_target(run.model, io.inputs)
     corpus = Corpus(run.data, load_tokenizer(target))
     calib = corpus.calibration(q.calib.samples, q.calib.seq_len, run.seed)  # (N, T)
+    io.log.log_input(calib, "calibration", run.data, "train")
     plan = load_plan(io.inputs, AutoConfig.from_pretrained(target, local_files_only=True), q)
     device = _device(cfg.device, io.dist.local_rank)
     warn_if_emulated(_DTYPES[cfg.dtype], torch.device(device).type, "stage.quantize.dtype")

@@ -108,6 +108,9 @@ def run(cfg: ReinforceConfig, run: RunConfig, io: StageIO) -> dict:
     table = rr.before(cfg, seed, io, target_name, target, {start: draft.eval()}, sets["test"])
     module = DraftReinforce(draft, target, cfg, seed)
     tensors = {s: {k: torch.tensor(v) for k, v in sets[s].items()} for s in ("train", "validation")}
+    for split, context in (("train", "training"), ("validation", "validation")):
+        for scenario, prompts in tensors[split].items():  # (n, prompt tokens) per scenario
+            io.log.log_input(prompts, context, run.data, f"{split}/{scenario}")
     data = ReinforceData(tensors["train"], tensors["validation"], cfg.train.batch, seed)
     fit = fit_validated(
         "reinforce",

@@ -102,6 +102,7 @@ def run(cfg: SensitivityConfig, run: RunConfig, io: StageIO) -> dict:
     windows = Corpus(run.data, load_tokenizer(path)).calibration(
         q.calib.samples, q.calib.seq_len, run.seed
     )  # (S, T), identical on every rank
+    io.log.log_input(windows, "calibration", run.data, "train")
     target = Target(path, _device(cfg, io.dist.local_rank), run.model.allow_bin,
                     run.model.device_map, q.segment_size, q.activation_budget_gb)  # fmt: skip
     estimator = Estimator(cfg.method, cfg.importance, cfg.stream, cfg.gptq_weighting,

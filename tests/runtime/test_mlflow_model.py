@@ -85,3 +85,42 @@ def test_log_register_load_predict(qmodels, tmp_path, tracking, caplog, recwarn)
     assert all("==" in r and "+" not in r for r in reqs if not r.startswith("-"))
     flavor = mlflow.models.Model.load(local).flavors["python_function"]
     assert flavor.get("model_code_path", "").endswith("mlflow_entry.py")
+
+
+@pytest.mark.slow  # logs, registers, loads and generates: as the test above
+def test_a_large_artifact_is_stored_once_and_the_model_reads_the_run_copy(qmodels, tmp_path):
+    """Above single_copy_bytes (tiny here) the logged model references the run's artifact/
+    instead of copying it; logged inside a stage run that samples system metrics (the run is
+    already active), which stays open for the workflow to end."""
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    from pipeline.runtime import load
+    from pipeline.runtime.mlflow_model import log_model
+    from pipeline.tracking import StageRun
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    exp = client.create_experiment("t", artifact_location=(tmp_path / "arts").as_uri())
+    stage = StageRun(client, client.create_run(exp).info.run_id, uri)
+    art = tmp_path / "artifact"
+    export_artifact(qmodels.get("int4g128"), art, export_options())
+    stage.monitor_system(60.0)
+    try:
+        stage.log_artifact(art)
+        log_model(uri, stage.run_id, art, "big", logged_as="artifact", single_copy_bytes=1000)
+        assert client.get_run(stage.run_id).info.status == "RUNNING"
+    finally:
+        stage.end()
+    weights = "quant_model_weights*.safetensors"
+    shards = sorted(p.name for p in art.glob(weights))
+    assert shards and sorted(p.name for p in (tmp_path / "arts").rglob(weights)) == shards
+    mlflow.set_tracking_uri(uri)
+    try:
+        got = mlflow.pyfunc.load_model("models:/big/1").predict(
+            ["the quick"], params={"max_new_tokens": 5}
+        )
+    finally:
+        mlflow.set_tracking_uri(None)
+    assert got == [load(art, "torch").generate("the quick", 5).text]
+    assert client.get_run(stage.run_id).info.status == "FINISHED"

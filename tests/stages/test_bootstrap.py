@@ -1,6 +1,7 @@
 """bootstrap's trainer: both models log into the stage's run under their own prefix (learning
-rate included), the Trainer arguments the stage sets are refused under trainer.*, and
-stage.bootstrap.precision replaces trainer.precision only when set."""
+rate included), beside the user's `trainer.loggers` and `trainer.callbacks`; the Trainer arguments
+the stage sets are refused under trainer.*, and stage.bootstrap.precision replaces
+trainer.precision only when set."""
 
 from __future__ import annotations
 
@@ -8,10 +9,14 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from lightning.pytorch import Callback
 
 from pipeline import hardware
+from pipeline.config import to_plain
 from pipeline.errors import ConfigError
+from pipeline.lit.resume import CKPT_DIR
 from pipeline.stages import StageIO, bootstrap
+from tests.conftest import make_cfg
 from tests.lit.test_fit import stage_run  # noqa: F401  (fixture)
 from tests.lit.test_resume import STREAM, tiny_lm
 
@@ -43,7 +48,67 @@ def test_each_model_logs_under_its_prefix_with_its_learning_rate(tmp_path, stage
     assert len(history) == 3  # every step (log_every_n_steps=1)
 
 
-@pytest.mark.parametrize("key", ["max_steps", "default_root_dir", "callbacks"])
+class CountSteps(Callback):
+    """A user's callback, named by `_target_` in `trainer.callbacks`."""
+
+    steps: list[int] = []
+
+    def __init__(self, tag: str) -> None:
+        self.tag = tag
+
+    def on_train_batch_end(self, trainer, *args) -> None:
+        CountSteps.steps.append(trainer.global_step)
+
+
+def test_loggers_and_callbacks_from_target_entries_join_the_stage_own(tmp_path, stage_run):  # noqa: F811
+    """`trainer.loggers` / `trainer.callbacks` overrides: a CSVLogger writes its metrics.csv
+    beside the MLflow logger, a user callback runs beside the stage's checkpoints."""
+    csv = tmp_path / "csv"
+    cfg = make_cfg(
+        f"trainer.loggers=[{{_target_:lightning.pytorch.loggers.CSVLogger,save_dir:'{csv}'}}]",
+        "trainer.callbacks=[{_target_:tests.stages.test_bootstrap.CountSteps,tag:x}]",
+    )
+    extras = {k: to_plain(cfg.trainer[k]) for k in ("loggers", "callbacks")}
+    bootstrap.check(config(), SimpleNamespace(trainer=CPU | extras))
+    io = StageIO("bootstrap", tmp_path / "out", tmp_path / "work", tmp_path, log=stage_run)
+    run = SimpleNamespace(seed=0, trainer=CPU | extras)
+    corpus = SimpleNamespace(stream=lambda split: STREAM, data=SimpleNamespace(seq_len=8))
+    CountSteps.steps.clear()
+    bootstrap._train(io, run, tiny_lm(), corpus, 3, config(), "target")
+    assert CountSteps.steps == [1, 2, 3]
+    (metrics,) = csv.glob("lightning_logs/version_*/metrics.csv")
+    header = metrics.read_text().splitlines()[0].split(",")
+    assert "train_loss" in header and len(metrics.read_text().splitlines()) >= 4  # 3 steps
+    logged = set(stage_run.client.get_run(stage_run.run_id).data.metrics)
+    assert "target-train_loss" in logged  # the stage's MLflow logger still logs
+    assert (tmp_path / "work" / "target" / CKPT_DIR / "last.ckpt").is_file()  # its checkpoints
+
+
+@pytest.mark.parametrize(
+    ("key", "entries", "says"),
+    [
+        ("loggers", [{"_target_": "lightning.pytorch.loggers.NoSuchLogger"}], "does not import"),
+        ("loggers", "csv", "a list of entries"),
+        ("callbacks", [{"save_dir": "x"}], "`_target_`"),
+    ],
+)
+def test_a_bad_extra_entry_is_one_line_naming_its_key(key, entries, says):
+    with pytest.raises(ConfigError) as err:
+        bootstrap.check(config(), SimpleNamespace(trainer=CPU | {key: entries}))
+    assert err.value.key.startswith(f"trainer.{key}") and says in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_an_entry_of_the_wrong_kind_is_refused_when_built(tmp_path):
+    from pipeline.lit.trainer import build_trainer
+
+    callback = {"_target_": "tests.stages.test_bootstrap.CountSteps", "tag": "x"}
+    with pytest.raises(ConfigError, match="a subclass of Logger") as err:
+        build_trainer(CPU | {"loggers": [callback]}, default_root_dir=str(tmp_path))
+    assert err.value.key == "trainer.loggers[0]"
+
+
+@pytest.mark.parametrize("key", ["max_steps", "default_root_dir", "logger"])
 def test_check_refuses_the_trainer_arguments_bootstrap_sets(key):
     run = SimpleNamespace(trainer=CPU | {key: 5})
     with pytest.raises(ConfigError) as err:
