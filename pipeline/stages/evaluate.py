@@ -166,9 +166,8 @@ def run(cfg: EvaluateConfig, run: RunConfig, io: StageIO) -> dict:
     io.log.log_input(test.windows, "test", run.data, "test")
     fields = {"ppl": perplexities({**targets, **drafts}, test, cfg.batch_size)}
     fields["ppl_protocol"] = test.describe()
-    if cfg.lm_eval.tasks:
-        lm_eval = cfg.lm_eval.resolved(run.data.chat_template)
-        fields["lm_eval"] = run_lm_eval(targets, tokenizer, lm_eval, fp.device, io.out_dir)
+    settings = cfg.lm_eval.resolved(run.data.chat_template)  # no tasks: {}, nothing imported
+    fields["lm_eval"] = run_lm_eval(targets, tokenizer, settings, fp.device, io.out_dir)
     lowbit = {k.removeprefix("target_"): m for k, m in targets.items() if k != "target_fp"}
     probe = test.windows[: cfg.error_flow_windows]
     fields["error_flow"] = error_flows(fp, lowbit, probe, cfg.batch_size)
