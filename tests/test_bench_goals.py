@@ -20,6 +20,7 @@ from bench import (
     exp_codes,
     fisher_memory,
     float_rows,
+    headline,
     importance_fit,
     log_gaps,
     outliers,
@@ -235,6 +236,47 @@ def test_decode_speed_avx2_goals_met_missed_and_missing():
     assert "add W8@torch to --rows" in w8["goal"]
     goals = decode_speed.check_goals(rows, [], "avx2")
     assert len(goals) == 10 and len(not_measured(goals)) == 3  # W8 x torch, v, speculative
+
+
+# --- headline -----------------------------------------------------------------------------------
+
+
+def headline_run(spec: float = 110.0, plain: float = 100.0, final: float = 0.6) -> dict:
+    rows = [{"level": "trained wf", "row": "lowbit plain", "tok/s": plain},
+            {"level": "trained wf", "row": "lowbit", "tok/s": spec, "alpha": 0.2}]  # fmt: skip
+    return {"rows": rows, "alphas": {"lowbit": final}, "fp_draft_on_lowbit": 0.55}
+
+
+def headline_scale(lowbit: float = 40.0, calibrated: float = 0.5, of_theory=(0.9, 0.85)) -> dict:
+    rows = [{"row": "FP plain", "tok/s": 10.0}, {"row": "int4 + FP draft", "tok/s": 25.0},
+            {"row": "lowbit", "tok/s": lowbit, "alpha": 0.1}]  # fmt: skip
+    sweep = [{"gamma": g, "of theory": x} for g, x in zip((2, 3), of_theory)]
+    keys = headline.PAIRS.values()
+    return {"rows": rows, "sweep": sweep, "alphas": dict.fromkeys(keys, 0.49),
+            "calibrated": dict.fromkeys(keys, calibrated)}  # fmt: skip
+
+
+def test_headline_goals_met_and_missed():
+    goals = headline.check_goals([headline_run()], headline_scale(), 0.03)
+    assert verdicts(goals) == ["met"] * 9 and not not_measured(goals)
+    slow = headline.check_goals(
+        [headline_run(spec=95.0, final=0.5)], headline_scale(30.0, 0.45, (0.9, 0.7)), 0.03
+    )
+    assert verdicts(slow) == ["MISSED", "MISSED", "met", "MISSED", *["MISSED"] * 3, "met", "MISSED"]
+
+
+def test_headline_alphas_are_the_fixed_gamma_ones_not_the_adaptive_rows():
+    # The rows' on-line alphas (0.2, 0.1) are an adaptive run's: far off, yet not what counts.
+    goals = headline.check_goals([headline_run()], headline_scale(calibrated=0.47), 0.03)
+    assert goals[1]["value"] == pytest.approx(0.05)  # 0.6 - 0.55, the runs at gamma 3
+    assert [g["value"] for g in goals[4:7]] == pytest.approx([-0.02] * 3)
+
+
+def test_headline_without_scale_or_gammas_is_missed():
+    (scale,) = not_measured(headline.check_goals([headline_run()], None, 0.03))
+    assert "run with --scale" in scale["goal"]
+    no_sweep = headline.check_goals([], headline_scale(of_theory=()), 0.03)
+    assert "no --gammas" in not_measured(no_sweep)[0]["goal"]
 
 
 # --- default_model ------------------------------------------------------------------------------
