@@ -114,7 +114,7 @@ def distill_goals(rows: list[tuple], quantized: dict[str, float], recipes: list[
             unmeasured(name, f"<= {REFERENCE}'s", f"--recipes or --variants without {missing}")
         )
     else:
-        goals.append(goal(name, low[3], f"<= {ref:.4g} ({REFERENCE})", low[3] <= ref))
+        goals.append(goal(name, low[3], f"<= {ref:.3f} ({REFERENCE})", low[3] <= ref))
     name, want = "w2g64: gap recovered by the defaults", f">= {GOAL:.0%}"
     two = by.get(("w2g64", "default"))
     if two is None:
