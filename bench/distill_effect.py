@@ -155,12 +155,15 @@ def main() -> int:
 
     rows, quantized = [], {}
     recipes = args.recipes.split(",")
+    analysed = boot  # a run whose sensitivity analysis another budget reuses, once one ran
     for recipe in recipes:
         qrun = args.root / recipe / "quantized"
         seed_run(boot, qrun, ["bootstrap"])
+        seed_run(analysed, qrun, ["sensitivity"])  # the analysis does not depend on the budget
         q_stages = ["sensitivity", "allocate", "quantize"] if recipe.startswith("mixed") else []
         q_stages = q_stages or ["quantize"]
         workflow.run(_cfg(qrun, [*base, *RECIPES[recipe], f"stages=[{','.join(q_stages)}]"]))
+        analysed = qrun if recipe.startswith("mixed") else analysed
         ppl_q = perplexity(load_quantized(low_bit_model(qrun, "target_quantized")), win)
         quantized[recipe] = ppl_q
         for variant in args.variants.split(",") if recipe != REFERENCE else []:
