@@ -309,18 +309,32 @@ def test_default_model_goals_met_missed_and_missing():
 # --- distill_effect -----------------------------------------------------------------------------
 
 
-def test_distill_effect_goal_per_recipe_met_missed_and_missing():
-    rows = [
-        ("w2g64", "default", 60.0, 45.0, 0.6, 1.0),
-        ("w2g64", "scales", 60.0, 55.0, 0.2, 1.0),
-        ("mixed@2.5", "default", 50.0, 48.0, 0.3, 1.0),
+def test_distill_effect_goals_met_missed_and_missing():
+    rows = [  # (recipe, variant, ppl quantized, ppl distilled, gap, kept input, seconds)
+        ("w2g64", "default", 60.0, 45.0, 0.75, False, 1.0),
+        ("w2g64", "scales", 60.0, 55.0, 0.25, False, 1.0),
+        ("mixed@2.5", "default", 50.0, 48.0, 0.3, False, 1.0),
+        ("mixed@3", "default", 42.0, 42.0, 0.0, True, 1.0),  # kept its input: not worse
     ]
-    goals = distill_effect.recovery_goals(rows, ["w2g64", "mixed@2.5"])
-    assert verdicts(goals) == ["met", "MISSED"]
-    goals = distill_effect.recovery_goals(rows[1:2], ["w2g64", "mixed@2.5"])  # --variants scales
-    assert len(not_measured(goals)) == 2
-    nan = [("w2g64", "default", 38.0, 38.0, float("nan"), 1.0)]  # quantizing cost nothing
-    assert verdicts(distill_effect.recovery_goals(nan, ["w2g64"])) == ["MISSED"]
+    quantized = {"w2g64": 60.0, "mixed@2.5": 50.0, "mixed@3": 42.0, "w3g128": 49.0}
+    recipes = list(distill_effect.RECIPES)
+    goals = distill_effect.distill_goals(rows, quantized, recipes)
+    assert verdicts(goals) == ["met"] * 5
+    assert [g["goal"].split(":")[0] for g in goals[:3]] == ["w2g64", "mixed@2.5", "mixed@3"]
+    # one variant worse than its input fails its recipe, whichever variant it is
+    worse = [*rows, ("mixed@2.5", "beta=0", 50.0, 50.5, -0.05, False, 1.0)]
+    goals = distill_effect.distill_goals(worse, quantized, recipes)
+    assert verdicts(goals)[1] == "MISSED" and goals[1]["value"] == 0.5
+    # 2.5 bits distilled above the 3.25-bit reference; 60% of w2g64's gap is below 70%
+    low = [(*rows[0][:4], 0.6, *rows[0][5:]), *rows[1:]]
+    goals = distill_effect.distill_goals(low, {**quantized, "w3g128": 47.0}, recipes)
+    assert verdicts(goals)[3:] == ["MISSED", "MISSED"]
+    # --variants scales, without the reference: every goal that needs a missing row is missed
+    goals = distill_effect.distill_goals(rows[1:2], {"w2g64": 60.0}, ["w2g64", "mixed@2.5"])
+    assert verdicts(goals) == ["met", "MISSED", "MISSED", "MISSED"]
+    assert len(not_measured(goals)) == 3
+    nan = [("w2g64", "default", 38.0, 38.0, float("nan"), True, 1.0)]  # quantizing cost nothing
+    assert verdicts(distill_effect.distill_goals(nan, {}, ["w2g64"]))[-1] == "MISSED"
 
 
 # --- exp_codes ----------------------------------------------------------------------------------
