@@ -308,8 +308,8 @@ class FeedbackConfig:
     above ``threshold`` move one candidate finer, paid from ``slack_bits`` the allocator holds back
     (it plans at budget_bits - slack_bits); 0 turns feedback off."""
 
-    threshold: float = 0.005
-    slack_bits: float = 0.0
+    threshold: float = 0.005  # relative output error ||X(W-Q)|| / ||XW|| a layer may keep
+    slack_bits: float = 0.0  # bits per weight held back from allocate for feedback; 0: off
     # greedy: a block may spend all the slack left; even: its share, plus what earlier ones left
     pace: Literal["greedy", "even"] = "greedy"
 
