@@ -9,6 +9,8 @@ the run's seed, as the quantize stage draws them):
   (``quantize_checkpoint``), lm_head and embeddings kept float as in ``quant.keep_float``;
 * ``lowbit mixed@B``: the workflow's sensitivity -> allocate -> quantize stages with
   ``quant.budget_bits=B`` (``--distill`` adds the distill stage after each);
+  ``lowbit mixed@B [LABEL]``: the same with ``--mixed-variant``'s overrides (an ablation, e.g.
+  error feedback off: ``--mixed-variant 'no feedback:quant.feedback.slack_bits=0'``);
 * ``llmcompressor gptq|rtn <scheme>``: llm-compressor's GPTQModifier / QuantizationModifier
   on the same saved model and the same calibration windows, run in its own virtualenv (created
   on first use; rows are skipped with the reason when it cannot be created or imported).
@@ -114,7 +116,6 @@ def _workflow(overrides: list[str], stages: list[str]) -> dict:
 def lowbit_rows(args, base: list[str], target: Path, calib, win, fp_ppl: float) -> list[dict]:
     from transformers import AutoConfig
 
-    from pipeline import runmodels
     from pipeline.config import quant_cfg
     from pipeline.models.adapters import linear_names
     from pipeline.models.hf import perplexity
@@ -139,28 +140,46 @@ def lowbit_rows(args, base: list[str], target: Path, calib, win, fp_ppl: float) 
             ppl = perplexity(load_quantized(out / "model"), win)
             rows.append(_row(f"lowbit {method} {fmt}", ppl, fp_ppl, rep["avg_bits"], seconds, mem))
             print(rows[-1], flush=True)
+    variants = [("", [])] + [_variant(v) for v in args.mixed_variant]
     for budget in [b for b in args.budgets.split(",") if b]:
-        over = [*base, f"quant.budget_bits={budget}"]
+        for label, extra in variants:
+            over = [*base, f"quant.budget_bits={budget}", *extra]
+            rows += _mixed_rows(args, over, f"lowbit mixed@{budget}{label}", win, fp_ppl)
+    return rows
+
+
+def _variant(spec: str) -> tuple[str, list[str]]:
+    """``LABEL:OVERRIDE[,OVERRIDE...]`` -> (" [LABEL]", overrides)."""
+    label, sep, overrides = spec.partition(":")
+    if not sep or not label or not overrides:
+        raise SystemExit(f"--mixed-variant {spec!r}: expected LABEL:OVERRIDE[,OVERRIDE...]")
+    return f" [{label}]", overrides.split(",")
+
+
+def _mixed_rows(args, over: list[str], name: str, win, fp_ppl: float) -> list[dict]:
+    """The workflow's sensitivity -> allocate -> quantize (and distill) with ``over``: its rows."""
+    from pipeline import runmodels
+    from pipeline.models.hf import perplexity
+    from pipeline.models.quantized import load_quantized
+
+    with PeakRSS() as mem:
+        done = _workflow(over, ["sensitivity", "allocate", "quantize"])
+    seconds = sum(done[s]["timings"]["seconds"] for s in ("sensitivity", "allocate", "quantize"))
+    bits = done["quantize"]["metrics"]["avg_bits"]
+    run_dir = Path(compose(over).run_dir)
+    # The run dir is shared by every budget: a distill from an earlier one may be there.
+    quantized = runmodels.quantized_targets(runmodels.finished_stages(run_dir))
+    ppl = perplexity(load_quantized(quantized["target_quantized"]), win)
+    rows = [_row(name, ppl, fp_ppl, bits, seconds, mem)]
+    print(rows[-1], flush=True)
+    if args.distill:
         with PeakRSS() as mem:
-            done = _workflow(over, ["sensitivity", "allocate", "quantize"])
-        seconds = sum(
-            done[s]["timings"]["seconds"] for s in ("sensitivity", "allocate", "quantize")
-        )
-        bits = done["quantize"]["metrics"]["avg_bits"]
-        run_dir = Path(compose(over).run_dir)
-        # The run dir is shared by every budget: a distill from an earlier one may be there.
+            done = _workflow(over, ["distill"])
         quantized = runmodels.quantized_targets(runmodels.finished_stages(run_dir))
-        ppl = perplexity(load_quantized(quantized["target_quantized"]), win)
-        rows.append(_row(f"lowbit mixed@{budget}", ppl, fp_ppl, bits, seconds, mem))
+        ppl = perplexity(load_quantized(quantized["target_distilled"]), win)
+        secs = seconds + done["distill"]["timings"]["seconds"]
+        rows.append(_row(f"{name}+distill", ppl, fp_ppl, bits, secs, mem))
         print(rows[-1], flush=True)
-        if args.distill:
-            with PeakRSS() as mem:
-                done = _workflow(over, ["distill"])
-            quantized = runmodels.quantized_targets(runmodels.finished_stages(run_dir))
-            ppl = perplexity(load_quantized(quantized["target_distilled"]), win)
-            secs = seconds + done["distill"]["timings"]["seconds"]
-            rows.append(_row(f"lowbit mixed@{budget}+distill", ppl, fp_ppl, bits, secs, mem))
-            print(rows[-1], flush=True)
     return rows
 
 
@@ -233,6 +252,11 @@ def main() -> int:
     p.add_argument("--methods", default="rtn,gptq")
     p.add_argument("--budgets", default="4.0,3.0,2.5")
     p.add_argument("--distill", action="store_true", help="also rows after the distill stage")
+    p.add_argument(
+        "--mixed-variant", action="append", default=[], metavar="LABEL:OVERRIDE[,OVERRIDE...]",
+        help="another mixed row per budget with these overrides, named 'lowbit mixed@B [LABEL]' "
+        "(e.g. 'no feedback:quant.feedback.slack_bits=0'); repeatable",
+    )  # fmt: skip
     p.add_argument("--llmc-venv", default=str(Path.home() / ".cache/lowbit/llmc"))
     p.add_argument("--llmc-install", action="store_true", help="create the venv if missing")
     p.add_argument("--llmc-schemes", default="W4A16,int4g128,int3g128,int2g64")

@@ -303,6 +303,24 @@ class CalibConfig:
 
 
 @dataclass(frozen=True)
+class FeedbackConfig:
+    """Error feedback (pipeline.quant.feedback): layers whose measured relative output error is
+    above ``threshold`` move one candidate finer, paid from ``slack_bits`` the allocator holds back
+    (it plans at budget_bits - slack_bits); 0 turns feedback off."""
+
+    threshold: float = 0.005  # relative output error ||X(W-Q)|| / ||XW|| a layer may keep
+    slack_bits: float = 0.0  # bits per weight held back from allocate for feedback; 0: off
+    # greedy: a block may spend all the slack left; even: its share, plus what earlier ones left
+    pace: Literal["greedy", "even"] = "greedy"
+
+    def check(self, prefix: str) -> None:
+        if not 0 < self.threshold < 1:
+            raise ConfigError(f"{prefix}.threshold", f"is {self.threshold}", "0 < threshold < 1")
+        if self.slack_bits < 0:
+            raise ConfigError(f"{prefix}.slack_bits", f"is {self.slack_bits}", "slack_bits >= 0")
+
+
+@dataclass(frozen=True)
 class QuantConfig:
     """The recipe; the defaults are uniform (candidates[0]), conf/quant/mixed.yaml mixes formats."""
 
@@ -321,6 +339,7 @@ class QuantConfig:
     outliers: Literal["none", "keep_fp16"] = "none"
     outlier_cap: float = 0.01  # largest fraction of a layer's input columns kept
     calib: CalibConfig = field(default_factory=CalibConfig)
+    feedback: FeedbackConfig = field(default_factory=FeedbackConfig)
 
     # Derived views a stage may read when its `sections` hold the fields they derive from.
     DERIVED: ClassVar[dict[str, tuple[str, ...]]] = {"formats": ("candidates",)}
@@ -344,7 +363,8 @@ class QuantConfig:
         from pipeline.quant.plan import Recipe
 
         return Recipe(self.formats, self.budget_bits, self.float_fallback,
-                      tuple(self.keep_float), self.outliers == "keep_fp16")  # fmt: skip
+                      tuple(self.keep_float), self.outliers == "keep_fp16",
+                      self.feedback.slack_bits)  # fmt: skip
 
     def check(self, prefix: str) -> None:
         if not self.candidates:
@@ -366,11 +386,30 @@ class QuantConfig:
             raise ConfigError(f"{prefix}.damp", f"is {self.damp}", "0 <= damp < 1")
         if not 0 < self.outlier_cap <= 0.25:  # beyond a quarter, a wider format is cheaper
             raise ConfigError(f"{prefix}.outlier_cap", f"is {self.outlier_cap}", "0 < cap <= 0.25")
+        self._check_feedback(f"{prefix}.feedback")
         if self.outliers == "keep_fp16" and self.budget_bits is None:
             raise ConfigError(
                 f"{prefix}.budget_bits",
                 "is null with quant.outliers=keep_fp16, which trades kept columns against bits",
                 f"a number, or {prefix}.outliers=none",
+            )
+
+    def _check_feedback(self, prefix: str) -> None:
+        slack = self.feedback.slack_bits
+        if slack == 0:
+            return
+        if len(self.candidates) < 2 or self.budget_bits is None:
+            raise ConfigError(
+                f"{prefix}.slack_bits",
+                f"is {slack}, but feedback moves layers to a finer candidate within "
+                "quant.budget_bits, and this recipe has one candidate or no budget",
+                f"{prefix}.slack_bits=0, or several quant.candidates and a quant.budget_bits",
+            )
+        if slack >= self.budget_bits:
+            raise ConfigError(
+                f"{prefix}.slack_bits",
+                f"is {slack}, not below quant.budget_bits ({self.budget_bits})",
+                f"0 <= slack_bits < {self.budget_bits}",
             )
 
 

@@ -82,6 +82,34 @@ def bars(
     return Path(path)
 
 
+def before_after(
+    before: Sequence[float | None],
+    after: Sequence[float],
+    labels: Sequence[str],
+    path: Path,
+    title: str,
+    ylabel: str,
+    hline: float | None = None,
+) -> Path:
+    """Two bars per label, ``before`` and ``after`` side by side (log scale), and a threshold."""
+    fig = _figure(0, width=max(6.0, 0.3 * len(labels) + 2.0))
+    ax = fig.add_subplot()
+    x = range(len(labels))
+    b = [math.nan if v is None else float(v) for v in before]
+    ax.bar([i - 0.2 for i in x], b, width=0.4, color="tab:gray", label="before")
+    ax.bar([i + 0.2 for i in x], [float(v) for v in after], width=0.4, label="after")
+    ax.set_xticks(x, [short_name(n) for n in labels], rotation=90, fontsize=7)
+    if any(v > 0 for v in after):
+        ax.set_yscale("log")
+    if hline is not None:
+        ax.axhline(hline, color="tab:red", linestyle="--", label="threshold")
+    ax.legend()
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    fig.savefig(path, dpi=110)
+    return Path(path)
+
+
 def tradeoffs(
     x: Sequence[float | None],
     panels: Sequence[tuple[str, Sequence[float | None], Sequence[bool]]],

@@ -193,6 +193,14 @@ def check_budget(
         )
     if Fraction(r.budget_bits) < minimum:
         raise infeasible(r.budget_bits, minimum, exact)
+    if Fraction(r.plan_bits) < minimum:
+        floor = math.ceil(minimum * 10_000) / 10_000
+        raise ConfigError(
+            "quant.feedback.slack_bits",
+            f"is {r.slack_bits}: the plan is made at budget_bits - slack_bits = {r.plan_bits:.4f}"
+            f" bits per weight, below the cheapest candidates' {floor:.4f}",
+            f"0 <= slack_bits <= {r.budget_bits - floor:.4f}",
+        )
 
 
 class _Costs:
@@ -264,7 +272,7 @@ def make_plan(
     if all(len(o) == 1 for o in opts):
         choice, exact = [0] * len(items), True
     else:
-        capacity = math.floor(Fraction(r.budget_bits) * n_q)  # exact: floats are dyadic
+        capacity = math.floor(Fraction(r.plan_bits) * n_q)  # exact: floats are dyadic
         sol = solve_mckp(
             [[c.bits(it, *o) for o in opt] for it, opt in zip(items, opts)],
             [[c.dloss(it, *o) for o in opt] for it, opt in zip(items, opts)],
@@ -296,4 +304,5 @@ def make_plan(
         if r.keep_columns
         else None,
         kept_bytes=math.ceil(sum(c.side(n) for n in keepers) / 8) if r.keep_columns else None,
+        feedback_bits=math.floor(Fraction(r.budget_bits) * n_q) - q_bits if r.slack_bits else None,
     )

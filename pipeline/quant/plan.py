@@ -22,6 +22,12 @@ class Recipe:
     float_fallback: int = 0
     keep_float: tuple[str, ...] = ()
     keep_columns: bool = False  # quant.outliers=keep_fp16
+    slack_bits: float = 0.0  # held back for error feedback: the plan is made at budget - slack
+
+    @property
+    def plan_bits(self) -> float | None:
+        """The average the allocator plans for: the budget less the feedback slack."""
+        return None if self.budget_bits is None else self.budget_bits - self.slack_bits
 
 
 @dataclass(frozen=True)
@@ -49,6 +55,7 @@ class BitPlan(handoff.HandOff):
     kept_bytes: int | None = None
     score: str | None = None  # the sensitivity estimator whose ΔL the plan minimised
     importance_weights: dict[str, float] | None = None
+    feedback_bits: int | None = None  # bits left under the budget for error feedback to spend
 
     def quantized(self) -> dict[str, Format]:
         """``{layer: format}`` of the layers that are quantized (float ones dropped)."""

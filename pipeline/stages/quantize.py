@@ -11,12 +11,14 @@ from typing import Any, Literal
 
 import torch
 
+from pipeline import plots
 from pipeline.config import QuantConfig, RunConfig, positive
 from pipeline.errors import LowbitError
 from pipeline.hardware import warn_if_emulated
 from pipeline.models.adapters import linear_names
 from pipeline.models.checkpoint import StreamingCheckpoint
 from pipeline.quant.allocate import keep_float
+from pipeline.quant.feedback import Feedback
 from pipeline.quant.formats import Format
 from pipeline.quant.plan import BitPlan
 from pipeline.runmodels import fp_target
@@ -75,6 +77,23 @@ def load_kept(inputs: dict[str, Path], outliers: str) -> dict[str, list[int]]:
     return plan.kept()
 
 
+def load_feedback(inputs: dict[str, Path], q: QuantConfig) -> Feedback | None:
+    """Error feedback's settings with the bits the bit plan left for it; None when off."""
+    if q.feedback.slack_bits == 0:
+        return None
+    if "allocate" not in inputs:
+        log.warning("quantize: no allocate stage in this run, so no slack: no error feedback")
+        return None
+    plan = BitPlan.load(inputs["allocate"])
+    if plan.feedback_bits is None:
+        raise LowbitError(
+            f"{inputs['allocate']} holds a bit plan made without feedback slack: rerun allocate "
+            f"with quant.feedback.slack_bits={q.feedback.slack_bits}"
+        )
+    fb = q.feedback
+    return Feedback(fb.threshold, plan.candidates, plan.feedback_bits, fb.pace)
+
+
 def _device(choice: str, local_rank: int) -> str:
     if choice == "auto":
         return f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"
@@ -108,12 +127,29 @@ def run(cfg: QuantizeConfig, run: RunConfig, io: StageIO) -> dict:
         work_dir=io.work_dir,
         dist=io.dist,
         keep=load_kept(io.inputs, q.outliers),
+        feedback=load_feedback(io.inputs, q),
     )
     if io.dist.is_main:
-        QuantReport.from_dict(summary).save(io.out_dir)  # times go to metrics and MLflow
+        report = QuantReport.from_dict(summary)
+        report.save(io.out_dir)  # times go to metrics and MLflow
+        if report.feedback_bits is not None:
+            _plot_feedback(report, q.feedback.threshold, io.out_dir / "feedback_error.png")
         seconds = {n: r["seconds"] for n, r in summary["layers"].items()}
         io.log.log_dict(seconds, "layer_seconds.json")
     return {k: v for k, v in summary.items() if isinstance(v, int | float)}
+
+
+def _plot_feedback(report: QuantReport, threshold: float, path: Path) -> None:
+    names = list(report.layers)
+    plots.before_after(
+        [report.layers[n].rel_output_error_before for n in names],
+        [report.layers[n].rel_output_error for n in names],
+        names,
+        path,
+        f"error feedback: {len(report.moved)} layers moved, {report.feedback_bits} bits spent",
+        "relative output error",
+        hline=threshold,
+    )
 
 
 STAGE = Stage(

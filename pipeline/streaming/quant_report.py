@@ -22,12 +22,15 @@ class QuantLayer:
     gptq_loss: float
     rel_output_error: float  # ‖(W − Q)X‖ / ‖WX‖ on the calibration inputs
     kept_columns: int = 0
+    # Error feedback's first pass (quant.feedback): the planned format and its error.
+    format_before: str | None = None
+    rel_output_error_before: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         out = {**dataclasses.asdict(self), "shape": list(self.shape)}
         if not self.kept_columns:
             del out["kept_columns"]
-        return out
+        return {k: v for k, v in out.items() if v is not None}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> QuantLayer:
@@ -52,16 +55,26 @@ class QuantReport(handoff.HandOff):
     mean_rel_output_error: float
     max_rel_output_error: float
     layers: dict[str, QuantLayer]
+    feedback_bits: int | None = None  # bits error feedback added over the plan
 
     @property
     def rel_output_error(self) -> dict[str, float]:
         """``{linear name: relative output error}``."""
         return {n: r.rel_output_error for n, r in self.layers.items()}
 
+    @property
+    def moved(self) -> dict[str, tuple[str, str]]:
+        """``{linear: (planned format, final format)}`` of the layers error feedback moved."""
+        return {
+            n: (r.format_before, r.format)
+            for n, r in self.layers.items()
+            if r.format_before is not None and r.format_before != r.format
+        }
+
     def to_dict(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         out["layers"] = {n: r.to_dict() for n, r in self.layers.items()}
-        return out
+        return {k: v for k, v in out.items() if v is not None}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> QuantReport:

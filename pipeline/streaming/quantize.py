@@ -25,6 +25,7 @@ from pipeline.models.adapters import linear_names
 from pipeline.models.checkpoint import StreamingCheckpoint
 from pipeline.models.quantized import QuantizedWriter
 from pipeline.quant.allocate import kept_bits
+from pipeline.quant.feedback import Feedback, allowance, quantize_block_feedback, spent_bits
 from pipeline.quant.formats import Format, as_format
 from pipeline.quant.qtensor import QTensor
 from pipeline.quant.sequential import QuantOptions, block_groups, quantize_block
@@ -57,9 +58,11 @@ class _QuantizeStep:
     """Quantizes each block before its output pass. Parts: 0 the embeddings, ``k + 1``
     segment ``k``, ``n_seg + 1`` the head; float tensors keep their stored dtype."""
 
-    def __init__(self, raw, plan, opts, reduce, writer: QuantizedWriter | None, n_seg: int, keep):
+    def __init__(self, raw, plan, opts, reduce, writer: QuantizedWriter | None, n_seg: int, keep,
+                 feedback: Feedback | None = None, slack: int = 0):  # fmt: skip
         self.raw, self.a, self.plan, self.opts, self.keep = raw, raw.adapter, plan, opts, keep
         self.reduce, self.writer, self.n_seg = reduce, writer, n_seg
+        self.feedback, self.slack = feedback, slack  # slack: the bits feedback has left
         self.groups = block_groups(self.a.linears, self.a.fused)
         self.qtensors: dict[str, QTensor] = {}
         self.floats: dict[str, Tensor] = {}
@@ -76,9 +79,15 @@ class _QuantizeStep:
         prefix = self.a.block_prefix(i)
         formats = {n[len(prefix) :]: f for n, f in self.plan.items() if n.startswith(prefix)}
         keep = {n[len(prefix) :]: c for n, c in self.keep.items() if n.startswith(prefix)}
-        qts, rep = quantize_block(
-            block, formats, batches, kwargs, self.groups, self.opts, self.reduce, keep
-        )
+        args = (block, formats, batches, kwargs, self.groups, self.opts)
+        if self.feedback is None:
+            qts, rep = quantize_block(*args, self.reduce, keep)
+        else:
+            allow = allowance(self.feedback, self.slack, i, self.raw.num_layers)
+            qts, rep, spent = quantize_block_feedback(
+                *args, self.feedback, allow, self.reduce, keep
+            )
+            self.slack -= spent
         self.qtensors.update({prefix + n: qt for n, qt in qts.items()})
         self.report.update({prefix + n: r for n, r in rep.items()})
         skip = {prefix + n + ".weight" for n in qts}
@@ -137,9 +146,11 @@ def quantize_checkpoint(
     work_dir: str | Path,
     dist: Dist | None = None,
     keep: dict[str, list[int]] | None = None,
+    feedback: Feedback | None = None,
 ) -> dict[str, Any]:
     """Quantize ``ckpt`` into ``out_dir`` with ``plan`` {linear: format} (unlisted: float) on
-    ``calib`` (N, T); returns ``QuantReport``'s fields plus the run facts."""
+    ``calib`` (N, T); returns ``QuantReport``'s fields plus the run facts. ``feedback``: error
+    feedback in the decoder blocks."""
     t_start = time.time()
     dist = dist or Dist()
     raw = StreamingCheckpoint(ckpt.path, ckpt.allow_bin)  # float tensors in their stored dtype
@@ -150,16 +161,25 @@ def quantize_checkpoint(
     key = [str(ckpt.path.resolve()), names, dataclasses.asdict(opts), str(ckpt.dtype)]
     if keep:  # another set of kept columns is another result (none: the key as it always was)
         key.append(keep)
+    if feedback:
+        key.append([feedback.threshold, [f.name for f in feedback.candidates],
+                    feedback.slack_bits, feedback.pace])  # fmt: skip
     work = WorkDir(work_dir, key)
     engine = BlockWalk("quantize", ckpt, calib, walk, dist, work)
     writer = QuantizedWriter(out_dir, parts_dir=work.path / "parts") if dist.is_main else None
     reduce = dist.all_reduce_ if dist.world_size > 1 else None
     n_seg = len(engine.segments)
-    result = engine.run(_QuantizeStep(raw, plan, opts, reduce, writer, n_seg, keep))
+    slack = 0
+    if feedback:  # what finished segments of a resumed run spent is no longer there to spend
+        done = [r for rep in work.reports(engine.start) for r in rep.values()]
+        slack = feedback.slack_bits - spent_bits(done)
+    step = _QuantizeStep(raw, plan, opts, reduce, writer, n_seg, keep, feedback, slack)
+    result = engine.run(step)
     layers: dict[str, dict] = {}
     for report in result.reports:
         layers.update(report)
     layers.update(result.head)
+    names = {n: layers[n]["format"] for n in names}  # error feedback may have moved some
     overrides = {}
     if "lm_head" in plan and getattr(ckpt.config, "tie_word_embeddings", False):
         overrides["tie_word_embeddings"] = False  # the quantized head is its own tensor now
@@ -174,12 +194,15 @@ def quantize_checkpoint(
         )
     dist.barrier()
     seconds = time.time() - t_start
-    return _summary(layers, plan, opts.method, n_seg, result.resumed, dist, calib, seconds)
+    formats = {f.name: f for f in [*plan.values(), *(feedback.candidates if feedback else ())]}
+    summary = _summary(layers, formats, opts.method, n_seg, result.resumed, dist, calib, seconds)
+    if feedback:
+        summary["feedback_bits"] = spent_bits(layers.values())
+    return summary
 
 
-def _summary(layers, plan, method, n_seg, start, dist, calib, seconds) -> dict[str, Any]:
+def _summary(layers, formats, method, n_seg, start, dist, calib, seconds) -> dict[str, Any]:
     """The quant report's fields (``QuantReport.from_dict``) plus the run facts."""
-    formats = {f.name: f for f in plan.values()}
     bits = numel = 0
     for r in layers.values():
         out_f, in_f = r["shape"]

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from pipeline.config import QuantConfig
+from pipeline.config import FeedbackConfig, QuantConfig
 from pipeline.errors import ConfigError, LowbitError
 from pipeline.quant.allocate import layer_bits, make_plan
 from pipeline.quant.formats import parse_format
@@ -165,3 +165,14 @@ def test_missing_or_malformed_files_name_the_stage_to_rerun(tmp_path):
     (tmp_path / "bitplan.json").write_text(json.dumps({"layers": {"x": "int4"}}))
     with pytest.raises(LowbitError, match="malformed.*rerun the allocate stage"):
         BitPlan.load(tmp_path)
+
+
+def test_feedback_slack_is_held_back_from_the_plan():
+    shapes, layers, fused = instance(0)
+    full = plan_of(shapes, layers, fused, QuantConfig(candidates=CANDS, budget_bits=4.0))
+    q = QuantConfig(candidates=CANDS, budget_bits=4.0, feedback=FeedbackConfig(slack_bits=0.5))
+    held = plan_of(shapes, layers, fused, q)
+    assert "feedback_bits" not in full and held["avg_bits"] <= 3.5 < full["avg_bits"]
+    # what feedback may spend: exactly the bits between the plan and the budget
+    n_q = held["quantized_params"]
+    assert held["feedback_bits"] == 4 * n_q - round(held["avg_bits"] * n_q) >= 0.5 * n_q

@@ -8,6 +8,7 @@ import math
 import pytest
 
 from pipeline import workflow
+from pipeline.config import quant_cfg
 from pipeline.errors import ConfigError
 from pipeline.quant.plan import BitPlan
 from tests.conftest import make_cfg
@@ -59,3 +60,12 @@ def test_uniform_workflow_skips_sensitivity(boot, tmp_path):
     }
     assert formats == {"int4g128"}
     assert (tmp_path / "run" / "allocate" / "bits_per_layer.png").stat().st_size > 0
+
+
+def test_feedback_slack_is_checked_against_the_cheapest_plan():
+    # planned at 2.5 - 0.4 = 2.1 bits, below int2g128's 2.140625: the slack is the key to fix
+    with pytest.raises(ConfigError, match=r"quant\.feedback\.slack_bits.*<= 0\.359"):
+        workflow.check_stage(make_cfg("quant.budget_bits=2.5", "quant.feedback.slack_bits=0.4"),
+                             "allocate")  # fmt: skip
+    with pytest.raises(ConfigError, match=r"quant\.feedback\.slack_bits.*one candidate"):
+        quant_cfg(make_cfg("quant=w4g128", "quant.feedback.slack_bits=0.1"))

@@ -12,6 +12,7 @@ from pipeline.models import StreamingCheckpoint
 from pipeline.models.synthetic import write_synthetic_checkpoint
 from pipeline.quant.allocate import make_plan
 from pipeline.quant.formats import parse_format
+from pipeline.quant.plan import BitPlan
 from pipeline.stages.quantize import load_plan
 from pipeline.streaming.quant_report import QuantReport
 
@@ -67,3 +68,27 @@ def test_stage_end_to_end_on_the_smoke_models(boot, tmp_path):
     ppl_q = perplexity(load_quantized(stage / "model"), win)
     # 4-bit GPTQ keeps the small model's quality (it may even land slightly below FP).
     assert ppl_q != ppl_fp and abs(ppl_q / ppl_fp - 1) < 0.25
+
+
+def test_error_feedback_through_the_workflow_stays_within_the_budget(boot, tmp_path):
+    from pipeline import workflow
+    from pipeline.models.quantized import read_quant_meta
+    from tests.stages.conftest import boot_cfg
+
+    cfg = boot_cfg(
+        boot, tmp_path, "stages=[bootstrap,sensitivity,allocate,quantize]",
+        "quant.budget_bits=3.0", "quant.feedback.slack_bits=0.25", "quant.feedback.threshold=0.01",
+    )  # fmt: skip
+    workflow.run(cfg)
+    run = tmp_path / "run"
+    plan = BitPlan.load(run / "allocate")
+    report = QuantReport.load(run / "quantize")
+    assert plan.avg_bits <= 2.75 and plan.feedback_bits > 0
+    assert report.moved and 0 < report.feedback_bits <= plan.feedback_bits
+    assert plan.avg_bits < report.avg_bits <= 3.0
+    assert all(report.layers[n].format_before == plan.layers[n].name for n in report.layers)
+    meta = read_quant_meta(run / "quantize" / "model")
+    assert {n: meta["layers"][n] for n in report.moved} == {
+        n: after for n, (_, after) in report.moved.items()
+    }
+    assert (run / "quantize" / "feedback_error.png").stat().st_size > 0

@@ -15,6 +15,8 @@ from pipeline.errors import LowbitError
 from pipeline.models import CheckpointError, StreamingCheckpoint
 from pipeline.models.quantized import load_quantized, quantized_modules
 from pipeline.models.synthetic import write_synthetic_checkpoint
+from pipeline.quant.allocate import layer_bits
+from pipeline.quant.feedback import Feedback
 from pipeline.quant.formats import Format, parse_format
 from pipeline.quant.gptq import HessianAccumulator, gptq_quantize
 from pipeline.quant.qtensor import QTensor
@@ -221,3 +223,38 @@ def test_quantized_lm_head(src, calib, tmp_path):
     model = load_quantized(out)
     assert set(quantized_modules(model)) == set(plan)
     assert report["layers"]["lm_head"]["rel_output_error"] < 0.05  # 8 bits per channel
+
+
+def test_error_feedback_resumes_with_what_is_left_of_the_slack(src, calib, tmp_path):
+    """A resumed run spends only what the finished segments left: the same moves and codes."""
+    # Enough for a few int3 -> int4 moves (the down_proj is 32 x 48), not for all of them.
+    slack = 3 * (layer_bits(INT4, (32, 48)) - layer_bits(INT3, (32, 48)))
+    fb = Feedback(threshold=1e-3, candidates=(INT3, INT4), slack_bits=slack)
+    kw = {"segment_size": 1}
+
+    def go(name, **walk):
+        walk = dataclasses.replace(WALK, **walk)
+        return quantize_checkpoint(StreamingCheckpoint(src), tmp_path / name / "model", plan_for(),
+                                   calib, OPTS, walk, work_dir=tmp_path / name / "work",
+                                   feedback=fb)  # fmt: skip
+
+    whole = go("whole", **kw)
+    moved = {
+        n: r["format"] for n, r in whole["layers"].items() if r["format"] != r["format_before"]
+    }
+    assert moved and set(moved.values()) == {"int4g32"}
+    assert 0 < whole["feedback_bits"] <= slack
+
+    def crash_after_first(k: int) -> None:
+        if k == 0:
+            raise Crash("killed")
+
+    with pytest.raises(Crash):
+        go("r", on_segment=crash_after_first, **kw)
+    resumed = go("r", **kw)
+    assert resumed["resumed_segments"] == 1
+    assert resumed["feedback_bits"] == whole["feedback_bits"]
+    a, b = stored_codes(tmp_path / "r" / "model"), stored_codes(tmp_path / "whole" / "model")
+    assert all(torch.equal(a[n], b[n]) for n in b)
+    meta = json.loads((tmp_path / "r" / "model" / "lowbit_quant.json").read_text())
+    assert {n: f for n, f in meta["layers"].items() if f != plan_for()[n].name} == moved
