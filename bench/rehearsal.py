@@ -1,0 +1,450 @@
+"""The whole workflow at real widths and vocabularies but few layers: each stage's peak memory
+beside the memory planner's prediction, then the planner's projection for the full models.
+
+Shapes (random weights, bf16 safetensors written shard by shard, a small draft with tied
+embeddings, and a byte-level BPE built offline whose ids fill the vocabulary as Llama 3's do):
+
+* ``default``: the embedded default workflow (bootstrap models), or a finished run's records
+  (``--default-run DIR``);
+* ``8b``: Llama-3-8B widths (hidden 4096, intermediate 14336, vocab 128256, 32 heads / 8 kv
+  heads), 2 layers, every stage;
+* ``70b``: Llama-3-70B widths (hidden 8192, intermediate 28672, 64 / 8 heads), 1 layer:
+  sensitivity (streamed), allocate and quantize;
+* ``small``: hidden 1024, vocab 32000, 2 layers, every stage (a quick check of the bench).
+
+Each stage runs as ``lowbit ... stages=[<stage>]`` in a child process of its own, with a few
+training steps, a small calibration set and streamed sensitivity; its peak resident set is what
+the stage records in ``_done.json`` (``pipeline/peakmem.py``). A watcher stops a child whose
+processes hold more than ``--limit-gib`` (the machine is shared): that stage's row then says so,
+with the most it was seen to hold, and the shape's later stages do not run.
+
+Goals: the planner within ±20% of the measured peak of every stage on the default, 8B-shaped and
+70B-shaped runs; the 8B-shaped run completes every stage inside 24 GiB; the 70B-shaped run's
+sensitivity and quantize peak at most 0.25x its checkpoint's size. Exits 1 when one is missed
+or cannot be checked.
+
+    python -m bench.rehearsal --shapes default,8b,70b --default-run outputs/default
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bench._common import (
+    REPO,
+    add_goal_args,
+    compose,
+    goal,
+    markdown_table,
+    report_goals,
+    result_table,
+    unmeasured,
+    write_result,
+)
+
+GIB = 2**30
+FIT_LO, FIT_HI = 0.8, 1.2  # planner / measured, every stage
+MACHINE_GIB = 24.0  # the 8B-shaped run completes every stage inside this machine's memory
+STREAM_SHARE = 0.25  # the 70B-shaped sensitivity and quantize peak / checkpoint size
+USER_STAGES = ("sensitivity", "allocate", "quantize", "distill", "reinforce", "evaluate", "export")
+# A small draft of the target's vocabulary, its embedding tied to its head (as Llama 3.2 1B's).
+DRAFT = dict(hidden=256, layers=1, intermediate=1024, heads=4, kv_heads=2)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A target's widths and depth (and the stages it rehearses); None widths: the bootstrap's."""
+
+    name: str
+    stages: tuple[str, ...]
+    hidden: int | None = None
+    intermediate: int | None = None
+    layers: int | None = None
+    heads: int | None = None
+    kv_heads: int | None = None
+    vocab: int | None = None
+    overrides: tuple[str, ...] = field(default=())
+
+    @property
+    def synthetic(self) -> bool:
+        return self.hidden is not None
+
+    def sizes(self, layers: int | None = None) -> dict[str, int]:
+        return dict(
+            hidden=self.hidden,
+            layers=layers or self.layers,
+            vocab=self.vocab,
+            intermediate=self.intermediate,
+            heads=self.heads,
+            kv_heads=self.kv_heads,
+        )
+
+
+ORDER_ALL = ("bootstrap", *USER_STAGES)
+SHAPES = {
+    "default": Shape("default", ORDER_ALL),
+    "8b": Shape("8b", USER_STAGES, 4096, 14336, 2, 32, 8, 128256),
+    "70b": Shape("70b", ("sensitivity", "allocate", "quantize"), 8192, 28672, 1, 64, 8, 128256),
+    "small": Shape("small", USER_STAGES, 1024, 2816, 2, 16, 4, 32000),
+}
+# The full models the planner projects (layers; the 8B's 1B draft), on the experiments' nodes.
+FULL = {"8b": 32, "70b": 80}
+DRAFT_1B = dict(hidden=2048, layers=16, intermediate=8192, heads=32, kv_heads=8)
+
+# Every user-model stage, small: a few training steps, a small calibration set, the Fisher
+# streamed one segment at a time, a few held-out windows and prompts. The teacher in bf16 and
+# the float-kept embeddings and head frozen, as a user whose target barely fits would set them.
+RUN = (
+    "tracking=none",
+    "data.builtin_packages=[]",
+    "quant.calib.samples=8",
+    "quant.calib.seq_len=128",
+    "stage.sensitivity.stream=true",
+    "stage.distill.train.steps=2",
+    "stage.distill.train.batch=2",
+    "stage.distill.train.val_every=2",
+    "stage.distill.train.warmup=0",
+    "stage.distill.val_windows=4",
+    "stage.distill.trainable=[scales,norms]",
+    "stage.distill.teacher_dtype=bfloat16",
+    "stage.reinforce.train.steps=2",
+    "stage.reinforce.train.batch=2",
+    "stage.reinforce.train.val_every=2",
+    "stage.reinforce.train.warmup=0",
+    "stage.reinforce.train_prompts=2",
+    "stage.reinforce.val_prompts=2",
+    "stage.reinforce.eval_prompts=1",
+    "stage.reinforce.eval_new_tokens=4",
+    "stage.evaluate.scenario_prompts=1",
+    "stage.evaluate.spec_prompts=1",
+    "stage.evaluate.spec_new_tokens=4",
+    "stage.evaluate.batch_size=2",
+    "stage.evaluate.error_flow_windows=2",
+    "data.eval_windows=2",
+    "data.eval_seq_len=512",
+)
+
+
+def build(shape: Shape, root: Path) -> tuple[Path, Path, dict[str, Any]]:
+    """The shape's target and draft checkpoints under ``root`` (reused when complete), and
+    what was built: parameters, checkpoint bytes, tokenizer size, seconds."""
+    import torch
+
+    from pipeline.config import DataConfig
+    from pipeline.data.text import load_splits
+    from pipeline.models.synthetic import synthetic_tokenizer, write_synthetic_checkpoint
+
+    target, draft = root / "target", root / "draft"
+    t0 = time.time()
+    if not (target / "config.json").is_file() or not (draft / "config.json").is_file():
+        docs = load_splits(DataConfig(builtin_packages=[]))["train"]
+        tok = synthetic_tokenizer(docs, shape.vocab)
+        ids = dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                   max_position_embeddings=8192)  # fmt: skip
+        for path, sizes, tied in ((target, shape.sizes(), False), (draft, DRAFT, True)):
+            shutil.rmtree(path, ignore_errors=True)
+            tok.save_pretrained(path)  # config.json last: it marks the checkpoint complete
+            write_synthetic_checkpoint(
+                path, **(sizes | {"vocab": shape.vocab}), dtype=torch.bfloat16, shard_bytes=GIB,
+                tie_word_embeddings=tied, **ids,
+            )  # fmt: skip
+    nbytes = sum(f.stat().st_size for f in target.glob("*.safetensors"))
+    config = json.loads((target / "config.json").read_text())
+    built = {"shape": shape.name, "checkpoint GiB": nbytes / GIB, "params (B)": nbytes / 2e9,
+             "layers": config["num_hidden_layers"], "build seconds": time.time() - t0}  # fmt: skip
+    return target, draft, built
+
+
+def overrides(shape: Shape, run_dir: Path, target: Path | None, draft: Path | None) -> list[str]:
+    """The ``lowbit`` overrides of the shape's run (without ``stages``): the embedded default
+    as it is, a synthetic target with ``RUN``'s small settings."""
+    if target is None:
+        return ["tracking=none", *shape.overrides, f"run_dir={run_dir}"]
+    models = ["model=hf", f"model.target.path={target}", f"model.draft.path={draft}"]
+    return [*models, *RUN, *shape.overrides, f"run_dir={run_dir}"]
+
+
+def _tree_rss_kib(pid: int) -> int:
+    """Resident KiB of ``pid`` and its descendants (a stage may start workers)."""
+    total, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            status = Path(f"/proc/{p}/status").read_text()
+            total += next(int(x.split()[1]) for x in status.splitlines() if x.startswith("VmRSS:"))
+            for task in Path(f"/proc/{p}/task").iterdir():
+                todo += [int(c) for c in (task / "children").read_text().split()]
+        except (OSError, StopIteration, ValueError):
+            continue  # gone meanwhile
+    return total
+
+
+def run_stage(args: Sequence[str], log: Path, limit_gib: float, threads: int) -> tuple[str, float]:
+    """``lowbit <args>`` in a child, stopped when its processes hold over ``limit_gib``.
+
+    Returns:
+        (status: done | failed (exit N) | stopped at X GiB, the most RSS seen in GiB).
+    """
+    env = os.environ | {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": str(threads),
+                        "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}  # fmt: skip
+    cmd = [sys.executable, "-m", "pipeline", *args]
+    seen, stopped = 0, None
+    with log.open("w") as out:
+        out.write(" ".join(cmd) + "\n")
+        out.flush()
+        proc = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env=env, start_new_session=True
+        )
+        while proc.poll() is None:
+            seen = max(seen, _tree_rss_kib(proc.pid))
+            if seen > limit_gib * 2**20 and stopped is None:
+                stopped = f"stopped at {seen / 2**20:.1f} GiB (over --limit-gib {limit_gib})"
+                os.killpg(proc.pid, signal.SIGKILL)
+            time.sleep(0.2)
+    if stopped:
+        return stopped, seen / 2**20
+    return ("done" if proc.returncode == 0 else f"failed (exit {proc.returncode})"), seen / 2**20
+
+
+def measured_gib(stage_dir: Path) -> float | None:
+    """The stage's own peak RSS as its ``_done.json`` records it (None: not finished)."""
+    from pipeline.rundir import read_done
+
+    done = read_done(stage_dir) or {}
+    metrics = done.get("metrics", {})
+    mib = metrics.get("peak_rss_mib", metrics.get("process_peak_rss_mib"))
+    return None if mib is None else mib / 1024
+
+
+def planned_gib(args: Sequence[str]) -> dict[str, float] | str:
+    """The memory planner's peak per stage for ``lowbit <args>`` on this machine, in GiB, or
+    why there is none (the comparison's only contact with the planner)."""
+    import importlib
+
+    try:
+        memplan = importlib.import_module("pipeline.memplan")
+    except ImportError:
+        return "the memory planner (pipeline.memplan) is not in this checkout"
+    from pipeline.config import run_config
+
+    try:
+        plan = memplan.plan_run(run_config(compose(args)))
+    except Exception as err:  # the bench still reports what it measured
+        return f"the planner failed: {type(err).__name__}: {err}"
+    # On a CPU the stage's device memory is this process's memory too.
+    return {s.stage: (s.host_bytes + s.device_bytes) / GIB for s in plan.stages}
+
+
+def rehearse(shape: Shape, root: Path, limit_gib: float, threads: int) -> tuple[list, dict]:
+    """Run the shape's stages one child each: a row per stage, and what ``build`` built."""
+    run_dir = root / "run"
+    target = draft = None
+    built: dict[str, Any] = {}
+    if shape.synthetic:
+        target, draft, built = build(shape, root)
+    args = overrides(shape, run_dir, target, draft)
+    planned = planned_gib(args)
+    rows, blocked = [], None
+    for stage in shape.stages:
+        row: dict[str, Any] = {"shape": shape.name, "stage": stage}
+        if blocked:
+            rows.append(row | {"status": f"not run ({blocked} did not finish)"})
+            continue
+        (root / "logs").mkdir(parents=True, exist_ok=True)
+        t0 = time.time()
+        status, seen = run_stage([*args, f"stages=[{stage}]"], root / "logs" / f"{stage}.out",
+                                 limit_gib, threads)  # fmt: skip
+        row |= {"status": status, "seconds": time.time() - t0, "watched GiB": seen}
+        rows.append(row | compare(measured_gib(run_dir / stage), planned, stage))
+        print(markdown_table([rows[-1]], COLUMNS).splitlines()[-1], flush=True)
+        blocked = None if status == "done" else stage
+    return rows, built
+
+
+def recorded(run_dir: Path) -> list[dict[str, Any]]:
+    """Rows of a finished default run: its stages' recorded peaks beside the planner's, for the
+    overrides the run was started with (its newest ``.hydra/*/overrides.yaml``)."""
+    import yaml
+
+    found = sorted(run_dir.glob(".hydra/*/overrides.yaml"))
+    given = yaml.safe_load(found[-1].read_text()) if found else []
+    args = [o for o in given if not o.startswith(("stages=", "run_dir="))] + [f"run_dir={run_dir}"]
+    planned = planned_gib(args)
+    rows = []
+    for stage in ORDER_ALL:
+        gib = measured_gib(run_dir / stage)
+        status = "done (recorded)" if gib is not None else "not in the run"
+        rows.append({"shape": "default", "stage": stage, "status": status}
+                    | compare(gib, planned, stage))  # fmt: skip
+    return rows
+
+
+def compare(measured: float | None, planned: dict[str, float] | str, stage: str) -> dict:
+    """The measured and planned GiB of one stage and their ratio (None where one is missing)."""
+    plan = planned.get(stage) if isinstance(planned, dict) else None
+    ratio = plan / measured if plan is not None and measured else None
+    why = planned if isinstance(planned, str) else None
+    return {"measured GiB": measured, "planned GiB": plan, "planned/measured": ratio,
+            "no plan": why}  # fmt: skip
+
+
+COLUMNS = ("shape", "stage", "status", "measured GiB", "planned GiB", "planned/measured",
+           "watched GiB", "seconds")  # fmt: skip
+
+
+def rehearsal_goals(rows: Sequence[dict], checkpoint_gib: dict[str, float]) -> list[dict]:
+    """The bench's goals from its rows (``COLUMNS``) and the synthetic checkpoints' sizes."""
+    goals = []
+    for shape in ("default", "8b", "70b"):
+        name = f"{shape}: planned / measured peak, the stage furthest from 1"
+        want = f"every stage within {FIT_LO}-{FIT_HI}"
+        mine = [r for r in rows if r["shape"] == shape]
+        gaps = [r["stage"] for r in mine if r.get("planned/measured") is None]
+        if not mine or gaps:
+            why = "not run" if not mine else f"no planned/measured pair for {', '.join(gaps)}"
+            goals.append(unmeasured(name, want, why))
+            continue
+        worst = max(mine, key=lambda r: abs(r["planned/measured"] - 1))
+        ratio = worst["planned/measured"]
+        goals.append(goal(f"{name} ({worst['stage']})", ratio, want, FIT_LO <= ratio <= FIT_HI))
+    name, want = "8b: every stage done, the highest peak GiB", f"<= {MACHINE_GIB}, every stage done"
+    mine = [r for r in rows if r["shape"] == "8b"]
+    peaks = [r["measured GiB"] for r in mine if r.get("measured GiB") is not None]
+    undone = [r["stage"] for r in mine if not str(r.get("status")).startswith("done")]
+    if not mine:
+        goals.append(unmeasured(name, want, "not run"))
+    elif undone:
+        goals.append(unmeasured(name, want, f"{', '.join(undone)} did not finish"))
+    else:
+        goals.append(goal(name, max(peaks), want, max(peaks) <= MACHINE_GIB))
+    name = "70b: sensitivity and quantize peak / checkpoint size, the larger"
+    want = f"<= {STREAM_SHARE}"
+    mine = {r["stage"]: r.get("measured GiB") for r in rows if r["shape"] == "70b"}
+    lacking = [s for s in ("sensitivity", "quantize") if mine.get(s) is None]
+    if lacking or not checkpoint_gib.get("70b"):
+        why = f"no measured peak for {', '.join(lacking)}" if lacking else "no checkpoint size"
+        goals.append(unmeasured(name, want, why))
+    else:
+        share = max(mine["sensitivity"], mine["quantize"]) / checkpoint_gib["70b"]
+        goals.append(goal(name, share, want, share <= STREAM_SHARE))
+    return goals
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--shapes", default="default,8b,70b", help=f"comma list of {', '.join(SHAPES)}")
+    p.add_argument(
+        "--root",
+        default="/tmp/lowbit-rehearsal",
+        help="checkpoints, run dirs and logs, one folder per shape (checkpoints kept)",
+    )
+    p.add_argument("--default-run", default=None,
+                   help="a finished default run dir whose recorded peaks stand for the default "
+                   "shape (else the default workflow runs, a stage per child)")  # fmt: skip
+    p.add_argument(
+        "--limit-gib",
+        type=float,
+        default=14.0,
+        help="stop a stage whose processes hold more than this (shared machine)",
+    )
+    p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of every child")
+    p.add_argument("--fresh", action="store_true", help="remove each shape's run dir first")
+    p.add_argument("--out", default="bench-out/rehearsal", help="folder for result.json")
+    add_goal_args(p)
+    args = p.parse_args()
+
+    rows: list[dict] = []
+    built: list[dict] = []
+    for name in args.shapes.split(","):
+        if name not in SHAPES:
+            p.error(f"--shapes: unknown shape {name!r}; choose from {', '.join(SHAPES)}")
+        shape, root = SHAPES[name], Path(args.root).resolve() / name
+        if name == "default" and args.default_run:
+            rows += recorded(Path(args.default_run).resolve())
+            continue
+        if args.fresh:
+            shutil.rmtree(root / "run", ignore_errors=True)
+        print(f"\n{name}: {shape}", flush=True)
+        shape_rows, shape_built = rehearse(shape, root, args.limit_gib, args.threads)
+        rows += shape_rows
+        built += [shape_built] if shape_built else []
+    sizes = {b["shape"]: b["checkpoint GiB"] for b in built}
+    goals = rehearsal_goals(rows, sizes)
+    projected = projection(Path(args.root).resolve() / "full")
+    tables = [result_table("peak resident memory per stage: measured and planned", rows, COLUMNS),
+              result_table("the synthetic checkpoints (bf16)", built)]  # fmt: skip
+    if isinstance(projected, list):
+        tables.append(result_table("the planner's projection for the full models", projected))
+    notes = [f"settings of every user-model stage: {' '.join(RUN)}",
+             f"draft: {DRAFT} with tied embeddings; stage children at OMP_NUM_THREADS="
+             f"{args.threads}, stopped over {args.limit_gib} GiB"]  # fmt: skip
+    if isinstance(projected, str):
+        notes.append(f"no projection: {projected}")
+    notes += sorted({f"no plan: {r['no plan']}" for r in rows if r.get("no plan")})
+    print("\n" + markdown_table(rows, COLUMNS))
+    write_result(args.out, "rehearsal", tables, goals, args.skip_goal, notes)
+    return report_goals(goals, Path(args.out), skip=args.skip_goal)
+
+
+def projection(root: Path) -> list[dict] | str:
+    """The planner's per-rank peaks for the full 8B (with a 1B draft) on one node of 8 x 80 GB
+    GPUs (``experiment=gpu_8b``) and the full 70B on Slurm nodes of 8 x 64 GB NPUs
+    (``experiment=npu_70b``), from their config.json alone; or why there is none."""
+    import importlib
+
+    from pipeline import conf_dir
+    from pipeline.config import run_config
+
+    missing = [e for e in HARDWARE if not (conf_dir() / "experiment" / f"{e}.yaml").is_file()]
+    if missing:
+        return f"conf/experiment has no {', '.join(missing)}"
+    try:
+        memplan = importlib.import_module("pipeline.memplan")
+    except ImportError:
+        return "the memory planner (pipeline.memplan) is not in this checkout"
+    rows = []
+    for experiment, (name, device_gib) in HARDWARE.items():
+        shape = SHAPES[name]
+        target = _config_only(root / f"{name}-target", shape.sizes(FULL[name]), shape.vocab, False)
+        args = [f"experiment={experiment}", f"model.target.path={target}", "tracking=none",
+                f"run_dir={root / experiment}"]  # fmt: skip
+        if name == "8b":
+            draft = _config_only(root / "1b-draft", DRAFT_1B, shape.vocab, True)
+            args.append(f"model.draft.path={draft}")
+        for s in memplan.plan_run(run_config(compose(args))).stages:
+            rows.append({"model": f"{name.upper()} ({FULL[name]} layers)", "experiment": experiment,
+                         "stage": s.stage, "device GiB per rank": s.device_bytes / GIB,
+                         "host GiB per rank": s.host_bytes / GIB, "device GiB": device_gib,
+                         "fits the device": s.device_bytes / GIB <= device_gib})  # fmt: skip
+    return rows
+
+
+# The experiments' hardware: the model each plans and one accelerator's memory.
+HARDWARE = {"gpu_8b": ("8b", 80), "npu_70b": ("70b", 64)}
+
+
+def _config_only(path: Path, sizes: dict[str, int], vocab: int, tied: bool) -> Path:
+    """A checkpoint folder holding only config.json: all the planner reads."""
+    import torch
+
+    from pipeline.models.synthetic import synthetic_config
+
+    config = synthetic_config(**(sizes | {"vocab": vocab}), dtype=torch.bfloat16,
+                              tie_word_embeddings=tied, max_position_embeddings=8192)  # fmt: skip
+    config.save_pretrained(path)
+    return path
+
+
+if __name__ == "__main__":
+    sys.exit(main())
