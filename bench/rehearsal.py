@@ -12,11 +12,11 @@ embeddings, and a byte-level BPE built offline whose ids fill the vocabulary as 
   sensitivity (streamed), allocate and quantize;
 * ``small``: hidden 1024, vocab 32000, 2 layers, every stage (a quick check of the bench).
 
-Each stage runs as ``lowbit ... stages=[<stage>]`` in a child process of its own, with a few
-training steps, a small calibration set and streamed sensitivity; its peak resident set is what
-the stage records in ``_done.json`` (``pipeline/peakmem.py``). A watcher stops a child whose
-processes hold more than ``--limit-gib`` (the machine is shared): that stage's row then says so,
-with the most it was seen to hold, and the shape's later stages do not run.
+A shape's stages run as one ``lowbit`` child process, as a user runs them (``--per-stage``: a
+child each), with a few training steps, a small calibration set and streamed sensitivity; each
+stage's peak resident set is what it records in ``_done.json`` (``pipeline/peakmem.py``). A
+watcher stops a child whose processes hold more than ``--limit-gib`` (the machine is shared): the
+stage it was in then says so, with the most it was seen to hold, and the later ones do not run.
 
 Goals: the planner within ±20% of the measured peak of every stage on the default, 8B-shaped and
 70B-shaped runs; the 8B-shaped run completes every stage inside 24 GiB; the 70B-shaped run's
@@ -29,6 +29,7 @@ or cannot be checked.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -80,10 +81,10 @@ class Shape:
     def synthetic(self) -> bool:
         return self.hidden is not None
 
-    def sizes(self, layers: int | None = None) -> dict[str, int]:
+    def sizes(self) -> dict[str, int]:
         return dict(
             hidden=self.hidden,
-            layers=layers or self.layers,
+            layers=self.layers,
             vocab=self.vocab,
             intermediate=self.intermediate,
             heads=self.heads,
@@ -98,26 +99,28 @@ SHAPES = {
     "70b": Shape("70b", ("sensitivity", "allocate", "quantize"), 8192, 28672, 1, 64, 8, 128256),
     "small": Shape("small", USER_STAGES, 1024, 2816, 2, 16, 4, 32000),
 }
-# The full models the planner projects (layers; the 8B's 1B draft), on the experiments' nodes.
-FULL = {"8b": 32, "70b": 80}
-DRAFT_1B = dict(hidden=2048, layers=16, intermediate=8192, heads=32, kv_heads=8)
 
 # Every user-model stage, small: a few training steps, a small calibration set, the Fisher
-# streamed one segment at a time, a few held-out windows and prompts. The teacher in bf16 and
-# the float-kept embeddings and head frozen, as a user whose target barely fits would set them.
+# streamed one segment at a time, a few held-out windows and prompts; the float-kept embeddings
+# and head frozen, as a user whose target barely fits would set them. Compute, not memory, limits
+# a rehearsal on a shared 2-core machine: RTN (GPTQ's Hessians are planned, not rehearsed here),
+# three formats, no score for the layers quant.keep_float keeps float, no timed decoding.
 RUN = (
     "tracking=none",
     "data.builtin_packages=[]",
-    "quant.calib.samples=8",
+    "quant.calib.samples=4",
     "quant.calib.seq_len=128",
     "stage.sensitivity.stream=true",
+    "quant.method=rtn",
+    "quant.candidates=[int2g64,int3g128,int4g128]",
+    "stage.sensitivity.include_lm_head=false",
+    "stage.sensitivity.include_embeddings=false",
     "stage.distill.train.steps=2",
     "stage.distill.train.batch=2",
     "stage.distill.train.val_every=2",
     "stage.distill.train.warmup=0",
     "stage.distill.val_windows=4",
     "stage.distill.trainable=[scales,norms]",
-    "stage.distill.teacher_dtype=bfloat16",
     "stage.reinforce.train.steps=2",
     "stage.reinforce.train.batch=2",
     "stage.reinforce.train.val_every=2",
@@ -131,6 +134,7 @@ RUN = (
     "stage.evaluate.spec_new_tokens=4",
     "stage.evaluate.batch_size=2",
     "stage.evaluate.error_flow_windows=2",
+    "stage.evaluate.timing=false",
     "data.eval_windows=2",
     "data.eval_seq_len=512",
 )
@@ -190,7 +194,7 @@ def _tree_rss_kib(pid: int) -> int:
     return total
 
 
-def run_stage(args: Sequence[str], log: Path, limit_gib: float, threads: int) -> tuple[str, float]:
+def run_child(args: Sequence[str], log: Path, limit_gib: float, threads: int) -> tuple[str, float]:
     """``lowbit <args>`` in a child, stopped when its processes hold over ``limit_gib``.
 
     Returns:
@@ -217,58 +221,79 @@ def run_stage(args: Sequence[str], log: Path, limit_gib: float, threads: int) ->
     return ("done" if proc.returncode == 0 else f"failed (exit {proc.returncode})"), seen / 2**20
 
 
-def measured_gib(stage_dir: Path) -> float | None:
-    """The stage's own peak RSS as its ``_done.json`` records it (None: not finished)."""
+def stage_record(stage_dir: Path) -> tuple[float | None, float | None]:
+    """(its own peak RSS in GiB, seconds) as the stage's ``_done.json`` records them (pipeline/
+    peakmem.py); (None, None) when it did not finish."""
     from pipeline.rundir import read_done
 
-    done = read_done(stage_dir) or {}
+    done = read_done(stage_dir)
+    if done is None:
+        return None, None
     metrics = done.get("metrics", {})
     mib = metrics.get("peak_rss_mib", metrics.get("process_peak_rss_mib"))
-    return None if mib is None else mib / 1024
+    return (None if mib is None else mib / 1024), done.get("timings", {}).get("seconds")
 
 
-def planned_gib(args: Sequence[str]) -> dict[str, float] | str:
-    """The memory planner's peak per stage for ``lowbit <args>`` on this machine, in GiB, or
-    why there is none (the comparison's only contact with the planner)."""
-    import importlib
-
+def planned_gib(args: Sequence[str], stages: Sequence[str]) -> dict[str, float] | str:
+    """The memory planner's peak per stage of ``lowbit <args>`` on this machine, in GiB, or why
+    there is none (the comparison's only contact with the planner)."""
     try:
-        memplan = importlib.import_module("pipeline.memplan")
+        plan = _plan(args, stages)
     except ImportError:
         return "the memory planner (pipeline.memplan) is not in this checkout"
-    from pipeline.config import run_config
-
-    try:
-        plan = memplan.plan_run(run_config(compose(args)))
     except Exception as err:  # the bench still reports what it measured
         return f"the planner failed: {type(err).__name__}: {err}"
-    # On a CPU the stage's device memory is this process's memory too.
+    # On a CPU, device and host are one memory (the planner puts every term on the host).
     return {s.stage: (s.host_bytes + s.device_bytes) / GIB for s in plan.stages}
 
 
-def rehearse(shape: Shape, root: Path, limit_gib: float, threads: int) -> tuple[list, dict]:
-    """Run the shape's stages one child each: a row per stage, and what ``build`` built."""
+def _plan(args: Sequence[str], stages: Sequence[str] | None = None):
+    """``pipeline.memplan.plan_run`` of the run ``lowbit <args>`` makes, for ``stages`` (None:
+    the config's), each with the settings the workflow hands it."""
+    import importlib
+
+    from pipeline.config import run_config
+    from pipeline.workflow import stage_config
+
+    memplan = importlib.import_module("pipeline.memplan")
+    cfg = compose(args)
+    chosen = list(cfg.stages if stages is None else stages)
+    return memplan.plan_run(run_config(cfg), {n: stage_config(cfg, n)[0] for n in chosen})
+
+
+def rehearse(
+    shape: Shape, root: Path, limit_gib: float, threads: int, per_stage: bool
+) -> tuple[list, dict]:
+    """Run the shape's stages, in one child or one each: a row per stage, and what ``build``
+    built. One child is how a user runs them (each stage's peak counts what the earlier ones
+    left in the process, as the planner's does); one each isolates them."""
     run_dir = root / "run"
     target = draft = None
     built: dict[str, Any] = {}
     if shape.synthetic:
         target, draft, built = build(shape, root)
     args = overrides(shape, run_dir, target, draft)
-    planned = planned_gib(args)
-    rows, blocked = [], None
-    for stage in shape.stages:
-        row: dict[str, Any] = {"shape": shape.name, "stage": stage}
-        if blocked:
-            rows.append(row | {"status": f"not run ({blocked} did not finish)"})
-            continue
-        (root / "logs").mkdir(parents=True, exist_ok=True)
-        t0 = time.time()
-        status, seen = run_stage([*args, f"stages=[{stage}]"], root / "logs" / f"{stage}.out",
-                                 limit_gib, threads)  # fmt: skip
-        row |= {"status": status, "seconds": time.time() - t0, "watched GiB": seen}
-        rows.append(row | compare(measured_gib(run_dir / stage), planned, stage))
-        print(markdown_table([rows[-1]], COLUMNS).splitlines()[-1], flush=True)
-        blocked = None if status == "done" else stage
+    planned = planned_gib(args, shape.stages)
+    (root / "logs").mkdir(parents=True, exist_ok=True)
+    rows: list[dict[str, Any]] = []
+    unfinished = None  # the first stage without a record: those after it did not run
+    for group in [[s] for s in shape.stages] if per_stage else [list(shape.stages)]:
+        if unfinished is None:
+            log = root / "logs" / f"{group[0] if per_stage else 'run'}.out"
+            outcome, seen = run_child([*args, f"stages=[{','.join(group)}]"], log, limit_gib,
+                                      threads)  # fmt: skip
+        for stage in group:
+            gib, seconds = stage_record(run_dir / stage)
+            row = {"shape": shape.name, "stage": stage, "seconds": seconds}
+            if unfinished is not None:
+                row["status"] = f"not run ({unfinished} did not finish)"
+            elif gib is None:
+                unfinished, row["status"] = stage, outcome
+            else:
+                row["status"] = "done"
+            row["watched GiB"] = seen if unfinished in (None, stage) else None
+            rows.append(row | compare(gib, planned, stage))
+            print(markdown_table([rows[-1]], COLUMNS).splitlines()[-1], flush=True)
     return rows, built
 
 
@@ -280,13 +305,13 @@ def recorded(run_dir: Path) -> list[dict[str, Any]]:
     found = sorted(run_dir.glob(".hydra/*/overrides.yaml"))
     given = yaml.safe_load(found[-1].read_text()) if found else []
     args = [o for o in given if not o.startswith(("stages=", "run_dir="))] + [f"run_dir={run_dir}"]
-    planned = planned_gib(args)
+    planned = planned_gib(args, [s for s in ORDER_ALL if (run_dir / s).is_dir()])
     rows = []
     for stage in ORDER_ALL:
-        gib = measured_gib(run_dir / stage)
+        gib, seconds = stage_record(run_dir / stage)
         status = "done (recorded)" if gib is not None else "not in the run"
-        rows.append({"shape": "default", "stage": stage, "status": status}
-                    | compare(gib, planned, stage))  # fmt: skip
+        row = {"shape": "default", "stage": stage, "status": status, "seconds": seconds}
+        rows.append(row | compare(gib, planned, stage))
     return rows
 
 
@@ -360,6 +385,12 @@ def main() -> int:
     )
     p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of every child")
     p.add_argument("--fresh", action="store_true", help="remove each shape's run dir first")
+    p.add_argument("--per-stage", action="store_true", help="a child per stage, not per shape")
+    p.add_argument("--build-only", action="store_true", help="write the checkpoints and stop")
+    p.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE",
+        help="one more lowbit override of the synthetic shapes' runs (repeatable), after RUN's",
+    )  # fmt: skip
     p.add_argument("--out", default="bench-out/rehearsal", help="folder for result.json")
     add_goal_args(p)
     args = p.parse_args()
@@ -370,80 +401,84 @@ def main() -> int:
         if name not in SHAPES:
             p.error(f"--shapes: unknown shape {name!r}; choose from {', '.join(SHAPES)}")
         shape, root = SHAPES[name], Path(args.root).resolve() / name
+        if shape.synthetic:
+            shape = dataclasses.replace(shape, overrides=(*shape.overrides, *args.set))
         if name == "default" and args.default_run:
             rows += recorded(Path(args.default_run).resolve())
+            continue
+        if args.build_only:
+            if shape.synthetic:
+                print(build(shape, root)[2], flush=True)
             continue
         if args.fresh:
             shutil.rmtree(root / "run", ignore_errors=True)
         print(f"\n{name}: {shape}", flush=True)
-        shape_rows, shape_built = rehearse(shape, root, args.limit_gib, args.threads)
+        shape_rows, shape_built = rehearse(
+            shape, root, args.limit_gib, args.threads, args.per_stage
+        )
         rows += shape_rows
         built += [shape_built] if shape_built else []
+    if args.build_only:
+        return 0
     sizes = {b["shape"]: b["checkpoint GiB"] for b in built}
     goals = rehearsal_goals(rows, sizes)
     projected = projection(Path(args.root).resolve() / "full")
     tables = [result_table("peak resident memory per stage: measured and planned", rows, COLUMNS),
               result_table("the synthetic checkpoints (bf16)", built)]  # fmt: skip
-    if isinstance(projected, list):
-        tables.append(result_table("the planner's projection for the full models", projected))
-    notes = [f"settings of every user-model stage: {' '.join(RUN)}",
+    if not isinstance(projected, str):
+        title = "the planner's projection for the full models on the experiments' hardware"
+        tables.append(result_table(title, projected[0]))
+    notes = [f"settings of every user-model stage: {' '.join([*RUN, *args.set])}",
              f"draft: {DRAFT} with tied embeddings; stage children at OMP_NUM_THREADS="
              f"{args.threads}, stopped over {args.limit_gib} GiB"]  # fmt: skip
     if isinstance(projected, str):
         notes.append(f"no projection: {projected}")
+    else:
+        notes += projected[1] or ["the projection: every stage fits the experiments' devices"]
     notes += sorted({f"no plan: {r['no plan']}" for r in rows if r.get("no plan")})
     print("\n" + markdown_table(rows, COLUMNS))
     write_result(args.out, "rehearsal", tables, goals, args.skip_goal, notes)
     return report_goals(goals, Path(args.out), skip=args.skip_goal)
 
 
-def projection(root: Path) -> list[dict] | str:
-    """The planner's per-rank peaks for the full 8B (with a 1B draft) on one node of 8 x 80 GB
-    GPUs (``experiment=gpu_8b``) and the full 70B on Slurm nodes of 8 x 64 GB NPUs
-    (``experiment=npu_70b``), from their config.json alone; or why there is none."""
+def projection(root: Path) -> tuple[list[dict], list[str]] | str:
+    """The planner's per-rank peaks for the full Llama-3-8B with its 1B draft on one node of
+    8 x 80 GB GPUs (``experiment=gpu_8b``) and the full 70B on 4 Slurm nodes of 8 x 64 GB NPUs
+    (``experiment=npu_70b``), from their config.json alone (``tests/assets``): rows, and the
+    planner's lines for each stage that would not fit; or why there is none."""
     import importlib
 
-    from pipeline import conf_dir
-    from pipeline.config import run_config
-
-    missing = [e for e in HARDWARE if not (conf_dir() / "experiment" / f"{e}.yaml").is_file()]
-    if missing:
-        return f"conf/experiment has no {', '.join(missing)}"
     try:
         memplan = importlib.import_module("pipeline.memplan")
     except ImportError:
         return "the memory planner (pipeline.memplan) is not in this checkout"
-    rows = []
-    for experiment, (name, device_gib) in HARDWARE.items():
-        shape = SHAPES[name]
-        target = _config_only(root / f"{name}-target", shape.sizes(FULL[name]), shape.vocab, False)
-        args = [f"experiment={experiment}", f"model.target.path={target}", "tracking=none",
-                f"run_dir={root / experiment}"]  # fmt: skip
-        if name == "8b":
-            draft = _config_only(root / "1b-draft", DRAFT_1B, shape.vocab, True)
-            args.append(f"model.draft.path={draft}")
-        for s in memplan.plan_run(run_config(compose(args))).stages:
-            rows.append({"model": f"{name.upper()} ({FULL[name]} layers)", "experiment": experiment,
-                         "stage": s.stage, "device GiB per rank": s.device_bytes / GIB,
-                         "host GiB per rank": s.host_bytes / GIB, "device GiB": device_gib,
-                         "fits the device": s.device_bytes / GIB <= device_gib})  # fmt: skip
-    return rows
+    root.mkdir(parents=True, exist_ok=True)
+    corpus = root / "corpus.txt"  # the experiments read a local corpus; the plan never opens it
+    corpus.write_text("a line of text\n" * 4)
+    assets = REPO / "tests" / "assets"
+    rows, problems = [], []
+    for experiment, (target, draft, device_gb) in HARDWARE.items():
+        args = [f"experiment={experiment}", f"model.target.path={assets / target}",
+                f"data.path={corpus}", "tracking=none", f"run_dir={root / experiment}"]  # fmt: skip
+        args += [f"model.draft.path={assets / draft}"] if draft else []
+        try:
+            plan = _plan(args)
+        except Exception as err:
+            return f"{experiment}: the planner failed: {type(err).__name__}: {err}"
+        cap = memplan.Capacity(None, int(device_gb * 1e9), "unknown", f"{device_gb} GB")
+        problems += [f"{experiment}: {line}" for line in plan.fits(cap)]
+        for s in plan.stages:
+            rows.append({
+                "experiment": experiment, "model": plan.model, "ranks": plan.ranks,
+                "stage": s.stage, "device GiB per rank": s.device_bytes / GIB,
+                "host GiB per rank": s.host_bytes / GIB, "device GiB": device_gb * 1e9 / GIB,
+                "fits": s.device_bytes <= device_gb * 1e9, "largest terms": s.largest(),
+            })  # fmt: skip
+    return rows, problems
 
 
-# The experiments' hardware: the model each plans and one accelerator's memory.
-HARDWARE = {"gpu_8b": ("8b", 80), "npu_70b": ("70b", 64)}
-
-
-def _config_only(path: Path, sizes: dict[str, int], vocab: int, tied: bool) -> Path:
-    """A checkpoint folder holding only config.json: all the planner reads."""
-    import torch
-
-    from pipeline.models.synthetic import synthetic_config
-
-    config = synthetic_config(**(sizes | {"vocab": vocab}), dtype=torch.bfloat16,
-                              tie_word_embeddings=tied, max_position_embeddings=8192)  # fmt: skip
-    config.save_pretrained(path)
-    return path
+# The experiments' hardware: the target's and the draft's config.json, one accelerator's GB.
+HARDWARE = {"gpu_8b": ("llama3_8b", "llama3_1b", 80), "npu_70b": ("llama3_70b", None, 64)}
 
 
 if __name__ == "__main__":
