@@ -23,12 +23,14 @@ GIB = 2**30
 
 # The process itself, measured at each stage's start in the embedded default's runs: Python,
 # torch, transformers, datasets and MLflow; Lightning adds its own once a training stage ran.
-RUNTIME = int(0.55 * GIB)
-LIGHTNING = int(0.30 * GIB)
+RUNTIME = int(0.60 * GIB)
+LIGHTNING = int(0.12 * GIB)
 DEVICE_CONTEXT = int(0.5 * GIB)  # a CUDA/CANN context and its kernels, outside torch's counts
-# The built-in corpus held by a stage that reads it, per character of text (str and token ids),
-# and the size of the standard library's docstrings (conf/experiment/smoke.yaml).
-CORPUS_BYTES_PER_CHAR = 4
+# The built-in corpus per character of its text: read by a stage (text, token ids, the imported
+# packages), and bootstrap's BPE training on it (kept by the process); the standard library's
+# docstrings alone (conf/experiment/smoke.yaml) hold about 1.5 M characters.
+CORPUS_BYTES_PER_CHAR = 22
+TOKENIZER_BYTES_PER_CHAR = 28
 STDLIB_CHARS = 1_500_000
 TRAINING = ("bootstrap", "distill", "reinforce")
 # A stored shard read whole before its tensors move to the device (transformers' loaders).
@@ -68,19 +70,28 @@ class RunFacts:
         return c.samples, c.seq_len
 
     def runtime_bytes(self, stage: str) -> int:
-        ran = self.stages[: self.stages.index(stage) + 1] if stage in self.stages else (stage,)
+        ran = (*self.stages[: self._index(stage)], stage)
         return RUNTIME + (LIGHTNING if any(s in TRAINING for s in ran) else 0)
 
     def corpus(self, stage: str) -> Terms:
-        """The built-in corpus each reading stage holds: its text and int64 token ids (the size
-        of a user's corpus is known only once read: a note says so)."""
-        data = self.run.data
-        if stage in ("allocate", "export") or data.path is not None or data.name is not None:
-            return {}
+        """The built-in corpus in this process: its text, token ids and the docstring packages
+        imported to read it; bootstrap's tokenizer training on top, kept by the process for the
+        stages after it (a user's corpus is known only once read: a note says so)."""
+        data, out = self.run.data, {}
+        if data.path is not None or data.name is not None:
+            return out
         chars = data.builtin_max_chars or 0
         if not data.builtin_packages:  # the standard library's docstrings alone
             chars = min(chars, STDLIB_CHARS)
-        return {"corpus": chars * CORPUS_BYTES_PER_CHAR}
+        after_bootstrap = "bootstrap" in self.stages[: self._index(stage) + 1]
+        if after_bootstrap or stage not in ("allocate", "export"):
+            out["corpus"] = chars * CORPUS_BYTES_PER_CHAR
+        if after_bootstrap:
+            out["tokenizer training"] = chars * TOKENIZER_BYTES_PER_CHAR
+        return out
+
+    def _index(self, stage: str) -> int:
+        return self.stages.index(stage) if stage in self.stages else len(self.stages)
 
     def split(self, on_device: bool, compute: Terms, host: Terms) -> tuple[Terms, Terms]:
         """(device, host) terms of a stage computing on the accelerator or on the host."""

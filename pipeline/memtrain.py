@@ -71,9 +71,17 @@ def _distill(facts: RunFacts, cfg: Any) -> tuple[Terms, Terms]:
     trainable = _trainable(s, list(cfg.trainable), group)
     optimizer, host = _optimizer(facts, trainable)
     compute |= optimizer
-    compute["dequantized weights"] = s.linear_params * (4 + a)  # kept for backward, per rank
+    # Kept for backward on every rank (ZeRO shards parameters, not what autograd saves), or one
+    # block's with activation checkpointing, which keeps each block's input instead.
     eager = cfg.beta > 0 and cfg.match != "hidden"  # attention maps matched: eager attention
-    compute["activations"] = train_activations(s, tokens, seq, a, eager=eager)
+    if getattr(cfg, "activation_checkpointing", False):
+        compute["dequantized weights"] = s.block_linear_params * (4 + a)
+        compute["activations"] = s.layers * tokens * s.hidden * a + train_activations(
+            s, tokens, seq, a, layers=1, eager=eager
+        )
+    else:
+        compute["dequantized weights"] = s.linear_params * (4 + a)
+        compute["activations"] = train_activations(s, tokens, seq, a, eager=eager)
     compute["teacher forward"] = forward_activations(s, tokens, seq, a, eager=eager)
     if eager:  # the teacher's maps, kept for the loss
         compute["attention maps"] = s.layers * batch * s.heads * seq * seq * 4
@@ -88,6 +96,9 @@ def _distill_fixes(facts: RunFacts, cfg: Any) -> Fixes:
         frozen = [t for t in cfg.trainable if t != "float"]
         out.append((f"stage.distill.trainable=[{','.join(frozen)}] (lm_head and embeddings frozen)",
                     facts, nested(cfg, trainable=frozen)))  # fmt: skip
+    if not getattr(cfg, "activation_checkpointing", True):
+        recompute = nested(cfg, activation_checkpointing=True)
+        out.append(("stage.distill.activation_checkpointing=true", facts, recompute))
     if cfg.teacher_dtype == "float32":
         out.append(
             ("stage.distill.teacher_dtype=bfloat16", facts, nested(cfg, teacher_dtype="bfloat16"))
