@@ -8,9 +8,9 @@ import subprocess
 import pytest
 
 from pipeline import workflow
-from pipeline.config import run_config
-from pipeline.errors import LowbitError
-from pipeline.memplan import GIB, Capacity, StageMemory, plan_run
+from pipeline.config import PlanConfig, run_config
+from pipeline.errors import ConfigError, LowbitError
+from pipeline.memplan import GIB, Capacity, StageMemory, capacity, plan_run
 from pipeline.modelshape import ModelShape, size_defaults
 from tests.conftest import CLI_TIMEOUT, REPO, lowbit_cmd, make_cfg
 
@@ -137,3 +137,18 @@ def test_cli_plan_prints_the_table_of_an_experiment(experiment, target, tmp_path
     assert out.returncode == 0, out.stderr[-2000:]
     assert "memory plan: target" in out.stdout and "quantize" in out.stdout
     assert not (tmp_path / "run").exists()  # writes nothing
+
+
+def test_capacity_reads_the_override_the_allocation_then_the_machine(monkeypatch):
+    monkeypatch.delenv("SLURM_MEM_PER_NODE", raising=False)
+    machine = capacity(PlanConfig(), "cpu")
+    assert machine.host_source.startswith("MemAvailable") and machine.host_bytes > 0
+    assert machine.device_bytes is None  # a CPU run has no device to fill
+    assert capacity(PlanConfig(), "cpu", {"mem_gb": 512}).host_bytes == 512 * GIB
+    monkeypatch.setenv("SLURM_MEM_PER_NODE", "2048")  # MiB, as Slurm sets it
+    assert capacity(PlanConfig(), "cpu", {"mem_gb": 512}).host_bytes == 2 * GIB
+    given = capacity(PlanConfig(host_mem_gib=3, device_mem_gib=64), "npu")
+    assert (given.host_bytes, given.device_bytes) == (3 * GIB, 64 * GIB)
+    assert capacity(PlanConfig(), "npu").device_bytes is None  # no NPU here to ask
+    with pytest.raises(ConfigError, match="plan.host_mem_gib"):
+        PlanConfig(host_mem_gib=0)
