@@ -108,8 +108,9 @@ SHAPES = {
 RUN = (
     "tracking=none",
     "data.builtin_packages=[]",
-    "quant.calib.samples=4",
-    "quant.calib.seq_len=128",
+    "quant.calib.samples=2",
+    "quant.calib.seq_len=64",
+    "data.seq_len=64",
     "stage.sensitivity.stream=true",
     "quant.method=rtn",
     "quant.candidates=[int2g64,int3g128,int4g128]",
@@ -135,8 +136,10 @@ RUN = (
     "stage.evaluate.batch_size=2",
     "stage.evaluate.error_flow_windows=2",
     "stage.evaluate.timing=false",
+    "stage.evaluate.scenarios=[mix]",
+    "stage.evaluate.adaptive=false",
     "data.eval_windows=2",
-    "data.eval_seq_len=512",
+    "data.eval_seq_len=128",
 )
 
 
@@ -218,7 +221,12 @@ def run_child(args: Sequence[str], log: Path, limit_gib: float, threads: int) ->
             time.sleep(0.2)
     if stopped:
         return stopped, seen / 2**20
-    return ("done" if proc.returncode == 0 else f"failed (exit {proc.returncode})"), seen / 2**20
+    if proc.returncode == 0:
+        return "done", seen / 2**20
+    # lowbit's one line (a refusal by the memory plan, a failed stage) says why
+    errors = [x for x in log.read_text().splitlines() if "[ERROR]" in x]
+    why = errors[-1].split("] - ", 1)[-1][:300] if errors else "see " + str(log)
+    return f"failed (exit {proc.returncode}): {why}", seen / 2**20
 
 
 def stage_record(stage_dir: Path) -> tuple[float | None, float | None]:
@@ -239,8 +247,6 @@ def planned_gib(args: Sequence[str], stages: Sequence[str]) -> dict[str, float] 
     there is none (the comparison's only contact with the planner)."""
     try:
         plan = _plan(args, stages)
-    except ImportError:
-        return "the memory planner (pipeline.memplan) is not in this checkout"
     except Exception as err:  # the bench still reports what it measured
         return f"the planner failed: {type(err).__name__}: {err}"
     # On a CPU, device and host are one memory (the planner puts every term on the host).
@@ -250,15 +256,13 @@ def planned_gib(args: Sequence[str], stages: Sequence[str]) -> dict[str, float] 
 def _plan(args: Sequence[str], stages: Sequence[str] | None = None):
     """``pipeline.memplan.plan_run`` of the run ``lowbit <args>`` makes, for ``stages`` (None:
     the config's), each with the settings the workflow hands it."""
-    import importlib
-
     from pipeline.config import run_config
+    from pipeline.memplan import plan_run
     from pipeline.workflow import stage_config
 
-    memplan = importlib.import_module("pipeline.memplan")
     cfg = compose(args)
     chosen = list(cfg.stages if stages is None else stages)
-    return memplan.plan_run(run_config(cfg), {n: stage_config(cfg, n)[0] for n in chosen})
+    return plan_run(run_config(cfg), {n: stage_config(cfg, n)[0] for n in chosen})
 
 
 def rehearse(
@@ -446,12 +450,8 @@ def projection(root: Path) -> tuple[list[dict], list[str]] | str:
     8 x 80 GB GPUs (``experiment=gpu_8b``) and the full 70B on 4 Slurm nodes of 8 x 64 GB NPUs
     (``experiment=npu_70b``), from their config.json alone (``tests/assets``): rows, and the
     planner's lines for each stage that would not fit; or why there is none."""
-    import importlib
+    from pipeline.memplan import Capacity
 
-    try:
-        memplan = importlib.import_module("pipeline.memplan")
-    except ImportError:
-        return "the memory planner (pipeline.memplan) is not in this checkout"
     root.mkdir(parents=True, exist_ok=True)
     corpus = root / "corpus.txt"  # the experiments read a local corpus; the plan never opens it
     corpus.write_text("a line of text\n" * 4)
@@ -465,7 +465,7 @@ def projection(root: Path) -> tuple[list[dict], list[str]] | str:
             plan = _plan(args)
         except Exception as err:
             return f"{experiment}: the planner failed: {type(err).__name__}: {err}"
-        cap = memplan.Capacity(None, int(device_gb * 1e9), "unknown", f"{device_gb} GB")
+        cap = Capacity(None, int(device_gb * 1e9), "unknown", f"{device_gb} GB")
         problems += [f"{experiment}: {line}" for line in plan.fits(cap)]
         for s in plan.stages:
             rows.append({
