@@ -17,6 +17,8 @@ child each), with a few training steps, a small calibration set and streamed sen
 stage's peak resident set is what it records in ``_done.json`` (``pipeline/peakmem.py``). A
 watcher stops a child whose processes hold more than ``--limit-gib`` (the machine is shared): the
 stage it was in then says so, with the most it was seen to hold, and the later ones do not run.
+lowbit's own start check refuses a run its memory plan says will not fit the memory available
+(the row carries its line); ``--set plan.check=false`` starts it anyway, the watcher still on.
 
 Goals: the planner within ±20% of the measured peak of every stage on the default, 8B-shaped and
 70B-shaped runs; the 8B-shaped run completes every stage inside 24 GiB; the 70B-shaped run's
