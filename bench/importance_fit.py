@@ -24,6 +24,7 @@ import json
 import random
 import sys
 import time
+from dataclasses import astuple
 from pathlib import Path
 
 import numpy as np
@@ -47,7 +48,7 @@ from pipeline.analysis.importance import (
     rank_agreement,
 )
 from pipeline.analysis.sensitivity import METHODS, analyze
-from pipeline.config import data_cfg
+from pipeline.config import data_cfg, quant_cfg
 from pipeline.data.text import Corpus
 from pipeline.dist import Dist
 from pipeline.models.hf import load_causal_lm, load_tokenizer
@@ -96,7 +97,7 @@ def main() -> int:
     cfg = compose(["tracking=none"])
     model, tokenizer = load_causal_lm(args.target), load_tokenizer(args.target)
     calib = Corpus(data_cfg(cfg), tokenizer).calibration(
-        cfg.quant.calib.samples, cfg.quant.calib.seq_len, cfg.seed
+        *astuple(quant_cfg(cfg).calib), cfg.seed
     )  # (S, T): the stage's windows
     cands = list(cfg.quant.candidates)
     probes = stage.hutchinson_probes

@@ -153,7 +153,7 @@ def main() -> None:
     q = quant_cfg(cfg)
     model, tokenizer = load_causal_lm(target), load_tokenizer(target)
     corpus = Corpus(data_cfg(cfg), tokenizer)
-    calib = corpus.calibration(cfg.quant.calib.samples, cfg.quant.calib.seq_len, cfg.seed)
+    calib = corpus.calibration(q.calib.samples, q.calib.seq_len, cfg.seed)
     evalw = corpus_heldout(corpus).windows
     print(f"target {target}: calib {tuple(calib.shape)}, eval {tuple(evalw.shape)}")
 

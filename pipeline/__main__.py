@@ -2,6 +2,7 @@
 
 lowbit experiment=smoke run_dir=/tmp/r   # tiny, ~2 minutes
 lowbit --force stages=[quantize]         # also --verify, --no-repair, --dry-run, --version
+lowbit --plan model=hf model.target.path=DIR  # each stage's memory per rank, against this machine
 lowbit -m quant.budget_bits=2.5,3,4      # a sweep: each point in its own run dir, then
                                          # sweep.md/.csv/.png over them (pipeline.sweep)
 """
@@ -40,8 +41,9 @@ FLAGS = {
     "--verify": "verify=true",
     "--no-repair": "repair=false",
     "--dry-run": "dry_run=true",
+    "--plan": "plan.show=true",
 }
-# A dry run writes nothing, Hydra's log file and output dir included.
+# A dry run (and --plan) writes nothing, Hydra's log file and output dir included.
 DRY_RUN_HYDRA = [
     "hydra.run.dir=.",
     "~hydra.job_logging.handlers.file",
@@ -49,15 +51,20 @@ DRY_RUN_HYDRA = [
 ]
 # Keys that say where or how a run happens, not what it computes: never in a point's run dir name.
 NOT_IN_POINT_NAME = {"run_dir", "name", "cluster", "tracking", "hydra"} | {
-    "force", "verify", "repair", "print_config", "dry_run"
+    "force", "verify", "repair", "print_config", "dry_run", "plan"
 }  # fmt: skip
+WRITES_NOTHING = {"dry_run=true", "dry_run=True", "plan.show=true", "plan.show=True"}
+
+
+def _writes_nothing(config: DictConfig) -> bool:
+    return config.get("dry_run") is True or (config.get("plan") or {}).get("show") is True
 
 
 def _with_flags(argv: list[str]) -> list[str]:
     argv = [FLAGS.get(a, a) for a in argv]
     if {"-m", "--multirun"} & set(argv):
         extra = _point_name_keys(argv)
-    elif {"dry_run=true", "dry_run=True"} & set(argv):
+    elif WRITES_NOTHING & set(argv):
         extra = DRY_RUN_HYDRA
     else:
         return argv
@@ -159,7 +166,7 @@ class WritableRunDir(Callback):
 
     @staticmethod
     def _check(config: DictConfig) -> None:
-        if config.get("dry_run") is True:  # writes nothing
+        if _writes_nothing(config):
             return
         from pipeline.rundir import check_writable
 
@@ -184,7 +191,7 @@ class SweepSummary(Callback):
     after its last point, writes a table and a Pareto plot over the points (pipeline.sweep)."""
 
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
-        if config.get("dry_run") is True:  # writes nothing
+        if _writes_nothing(config):
             return
         from pipeline import sweep
         from pipeline.config import tracking_cfg
@@ -203,7 +210,7 @@ class SweepSummary(Callback):
             config.hydra.overrides.hydra.append(f"++hydra.job.env_set.{key}={_quoted(value)}")
 
     def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
-        if config.get("dry_run") is True:
+        if _writes_nothing(config):
             return
         from pipeline import sweep
 
@@ -276,9 +283,12 @@ def _main(cfg: DictConfig) -> None:
     try:
         # Validate once, here, before starting ranks or touching any model.
         planned = workflow.plan(cfg, Path(cfg.run_dir).resolve())
-        if cfg.dry_run:
-            if main_rank:
+        if _writes_nothing(cfg):
+            if main_rank and cfg.dry_run:
                 print(describe(Path(cfg.run_dir).resolve(), workflow.preview(cfg, planned)))
+            if main_rank:
+                memory, available = workflow.memory_plan(cfg, planned)
+                print(memory.table(available))
             return
         # A list (`trainer.devices=[4,5]`) names which devices: one rank each.
         count = len(devices) if OmegaConf.is_list(devices) else devices

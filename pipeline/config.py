@@ -21,6 +21,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from pipeline.errors import ConfigError, first_line
 
 if TYPE_CHECKING:
+    from pipeline.modelshape import SizeDefaults
     from pipeline.quant.formats import Format
     from pipeline.quant.plan import Recipe
 
@@ -110,7 +111,7 @@ def parse(node: Any, schema: type[T], prefix: str) -> T:
         kwargs[name] = _coerce(_over_default(data[name], f), hints[name], key)
     obj = schema(**kwargs)
     check = getattr(obj, "check", None)
-    if check is not None:
+    if callable(check):  # `plan.check` is a setting, not a method
         check(prefix)
     return obj
 
@@ -298,8 +299,11 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class CalibConfig:
-    samples: int = 64  # calibration windows from the train split
-    seq_len: int = 128
+    """Calibration windows from the train split; null: by the target's size
+    (`pipeline.modelshape.size_defaults`: 64 x 128 below 1 B parameters, 128 x 2048 above)."""
+
+    samples: int | None = None
+    seq_len: int | None = None
 
 
 @dataclass(frozen=True)
@@ -464,12 +468,29 @@ def tracking_uri_problem(uri: str) -> str | None:
     return None
 
 
+@dataclass(frozen=True)
+class PlanConfig:
+    """`plan`: the memory plan checked before any compute (pipeline.memplan); `lowbit --plan`
+    prints it and exits."""
+
+    check: bool = True  # false: a run the plan says will not fit starts anyway
+    show: bool = False  # print the plan and exit (`lowbit --plan`), writing nothing
+    # Capacities: null reads them (host: SLURM_MEM_PER_NODE, cluster.mem_gb, else MemAvailable;
+    # device: the free memory torch reports); set them to plan for another machine.
+    host_mem_gib: float | None = None  # per node
+    device_mem_gib: float | None = None  # per accelerator
+
+    def __post_init__(self) -> None:  # not `check`: that name is the setting above
+        positive("plan", host_mem_gib=self.host_mem_gib, device_mem_gib=self.device_mem_gib)
+
+
 # `trainer` is checked by pipeline.lit.trainer; `cluster` is read by Hydra's launcher only.
 SHARED: dict[str, type] = {
     "model": ModelConfig,
     "data": DataConfig,
     "quant": QuantConfig,
     "tracking": TrackingConfig,
+    "plan": PlanConfig,
 }
 # The sections a stage may list in its `sections`, whole (`quant`) or by field (`quant.calib`).
 RUN_SECTIONS = ("name", "model", "data", "quant", "trainer")
@@ -555,14 +576,31 @@ def run_config(cfg: DictConfig) -> RunConfig:
     trainer = to_plain(cfg.get("trainer"))
     if trainer is not None and not isinstance(trainer, dict):
         raise ConfigError("trainer", f"must be a mapping, got {trainer!r}")
+    model = model_cfg(cfg)
+    if trainer is not None and "precision" in trainer and trainer["precision"] is None:
+        trainer["precision"] = by_size(model, "trainer.precision").precision
     return RunConfig(
         seed=cfg.seed,
         name=str(cfg.name),
-        model=model_cfg(cfg),
+        model=model,
         data=data_cfg(cfg),
-        quant=quant_cfg(cfg),
+        quant=quant_cfg(cfg, model),
         trainer=trainer,
     )
+
+
+_chosen: set[str] = set()
+
+
+def by_size(model: ModelConfig, key: str) -> SizeDefaults:
+    """The size-dependent defaults of `model`'s target, logged once per setting they fill."""
+    from pipeline.modelshape import model_shapes, size_defaults
+
+    chosen = size_defaults(model_shapes(model)["target"])
+    if key not in _chosen:
+        _chosen.add(key)
+        log.info("%s=null: chosen for the target's size (%s)", key, chosen.why)
+    return chosen
 
 
 def _defaults(schema: type) -> dict[str, Any]:
@@ -589,8 +627,20 @@ def data_cfg(cfg: DictConfig) -> DataConfig:
     return parse(cfg.data, DataConfig, "data")
 
 
-def quant_cfg(cfg: DictConfig) -> QuantConfig:
-    return parse(cfg.quant, QuantConfig, "quant")
+def quant_cfg(cfg: DictConfig, model: ModelConfig | None = None) -> QuantConfig:
+    """`quant`, a null calibration shape filled by the target's size (`model`: parsed already)."""
+    quant = parse(cfg.quant, QuantConfig, "quant")
+    calib = quant.calib
+    if calib.samples is None or calib.seq_len is None:
+        scaled = by_size(model or model_cfg(cfg), "quant.calib")
+        calib = CalibConfig(calib.samples or scaled.calib_samples,
+                            calib.seq_len or scaled.calib_seq_len)  # fmt: skip
+        quant = dataclasses.replace(quant, calib=calib)
+    return quant
+
+
+def plan_cfg(cfg: DictConfig) -> PlanConfig:
+    return parse(cfg.get("plan"), PlanConfig, "plan")
 
 
 def tracking_cfg(cfg: DictConfig) -> TrackingConfig:

@@ -25,12 +25,21 @@ from typing import Any
 from omegaconf import DictConfig
 
 from pipeline import __version__, stages
-from pipeline.config import RunConfig, TrackingConfig, parse, run_config, to_plain, tracking_cfg
+from pipeline.config import (
+    RunConfig,
+    TrackingConfig,
+    parse,
+    plan_cfg,
+    run_config,
+    to_plain,
+    tracking_cfg,
+)
 from pipeline.dist import Dist, init_from_env
 from pipeline.errors import ConfigError, Interrupted, LowbitError, StageFailed, record_failure
 from pipeline.hardware import describe, where
 from pipeline.inputs import check_inputs
 from pipeline.lit.trainer import check_trainer
+from pipeline.memplan import Capacity, MemoryPlan, capacity, plan_run
 from pipeline.peakmem import StagePeak, device_line
 from pipeline.preempt import Preempted
 from pipeline.report import write_report
@@ -58,6 +67,8 @@ def make_stage(cfg: DictConfig, name: str, run: RunConfig) -> Stage:
     """Parse `stage.<name>` and cut the stage's view of `run` (every section parsed)."""
     decl = stages.load(name)
     parsed = parse(cfg.get("stage", {}).get(name), decl.config, f"stage.{name}")
+    if hasattr(parsed, "scaled"):  # nulls chosen by the model's size, before any fingerprint
+        parsed = parsed.scaled(run)
     return Stage(name, decl, parsed, run.view(tuple(decl.sections)))
 
 
@@ -102,8 +113,10 @@ def plan(cfg: DictConfig, run_dir: Path) -> Plan:
     # The shared sections are checked whatever the stages, so a typo never waits for its stage.
     run = run_config(cfg)
     tracking = tracking_cfg(cfg)
-    check_inputs(run.model, run.data)
-    check_trainer(run.trainer)  # before any rank starts: `lowbit` relaunches after plan()
+    memory = plan_cfg(cfg)
+    if not memory.show:  # `--plan` needs only config.json: before a download, on a login node
+        check_inputs(run.model, run.data)
+        check_trainer(run.trainer)  # before any rank starts: `lowbit` relaunches after plan()
     _check_recipe(run, selected, run_dir)
     chosen = [make_stage(cfg, name, run) for name in selected]
     for stage in chosen:
@@ -118,7 +131,27 @@ def plan(cfg: DictConfig, run_dir: Path) -> Plan:
                     f"{run_dir / need} has none",
                     f"add {need!r} to stages",
                 )
-    return Plan(run, tracking, chosen)
+    planned = Plan(run, tracking, chosen)
+    # A dry run and `--plan` show the plan, problems included, rather than refuse it.
+    if memory.check and not memory.show and not cfg.get("dry_run"):
+        check_memory(cfg, planned)
+    return planned
+
+
+def memory_plan(cfg: DictConfig, planned: Plan) -> tuple[MemoryPlan, Capacity]:
+    """The memory plan of the stages that will not be skipped (pipeline.memplan), and what
+    this machine (or the allocation) has."""
+    running = {s.name: s.cfg for s in planned.stages if not s.skip_reason()}
+    memory = plan_run(planned.run, running)
+    return memory, capacity(plan_cfg(cfg), memory.device, cfg.get("cluster"))
+
+
+def check_memory(cfg: DictConfig, planned: Plan) -> None:
+    """Refuse, before any compute, a run whose plan does not fit, in one line with the fix."""
+    memory, available = memory_plan(cfg, planned)
+    problems = memory.fits(available)
+    if problems:
+        raise LowbitError(f"the run will not fit: {problems[0]}")
 
 
 def _check_recipe(run: RunConfig, selected: list[str], run_dir: Path) -> None:

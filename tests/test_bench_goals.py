@@ -26,6 +26,7 @@ from bench import (
     outliers,
     pipelined,
     quality,
+    rehearsal,
 )
 from bench._common import add_goal_args, goal, report_goals, unmeasured
 from tests.conftest import REPO
@@ -431,6 +432,48 @@ def test_pipelined_goal_per_shape_met_missed_and_missing():
     goals = pipelined.overlap_goals(rows, ["wide", "deep", "small"])
     assert verdicts(goals) == ["met", "MISSED", "MISSED"]
     assert not_measured(goals)[0]["goal"].startswith("small:")
+
+
+# --- rehearsal ----------------------------------------------------------------------------------
+
+
+def _rows(shape: str, ratios: dict[str, float | None], peak: float = 10.0) -> list[dict]:
+    return [
+        {"shape": shape, "stage": s, "status": "done", "measured GiB": peak,
+         "planned/measured": r}
+        for s, r in ratios.items()
+    ]  # fmt: skip
+
+
+def test_rehearsal_goals_met_missed_and_missing():
+    rows = [
+        *_rows("default", {"bootstrap": 1.1, "quantize": 0.85}),
+        *_rows("8b", {"sensitivity": 1.0, "distill": 1.25}, peak=12.0),
+        *_rows("70b", {"sensitivity": 1.0, "quantize": 1.0}, peak=1.0),
+    ]
+    goals = rehearsal.rehearsal_goals(rows, {"8b": 3.0, "70b": 5.0})
+    assert verdicts(goals) == ["met", "MISSED", "met", "met", "met"]
+    assert "(distill)" in goals[1]["goal"] and math.isclose(goals[1]["value"], 1.25)
+    assert math.isclose(goals[3]["value"], 12.0) and math.isclose(goals[4]["value"], 0.2)
+    # the 70B's streamed peaks over a quarter of its checkpoint, the 8B over the machine
+    big = [{**r, "measured GiB": 2.0} if r["shape"] == "70b" else r for r in rows]
+    assert verdicts(rehearsal.rehearsal_goals(big, {"70b": 5.0}))[4] == "MISSED"
+    huge = [{**r, "measured GiB": 30.0} if r["shape"] == "8b" else r for r in rows]
+    assert verdicts(rehearsal.rehearsal_goals(huge, {"70b": 5.0}))[3] == "MISSED"
+
+
+def test_rehearsal_a_stopped_stage_or_a_missing_plan_is_not_measured():
+    rows = [
+        *_rows("default", {"bootstrap": None}),  # no planner: no ratio
+        *[{**r, "status": "stopped at 14.1 GiB"} for r in _rows("8b", {"evaluate": 1.0})],
+        *_rows("70b", {"sensitivity": 1.0}),  # quantize never ran
+    ]
+    goals = rehearsal.rehearsal_goals(rows, {"70b": 5.0})
+    missing = not_measured(goals)
+    assert [g["goal"].split(":")[0] for g in missing] == ["default", "8b", "70b"]
+    assert "evaluate did not finish" in missing[1]["goal"]
+    assert "quantize" in missing[2]["goal"]
+    assert len(not_measured(rehearsal.rehearsal_goals([], {}))) == 5
 
 
 # --- quality ------------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ from pipeline.config import SHARED, TrackingConfig, parse, run_config
 from pipeline.errors import ConfigError
 from pipeline.lit.trainer import trainer_kwargs
 from pipeline.workflow import plan
-from tests.conftest import CLI_TIMEOUT, lowbit_cmd, make_cfg
+from tests.conftest import CLI_TIMEOUT, REPO, lowbit_cmd, make_cfg
 
 GROUPS = ["model", "data", "quant", "trainer", "cluster", "tracking", "experiment"]
 # What the default options (model=bootstrap, data=builtin, quant=mixed, tracking=sqlite) change
@@ -42,7 +42,12 @@ def options(group: str) -> list[str]:
 def required_paths(override: str, tmp_path) -> list[str]:
     """The `???` values an option leaves to the command line, filled with real paths."""
     extra = []
-    if override in ("model=hf", "experiment=ascend_k8s", "experiment=workflow_13b"):
+    if override in (
+        "model=hf",
+        "experiment=ascend_k8s",
+        "experiment=workflow_13b",
+        "experiment=gpu_8b",
+    ):
         extra += [f"model.target.path={tmp_path}", f"model.draft.path={tmp_path}"]
     elif override.startswith("experiment=") and override != "experiment=smoke":
         extra.append(f"model.target.path={tmp_path}")
@@ -216,3 +221,27 @@ def test_cli_prints_the_composed_config_without_running(tmp_path):
             if default is not None and key not in DEFAULT_CHOICES and not interpolated:
                 want = dict if dataclasses.is_dataclass(default) else type(default)
                 assert type(value) is want, (section, field.name, value)
+
+
+@pytest.mark.parametrize(
+    ("experiment", "target", "expect"),
+    [
+        ("gpu_8b", "llama3_8b", {"trainer.devices": 8, "trainer.accelerator": "gpu"}),
+        ("npu_70b", "llama3_70b", {"trainer.num_nodes": 4, "stage.sensitivity.stream": True}),
+    ],
+)
+def test_the_big_model_experiments_get_the_scaled_defaults(experiment, target, expect, tmp_path):
+    assets = REPO / "tests" / "assets"
+    (tmp_path / "c.txt").write_text("hello world\n")
+    cfg = make_cfg(
+        f"experiment={experiment}",
+        f"model.target.path={assets / target}",
+        f"model.draft.path={assets / 'llama3_1b'}",
+        f"data.path={tmp_path / 'c.txt'}",
+    )
+    run = run_config(cfg)
+    assert (run.quant.calib.samples, run.quant.calib.seq_len) == (128, 2048)
+    assert run.trainer["precision"] == "auto"
+    assert workflow.stage_config(cfg, "sensitivity")[0].stream is True
+    for key, value in expect.items():
+        assert OmegaConf.select(cfg, key) == value

@@ -117,3 +117,40 @@ def write_synthetic_checkpoint(
     writer.close()
     config.save_pretrained(path)
     return Path(path)
+
+
+RESERVED = 256  # Llama 3's reserved special tokens at the top of its 128256-token vocabulary
+
+
+def synthetic_tokenizer(docs: list[str], vocab: int, reserved: int = RESERVED):
+    """A byte-level BPE of exactly ``vocab`` tokens, built offline from ``docs``.
+
+    As many merges as ``docs`` yield up to ``vocab - reserved``, then unreachable filler tokens
+    up to that size (a small corpus runs out of merges long before 128k) and ``reserved`` special
+    tokens at the top, as Llama 3 lays out its 128256 ids: every id a model of that vocabulary
+    embeds is a token of its tokenizer, and text encodes to ids of the trained part only.
+    """
+    import json
+
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    from pipeline.models.hf import train_tokenizer
+
+    if vocab <= reserved + 256 + 2:  # the byte alphabet and the two specials, plus the reserve
+        raise ValueError(f"vocab {vocab} leaves no room for merges beside {reserved} reserved")
+    trained = train_tokenizer(docs, vocab - reserved)
+    spec = json.loads(trained.backend_tokenizer.to_str())
+    table = spec["model"]["vocab"]  # token -> id, ids 0..n-1
+    for i in range(len(table), vocab - reserved):
+        table[f"<|filler_{i}|>"] = i  # no merge produces it: decodable, never encoded
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer.from_str(json.dumps(spec)),
+        eos_token=trained.eos_token,
+        bos_token=trained.bos_token,
+        pad_token=trained.pad_token,
+    )
+    tok.add_special_tokens(
+        {"additional_special_tokens": [f"<|reserved_special_token_{i}|>" for i in range(reserved)]}
+    )
+    return tok

@@ -3,6 +3,8 @@
 `run(cfg, run, io) -> dict` does the work into io.out_dir and returns metrics: `cfg` is the
 parsed stage.<name>, `run` a RunConfig with only `sections` set, `io` a StageIO. `check` (checks
 across sections, before any compute) and `skip_reason` (why the stage is not needed) are optional.
+A config's optional `scaled(run)` returns it with its nulls chosen for the model's size
+(pipeline.modelshape), before any fingerprint hashes it.
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ Fisher, Hutchinson or the GPTQ proxy (``pipeline.analysis``), or their mix fitte
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -17,7 +18,7 @@ import torch
 from pipeline import plots
 from pipeline.analysis.estimate import Estimator, Target, estimate
 from pipeline.analysis.report import LayerScore, SensitivityReport
-from pipeline.config import RunConfig, positive
+from pipeline.config import RunConfig, by_size, positive
 from pipeline.data.text import Corpus
 from pipeline.errors import ConfigError, LowbitError
 from pipeline.models.hf import load_tokenizer
@@ -42,7 +43,9 @@ class SensitivityConfig:
     device: Literal["auto", "cpu", "cuda"] = "auto"
     importance: Literal["single", "combined"] = "single"  # combined: mix fitted to the KL
     fit_layers: int = 8  # combined: layers measured for the fit
-    stream: bool = False  # fisher, gptq_proxy: segments from the shards (bigger than memory)
+    # fisher, gptq_proxy: segments from the shards (bigger than memory); null: from 6 B
+    # parameters on (pipeline.modelshape), where the loaded estimate outgrows a node
+    stream: bool | None = None
 
     def check(self, prefix: str) -> None:
         positive(prefix, hutchinson_probes=self.hutchinson_probes, batch_size=self.batch_size,
@@ -61,6 +64,14 @@ class SensitivityConfig:
                 f"loaded model; set {prefix}.method=fisher or gptq_proxy, or "
                 f"{prefix}.stream=false",
             )
+
+    def scaled(self, run: RunConfig) -> SensitivityConfig:
+        """A null `stream` decided by the target's size (loaded where only that path works)."""
+        if self.stream is not None:
+            return self
+        loaded_only = self.method == "hutchinson" or self.importance == "combined"
+        large = by_size(run.model, "stage.sensitivity.stream").stream_sensitivity
+        return dataclasses.replace(self, stream=large and not loaded_only)
 
 
 def check(cfg: SensitivityConfig, run: RunConfig) -> None:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from pipeline.lit.config import TrainConfig
-from pipeline.lit.distill import DistillData, DistillHParams, DistillModule
+from pipeline.lit.distill import DistillData, DistillHParams, DistillModule, recompute_blocks
 from pipeline.lit.guards import NanGuard
 from pipeline.lit.qat import apply_grad_scale, keep_full_precision, prepare_qat
 from pipeline.lit.resume import ResumeCheckpoint, best_and_last, load_checkpoint, resume_path
@@ -93,6 +93,23 @@ def test_one_training_step_reduces_the_loss():
     with torch.no_grad():
         after = module.losses(x)["total"]
     assert after < before["total"].detach()
+
+
+def test_activation_checkpointing_gives_the_same_gradients():
+    plain, recomputed = make_module(beta=1.0, match="both"), make_module(beta=1.0, match="both")
+    recompute_blocks(recomputed.student)
+    x = batch()
+    for m in (plain, recomputed):
+        m.train()
+        m.losses(x)["total"].backward()
+    assert recomputed.student.is_activation_checkpointing
+    assert not plain.student.is_activation_checkpointing
+    for a, b in zip(scales_grads(plain), scales_grads(recomputed), strict=True):
+        torch.testing.assert_close(b, a)
+
+
+def scales_grads(module) -> list[torch.Tensor]:
+    return [m.scale.grad for m in module.student.modules() if isinstance(m, FakeQuantLinear)]
 
 
 def test_gradients_reach_scales_and_scaling_multiplies_them():

@@ -63,3 +63,21 @@ def test_qwen2_synthetic_has_biases_and_loads_in_transformers(tmp_path):
     model = ck.full_model()  # transformers accepts the files as they are
     assert model.config.model_type == "qwen2"
     torch.testing.assert_close(model.lm_head.weight, ck.load_lm_head().weight)
+
+
+def test_synthetic_tokenizer_fills_the_vocabulary_and_encodes_with_trained_ids(tmp_path):
+    from transformers import AutoTokenizer
+
+    from pipeline.models.synthetic import synthetic_tokenizer
+
+    docs = ["the quick brown fox jumps over the lazy dog", "lazy dogs sleep", "quick foxes run"]
+    tok = synthetic_tokenizer(docs * 4, vocab=1000, reserved=16)
+    tok.save_pretrained(tmp_path)
+    loaded = AutoTokenizer.from_pretrained(tmp_path, local_files_only=True)
+    assert len(loaded) == 1000  # the embedding's every row is a token
+    assert loaded.convert_ids_to_tokens(999) == "<|reserved_special_token_15|>"
+    trained = len(loaded.backend_tokenizer.get_vocab()) - 16
+    ids = loaded("the lazy fox sleeps", add_special_tokens=False)["input_ids"]
+    assert ids and max(ids) < trained  # fillers and reserved ids are never produced by text
+    assert loaded.decode(ids) == "the lazy fox sleeps"
+    assert loaded.eos_token_id is not None and loaded.eos_token_id < trained

@@ -1,0 +1,154 @@
+"""The memory planner: shapes from config.json, defaults by size, per-stage plans, the refusal."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+
+import pytest
+
+from pipeline import workflow
+from pipeline.config import PlanConfig, run_config
+from pipeline.errors import ConfigError, LowbitError
+from pipeline.memplan import GIB, Capacity, StageMemory, capacity, plan_run
+from pipeline.modelshape import ModelShape, size_defaults
+from tests.conftest import CLI_TIMEOUT, REPO, lowbit_cmd, make_cfg
+
+ASSETS = REPO / "tests" / "assets"
+LLAMA_8B, LLAMA_1B, LLAMA_70B = (ASSETS / n for n in ("llama3_8b", "llama3_1b", "llama3_70b"))
+
+
+def corpus(tmp_path):
+    (tmp_path / "c.txt").write_text("hello world\n")
+    return f"data.path={tmp_path / 'c.txt'}"
+
+
+def test_shapes_count_the_published_parameters():
+    # Meta's model cards: Llama-3-8B 8.03 B, Llama-3.2-1B 1.24 B (tied), Llama-3-70B 70.6 B.
+    assert ModelShape.from_dir(LLAMA_8B).params == 8_030_261_248
+    assert ModelShape.from_dir(LLAMA_1B).params == 1_235_814_400
+    assert ModelShape.from_dir(LLAMA_70B).params == 70_553_706_496
+    assert ModelShape.from_dir(LLAMA_8B).dtype_bytes == 2
+
+
+def test_a_config_without_llama_fields_is_one_line(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "t5", "d_model": 512}')
+    with pytest.raises(LowbitError, match="num_hidden_layers"):
+        ModelShape.from_dir(tmp_path)
+
+
+def test_defaults_scale_with_the_model():
+    small = size_defaults(ModelShape(4, 128, 384, 2, 2, 2048))
+    one = size_defaults(ModelShape.from_dir(LLAMA_1B))
+    eight = size_defaults(ModelShape.from_dir(LLAMA_8B))
+    assert (small.calib_samples, small.calib_seq_len, small.stream_sensitivity) == (64, 128, False)
+    assert small.precision == "32-true"
+    assert (one.calib_samples, one.calib_seq_len, one.stream_sensitivity) == (128, 2048, False)
+    assert (eight.calib_samples, eight.calib_seq_len, eight.stream_sensitivity) == (128, 2048, True)
+    assert eight.precision == one.precision == "auto"
+
+
+def test_null_settings_follow_the_target_and_set_ones_win(tmp_path):
+    default = run_config(make_cfg())
+    assert (default.quant.calib.samples, default.quant.calib.seq_len) == (64, 128)
+    assert default.trainer["precision"] == "32-true"
+    big = make_cfg("model=hf", f"model.target.path={LLAMA_8B}", corpus(tmp_path))
+    run = run_config(big)
+    assert (run.quant.calib.samples, run.quant.calib.seq_len) == (128, 2048)
+    assert run.trainer["precision"] == "auto"
+    assert workflow.stage_config(big, "sensitivity")[0].stream is True
+    chosen = make_cfg("model=hf", f"model.target.path={LLAMA_8B}", corpus(tmp_path),
+                      "quant.calib.samples=16", "stage.sensitivity.stream=false",
+                      "trainer.precision=32-true")  # fmt: skip
+    run = run_config(chosen)
+    assert (run.quant.calib.samples, run.quant.calib.seq_len) == (16, 2048)
+    assert run.trainer["precision"] == "32-true"
+    assert workflow.stage_config(chosen, "sensitivity")[0].stream is False
+
+
+def test_the_default_plan_has_every_stage_and_adds_up():
+    plan = plan_run(run_config(make_cfg()))
+    assert [s.stage for s in plan.stages] == [
+        "bootstrap", "sensitivity", "allocate", "quantize", "distill", "reinforce", "evaluate",
+        "export",
+    ]  # fmt: skip
+    for s in plan.stages:
+        assert isinstance(s, StageMemory) and s.device_bytes == 0  # a CPU run: host only
+        assert s.host_bytes == sum(s.terms.values()) > 0.5 * GIB
+    assert plan.stage("distill").host_bytes > plan.stage("allocate").host_bytes  # Lightning
+    assert "sensitivity" in plan.table()
+
+
+def _plan(tmp_path, *overrides):
+    cfg = make_cfg("model=hf", f"model.target.path={LLAMA_70B}", corpus(tmp_path), *overrides)
+    return plan_run(run_config(cfg), {
+        "sensitivity": workflow.stage_config(cfg, "sensitivity")[0],
+        "quantize": workflow.stage_config(cfg, "quantize")[0],
+        "distill": workflow.stage_config(cfg, "distill")[0],
+    })  # fmt: skip
+
+
+def test_streaming_and_zero3_shrink_what_a_70b_needs(tmp_path):
+    loaded = _plan(tmp_path, "stage.sensitivity.stream=false").stage("sensitivity")
+    streamed = _plan(tmp_path).stage("sensitivity")
+    # fp32 weights + gradients + Fisher sums: 12 bytes a parameter, 70.6 B parameters.
+    assert loaded.terms["weights fp32"] == 70_553_706_496 * 4
+    assert loaded.host_bytes > 800 * GIB > 40 * GIB > streamed.host_bytes
+    # Segment by segment: the depth costs quantize nothing.
+    deeper = ModelShape.from_dir(LLAMA_70B)
+    deeper = dataclasses.replace(deeper, layers=2 * deeper.layers)
+    run = run_config(make_cfg("model=hf", f"model.target.path={LLAMA_70B}", corpus(tmp_path)))
+    quantize = [
+        plan_run(run, {"quantize": None}, shapes={"target": shape}).stage("quantize").host_bytes
+        for shape in (ModelShape.from_dir(LLAMA_70B), deeper)
+    ]
+    assert quantize[0] == quantize[1] < 0.3 * 70_553_706_496 * 2
+    ddp = _plan(tmp_path, "trainer=gpu", "trainer.devices=8").stage("distill")
+    zero3 = _plan(tmp_path, "trainer=deepspeed_zero3", "trainer.accelerator=gpu",
+                  "trainer.devices=8").stage("distill")  # fmt: skip
+    assert zero3.terms["teacher"] * 8 == ddp.terms["teacher"]
+    assert zero3.device_bytes < ddp.device_bytes
+
+
+def test_a_plan_that_does_not_fit_names_the_stage_and_the_fix(tmp_path):
+    plan = _plan(tmp_path, "stage.sensitivity.stream=false")
+    problems = plan.fits(Capacity(256 * GIB, None, "a 256 GiB node"))
+    sens = next(p for p in problems if p.startswith("stage sensitivity"))
+    assert "a 256 GiB node has 256.0 GiB" in sens and "set stage.sensitivity.stream=true" in sens
+    assert plan_run(run_config(make_cfg())).fits(Capacity(64 * GIB, None)) == []
+
+
+def test_the_start_checks_refuse_before_any_compute(tmp_path):
+    cfg = make_cfg(f"run_dir={tmp_path}", "plan.host_mem_gib=0.1")
+    with pytest.raises(LowbitError, match=r"the run will not fit: stage .* plan.check=false"):
+        workflow.plan(cfg, tmp_path)
+    workflow.plan(make_cfg(f"run_dir={tmp_path}", "plan.host_mem_gib=0.1", "plan.check=false"),
+                  tmp_path)  # fmt: skip
+
+
+@pytest.mark.parametrize(("experiment", "target"), [("gpu_8b", LLAMA_8B), ("npu_70b", LLAMA_70B)])
+def test_cli_plan_prints_the_table_of_an_experiment(experiment, target, tmp_path):
+    draft = [f"model.draft.path={LLAMA_1B}"] if experiment == "gpu_8b" else []
+    out = subprocess.run(
+        lowbit_cmd("--plan", f"experiment={experiment}", f"model.target.path={target}", *draft,
+                   corpus(tmp_path), f"run_dir={tmp_path / 'run'}"),
+        capture_output=True, text=True, timeout=CLI_TIMEOUT, cwd=tmp_path,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "memory plan: target" in out.stdout and "quantize" in out.stdout
+    assert not (tmp_path / "run").exists()  # writes nothing
+
+
+def test_capacity_reads_the_override_the_allocation_then_the_machine(monkeypatch):
+    monkeypatch.delenv("SLURM_MEM_PER_NODE", raising=False)
+    machine = capacity(PlanConfig(), "cpu")
+    assert machine.host_source.startswith("MemAvailable") and machine.host_bytes > 0
+    assert machine.device_bytes is None  # a CPU run has no device to fill
+    assert capacity(PlanConfig(), "cpu", {"mem_gb": 512}).host_bytes == 512 * GIB
+    monkeypatch.setenv("SLURM_MEM_PER_NODE", "2048")  # MiB, as Slurm sets it
+    assert capacity(PlanConfig(), "cpu", {"mem_gb": 512}).host_bytes == 2 * GIB
+    given = capacity(PlanConfig(host_mem_gib=3, device_mem_gib=64), "npu")
+    assert (given.host_bytes, given.device_bytes) == (3 * GIB, 64 * GIB)
+    assert capacity(PlanConfig(), "npu").device_bytes is None  # no NPU here to ask
+    with pytest.raises(ConfigError, match="plan.host_mem_gib"):
+        PlanConfig(host_mem_gib=0)
