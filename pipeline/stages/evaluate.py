@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pipeline import runmodels
 from pipeline.config import RunConfig, positive
 from pipeline.data.heldout import corpus_heldout
-from pipeline.data.scenarios import new_tokens_by_scenario
+from pipeline.data.scenarios import SCENARIOS, new_tokens_by_scenario
 from pipeline.data.text import Corpus
 from pipeline.evaluation.acceptance import (
     acceptance_table,
@@ -65,18 +65,10 @@ class EvaluateConfig:
     lm_eval: LmEvalConfig = field(default_factory=LmEvalConfig)
 
     def check(self, prefix: str) -> None:
-        positive(
-            prefix,
-            batch_size=self.batch_size,
-            spec_new_tokens=self.spec_new_tokens,
-            long_new_tokens=self.long_new_tokens,
-            gamma=self.gamma,
-            gamma_min=self.gamma_min,
-            scenario_prompts=self.scenario_prompts,
-            spec_prompts=self.spec_prompts,
-            error_flow_windows=self.error_flow_windows,
-        )
-        from pipeline.data.scenarios import SCENARIOS
+        positive(prefix, batch_size=self.batch_size, gamma=self.gamma, gamma_min=self.gamma_min)
+        positive(prefix, spec_new_tokens=self.spec_new_tokens, long_new_tokens=self.long_new_tokens)
+        positive(prefix, scenario_prompts=self.scenario_prompts, spec_prompts=self.spec_prompts)
+        positive(prefix, error_flow_windows=self.error_flow_windows)
         from pipeline.errors import ConfigError
 
         ranges = (
