@@ -14,7 +14,7 @@ and a uniform GPTQ quantize of the whole target in that format is scored on the 
 no worse in test perplexity than the formula's grid; exits 1 when it is, or when one was not
 scored.
 
-    python -m bench.exp_design --root /tmp/exp-design --from /work/runs/default
+    python -m bench.exp_design --root /tmp/exp-design --from outputs/default
 """
 
 from __future__ import annotations
