@@ -26,19 +26,8 @@ from pathlib import Path
 
 import torch
 
-from bench._common import (
-    add_goal_args,
-    bootstrapped,
-    compose,
-    goal,
-    low_bit_model,
-    markdown_table,
-    report_goals,
-    result_table,
-    seed_run,
-    unmeasured,
-    write_result,
-)
+from bench import _common as common
+from bench._common import compose, goal, report_goals, seed_run, unmeasured
 from bench.exp_codes import level_use
 
 FORMATS = ("int4g128", "exp4g128", "exp4g128-design")
@@ -93,7 +82,7 @@ def main() -> int:
     p.add_argument("--from", dest="src", type=Path, default=None,
                    help="a finished run dir whose bootstrap stage to reuse")  # fmt: skip
     p.add_argument("--out", type=Path, default=None, help="folder for result.json (--root)")
-    add_goal_args(p)
+    common.add_goal_args(p)
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
 
@@ -104,7 +93,7 @@ def main() -> int:
     base = ["tracking=none", *args.overrides]
     if args.src is not None:
         seed_run(args.src, args.root / "bootstrap", ["bootstrap"])
-    boot, _, target, win = bootstrapped(args.root, base)
+    boot, _, target, win = common.bootstrapped(args.root, base)
     ppl_fp = perplexity(load_causal_lm(target), win)
     codes = codes_rows(target)
     ppl = {}
@@ -113,17 +102,17 @@ def main() -> int:
         seed_run(boot, run, ["bootstrap"])
         over = [f"run_dir={run}", *base, f"quant.candidates=[{fmt}]", "stages=[quantize]"]
         workflow.run(compose(over))
-        ppl[fmt] = perplexity(load_quantized(low_bit_model(run, "target_quantized")), win)
+        ppl[fmt] = perplexity(load_quantized(common.low_bit_model(run, "target_quantized")), win)
     for r in codes:
         r["test ppl (GPTQ)"] = round(ppl[r["format"]], 3)
     cols = ("format", "distinct", "effective (2^H)", "small-value resolution vs int4g128",
             "test ppl (GPTQ)")  # fmt: skip
     print(f"\nFP test perplexity {ppl_fp:.3f} ({tuple(win.shape)} windows)\n")
-    print(markdown_table(codes, cols))
+    print(common.markdown_table(codes, cols))
     goals = design_goals(ppl)
-    tables = [result_table(f"decoder linears, RTN codes; test split, FP ppl {ppl_fp:.3f}", codes,
-                           cols)]  # fmt: skip
-    write_result(args.out or args.root, "exp_design", tables, goals, args.skip_goal)
+    title = f"decoder linears, RTN codes; test split, FP ppl {ppl_fp:.3f}"
+    tables = [common.result_table(title, codes, cols)]
+    common.write_result(args.out or args.root, "exp_design", tables, goals, args.skip_goal)
     return report_goals(goals, args.root, args.skip_goal)
 
 
