@@ -18,6 +18,7 @@ from bench import (
     default_model,
     distill_effect,
     exp_codes,
+    exp_design,
     fisher_memory,
     float_rows,
     headline,
@@ -347,6 +348,17 @@ def test_exp_codes_goal_per_budget_met_missed_and_missing():
     goals = exp_codes.exp_goals({"3.0": {"with exp4": 40.0}}, ["3.0", "2.5"])
     assert len(not_measured(goals)) == 2
     assert len(not_measured(exp_codes.exp_goals({}, ["3.0"]))) == 1  # no exp format to compare
+
+
+# --- exp_design ---------------------------------------------------------------------------------
+
+
+def test_exp_design_goal_met_missed_and_missing():
+    got = {"exp4g128": 40.0, "exp4g128-design": 41.0}
+    assert verdicts(exp_design.design_goals(got)) == ["met"]
+    got = {"exp4g128": 42.0, "exp4g128-design": 41.0}
+    assert verdicts(exp_design.design_goals(got)) == ["MISSED"]
+    assert len(not_measured(exp_design.design_goals({"exp4g128": 40.0}))) == 1
 
 
 # --- fisher_memory ------------------------------------------------------------------------------

@@ -17,10 +17,26 @@ import numpy as np
 
 from pipeline.io import write_json
 
-__all__ = ["SCENARIOS", "build_scenarios", "repetition_score", "unigram_frequencies"]
+__all__ = [
+    "SCENARIOS",
+    "build_scenarios",
+    "new_tokens_by_scenario",
+    "repetition_score",
+    "unigram_frequencies",
+]
 
 SCENARIOS = ("long", "repetition", "rare", "mix")
 _FORMAT_VERSION = 1
+
+
+def new_tokens_by_scenario(
+    scenarios, new_tokens: int, long_new_tokens: int | None = None
+) -> dict[str, int]:
+    """Tokens generated per prompt in each of ``scenarios``: ``long_new_tokens`` in ``long`` (the
+    method's 512: how acceptance holds far into a generation), ``new_tokens`` elsewhere and when
+    it is None."""
+    long = long_new_tokens or new_tokens
+    return {s: long if s == "long" else new_tokens for s in scenarios}
 
 
 def _as_docs(token_ids: Sequence) -> list[np.ndarray]:

@@ -146,7 +146,7 @@ def acceptance_table(
     adaptive: Adaptive | None = None,
     temperature: float = 1.0,
     temperature_schedule: bool = False,
-    new_tokens: int = 32,
+    new_tokens: int | Mapping[str, int] = 32,
     max_prompts: int | None = None,
     batch_size: int = 8,
     seed: int = 0,
@@ -156,7 +156,8 @@ def acceptance_table(
 
     ``pairs`` default to every combination; ``adaptive(draft, target)`` gives a fresh window per
     scenario and mode (None: fixed ``gamma``); ``max_prompts`` per scenario are decoded, prompt i
-    with seed + i, while alpha_tf uses all of them; temperature 0 is greedy. ``greedy`` adds the
+    with seed + i, while alpha_tf uses all of them; ``new_tokens`` per prompt, or per scenario
+    ({scenario: n}); temperature 0 is greedy. ``greedy`` adds the
     greedy mode beside it: ``greedy_match`` (teacher-forced argmax agreement), ``alpha_greedy``
     (on-line) and ``tau_greedy`` (tokens per target call), decoded again unless temperature is 0.
     """
@@ -172,10 +173,11 @@ def acceptance_table(
         ids = torch.as_tensor(scenarios[scen], dtype=torch.long)  # (N, L)
         batches = [ids[i : i + batch_size] for i in range(0, len(ids), batch_size)]
         decode = [p[None].to(_device(target)) for p in ids[:max_prompts]]
+        n_new = new_tokens[scen] if isinstance(new_tokens, Mapping) else new_tokens
         m: dict[str, float] = {}
         for t in modes:
             spec = speculative_decoder(
-                target, draft, new_tokens, gamma=gamma, temperature=t,
+                target, draft, n_new, gamma=gamma, temperature=t,
                 adaptive=adaptive(draft_name, target_name) if adaptive is not None else None,
                 temperature_schedule=temperature_schedule,
             )  # fmt: skip

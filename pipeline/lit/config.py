@@ -8,7 +8,7 @@ from pipeline.config import positive
 from pipeline.errors import ConfigError
 
 CLIP_NORM = (1.0, 3.0)  # the method's range for gradient-norm clipping
-SCHEDULES = ("cosine", "constant")  # after a linear warm-up (`pipeline.lit.lm.lr_factor`)
+SCHEDULES = ("cosine", "constant", "step")  # after a linear warm-up (`pipeline.lit.lm.lr_factor`)
 QUANT_GRAD_SCALES = ("bits", "lsq", "none")  # `pipeline.quant.fakequant`
 
 
@@ -21,7 +21,10 @@ class TrainConfig:
     steps: int = 300
     batch: int = 8  # per rank
     lr: float = 1e-3
-    schedule: str = "cosine"  # cosine (decay to a tenth) | constant
+    schedule: str = "cosine"  # cosine (decay to a tenth) | constant | step
+    # step: the method's step decay, lr x step_gamma every step_every steps (-15% every 10k)
+    step_every: int = 10_000
+    step_gamma: float = 0.85
     warmup: int = 10  # linear warm-up steps
     val_every: int = 50  # validate (and keep best.ckpt) every N steps, and at the last step
     checkpoint_every: int | None = None  # resume checkpoint; null: a tenth of `steps`
@@ -39,7 +42,12 @@ class TrainConfig:
             val_every=self.val_every,
             checkpoint_every=self.checkpoint_every,
             patience=self.patience,
+            step_every=self.step_every,
         )
+        if not 0 < self.step_gamma <= 1:
+            raise ConfigError(
+                f"{prefix}.step_gamma", f"is {self.step_gamma}", "0 < step_gamma <= 1 (0.85: -15%)"
+            )
         if self.warmup < 0:
             raise ConfigError(f"{prefix}.warmup", f"must be >= 0, got {self.warmup}")
         lo, hi = CLIP_NORM

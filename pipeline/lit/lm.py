@@ -98,9 +98,12 @@ def cosine_with_warmup(step: int, warmup: int, total: int, floor: float = 0.1) -
 
 
 def lr_factor(step: int, train: TrainConfig) -> float:
-    """LR multiplier of `train.schedule` at `step`: linear warm-up, then cosine decay or flat."""
-    if train.schedule == "constant":
-        return min(1.0, (step + 1) / train.warmup) if train.warmup else 1.0
+    """LR multiplier of `train.schedule` at `step`: linear warm-up, then cosine decay, flat, or
+    `step_gamma` per `step_every` steps (counted from the first step, warm-up included)."""
+    if train.schedule in ("constant", "step"):
+        warm = min(1.0, (step + 1) / train.warmup) if train.warmup else 1.0
+        decay = train.step_gamma ** (step // train.step_every) if train.schedule == "step" else 1.0
+        return warm * decay
     return cosine_with_warmup(step, train.warmup, train.steps)
 
 

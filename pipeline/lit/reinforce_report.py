@@ -8,6 +8,7 @@ import json
 import logging
 from pathlib import Path
 
+from pipeline.data.scenarios import new_tokens_by_scenario
 from pipeline.evaluation.acceptance import acceptance_table, column, plot_acceptance
 from pipeline.io import write_json
 from pipeline.lit.fit import Fit
@@ -33,7 +34,7 @@ def measure(cfg, seed: int, target_name: str, target, drafts: dict, scenarios: d
         scenarios,
         gamma=cfg.gamma,
         temperature=cfg.serve_temperature,
-        new_tokens=cfg.eval_new_tokens,
+        new_tokens=new_tokens_by_scenario(scenarios, cfg.eval_new_tokens, cfg.long_new_tokens),
         seed=seed,
     )
 
@@ -76,6 +77,7 @@ def summary(cfg, fit: Fit, module, sets: dict) -> dict:
         "eval_split": "test",
         "eval_prompts": _shapes(sets["test"]),
         "eval_new_tokens": cfg.eval_new_tokens,
+        "long_new_tokens": cfg.long_new_tokens or cfg.eval_new_tokens,
         "training": {
             "nan_skipped": fit.nan_skipped,
             "guard_lr_scale": fit.guard_lr_scale,

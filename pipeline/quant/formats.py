@@ -3,7 +3,8 @@
 A format name is one of
 
     int{2,3,4,8}[g{32,64,128}][-sym]   uniform integer; no ``g`` = one scale per output channel
-    exp4g{32,64,128}                   4-bit exponential (sign + 3-bit index on a geometric grid)
+    exp4g{32,64,128}[-design]          4-bit exponential (sign + 3-bit index on a geometric grid);
+                                       -design: the grid by the method's formula, not searched
     float                              16-bit float, kept unquantized
 
 Storage, per output row of ``in_features`` weights (this is what ``bits_per_weight`` counts):
@@ -36,11 +37,11 @@ GROUP_SIZES = (32, 64, 128)
 EXP_BITS = 4
 
 GRAMMAR = (
-    "int{2,3,4,8}[g{32,64,128}][-sym] (no g = per output channel), exp4g{32,64,128}, float; "
-    "e.g. int4g128, int3g64-sym, int8, exp4g128"
+    "int{2,3,4,8}[g{32,64,128}][-sym] (no g = per output channel), exp4g{32,64,128}[-design], "
+    "float; e.g. int4g128, int3g64-sym, int8, exp4g128, exp4g128-design"
 )
 _INT_RE = re.compile(r"int(?P<bits>\d+)(?:g(?P<group>\d+))?(?P<sym>-sym)?")
-_EXP_RE = re.compile(r"exp(?P<bits>\d+)g(?P<group>\d+)")
+_EXP_RE = re.compile(r"exp(?P<bits>\d+)g(?P<group>\d+)(?P<design>-design)?")
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,7 @@ class Format:
         group_size: Weights per group along the input dim; 0 = one group per output channel.
         symmetric: True for ``-sym`` int formats (no zero point). exp formats are sign-magnitude
             and count as symmetric; ``float`` as well.
+        variant: ``"design"`` for ``exp4g*-design`` (the method's formula grid), else ``""``.
     """
 
     name: str
@@ -61,11 +63,12 @@ class Format:
     bits: int
     group_size: int
     symmetric: bool
+    variant: str = ""
 
     @property
     def codec(self) -> Codec:
         """The family's codec; ``float`` has none (ValueError): check ``kind`` first."""
-        return codec_for(self.kind, self.bits, self.symmetric)
+        return codec_for(self.kind, self.bits, self.symmetric, self.variant)
 
     @property
     def maxq(self) -> int:
@@ -130,7 +133,8 @@ def parse_format(name: str) -> Format:
             return Format(text, "int", bits, group, bool(m["sym"]))
     m = _EXP_RE.fullmatch(text)
     if m and int(m["bits"]) == EXP_BITS and int(m["group"]) in GROUP_SIZES:
-        return Format(text, "exp", EXP_BITS, int(m["group"]), True)
+        variant = "design" if m["design"] else ""
+        return Format(text, "exp", EXP_BITS, int(m["group"]), True, variant)
     raise ValueError(f"unknown quantization format {name!r}; allowed: {GRAMMAR}")
 
 

@@ -52,6 +52,7 @@ class ReinforceConfig(ReinforceHParams):
     prompt_len: int = 128
     long_len: int = 576  # > 512: the long-context scenario
     eval_new_tokens: int = 32  # tokens generated per held-out prompt for measured acceptance
+    long_new_tokens: int | None = None  # per held-out long prompt; null: eval_new_tokens
     val_prompts: int = 32  # per scenario, validation split: the checkpoint selection
 
     RENAMED = RENAMED | {
@@ -67,6 +68,7 @@ class ReinforceConfig(ReinforceHParams):
         super().check(prefix)
         positive(prefix, train_prompts=self.train_prompts, eval_prompts=self.eval_prompts)
         positive(prefix, eval_new_tokens=self.eval_new_tokens, val_prompts=self.val_prompts)
+        positive(prefix, long_new_tokens=self.long_new_tokens)
         bad = [s for s in self.scenarios if s not in SCENARIOS] or (not self.scenarios and ["[]"])
         if bad:
             raise ConfigError(

@@ -9,6 +9,7 @@ import torch
 from pipeline.data.scenarios import (
     SCENARIOS,
     build_scenarios,
+    new_tokens_by_scenario,
     repetition_score,
     unigram_frequencies,
 )
@@ -116,3 +117,13 @@ def test_errors_name_the_fix():
         build_scenarios([], n_prompts=1, prompt_len=8)
     with pytest.raises(ValueError, match="n_prompts"):
         build_scenarios([[1, 2, 3]], n_prompts=0, prompt_len=8)
+
+
+def test_new_tokens_by_scenario_gives_long_its_own_count():
+    assert new_tokens_by_scenario(SCENARIOS, 32, 512) == {
+        "long": 512,
+        "repetition": 32,
+        "rare": 32,
+        "mix": 32,
+    }
+    assert new_tokens_by_scenario(["mix", "long"], 32) == {"mix": 32, "long": 32}

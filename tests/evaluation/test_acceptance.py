@@ -166,3 +166,18 @@ def test_run_pairs_take_the_final_low_bit_target_and_self_speculation():
         ("target_distilled", "target_fp"),
     ]
     assert run_pairs(["target_fp", "target_quantized"], []) == [("target_quantized", "target_fp")]
+
+
+def test_new_tokens_per_scenario(target):
+    """{scenario: n}: each scenario decodes its own count (the long one up to the method's 512)."""
+    kwargs = dict(gamma=3, temperature=0.0, max_prompts=1)
+    per = acceptance_table(
+        {"t": target}, {"self": target}, _scenarios(), new_tokens={"long": 24, "mix": 2}, **kwargs
+    )["self@t"]
+    for n, scen in ((24, "long"), (2, "mix")):
+        alone = acceptance_table(
+            {"t": target}, {"self": target}, _scenarios(), new_tokens=n, **kwargs
+        )
+        assert per[scen] == alone["self@t"][scen]
+    # a self pair accepts every draft: 2 tokens take one target call, 24 take several of 4
+    assert per["mix"]["tau"] <= 2.0 < per["long"]["tau"]

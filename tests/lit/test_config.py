@@ -117,6 +117,9 @@ def test_the_cli_accepts_old_names_and_names_the_new_key(tmp_path, old_experimen
         ({"schedule": "linear"}, "schedule"),
         ({"quant_grad_scale": "sqrt"}, "quant_grad_scale"),
         ({"checkpoint_every": 0}, "checkpoint_every"),
+        ({"schedule": "step", "step_every": 0}, "step_every"),
+        ({"schedule": "step", "step_gamma": 0.0}, "step_gamma"),
+        ({"step_gamma": 1.5}, "step_gamma"),
     ],
 )
 def test_a_bad_value_names_its_key(changes, key):
@@ -129,3 +132,38 @@ def test_a_partial_train_section_keeps_the_stage_defaults():
 
     parsed = parse({"train": {"steps": 5}, "clip_norm": 2.0}, DistillConfig, "stage.distill")
     assert parsed.train == replace(DistillConfig().train, steps=5, grad_clip=2.0)
+
+
+def test_the_step_schedule_drops_the_lr_by_step_gamma_every_step_every_steps():
+    from pipeline.lit.lm import lr_factor
+
+    train = TrainConfig(schedule="step", warmup=4, step_every=10, step_gamma=0.85)
+    got = {s: lr_factor(s, train) for s in (0, 3, 9, 10, 19, 20, 35)}
+    want = {0: 0.25, 3: 1.0, 9: 1.0, 10: 0.85, 19: 0.85, 20: 0.85**2, 35: 0.85**3}
+    assert got == pytest.approx(want)
+    # the method's setting: -15% every 10k steps, at any step count
+    method = TrainConfig(schedule="step", warmup=0, steps=50_000)
+    assert lr_factor(29_999, method) == pytest.approx(0.85**2)
+    assert lr_factor(30_000, method) == pytest.approx(0.85**3)
+
+
+def test_the_step_schedule_is_a_stage_override():
+    cfg = make_cfg(
+        "experiment=smoke",
+        "stage.distill.train.schedule=step",
+        "stage.reinforce.train.schedule=step",
+        "stage.reinforce.train.step_every=3",
+        "stage.reinforce.train.step_gamma=0.5",
+    )
+    distill, _ = workflow.stage_config(cfg, "distill")
+    reinforce, _ = workflow.stage_config(cfg, "reinforce")
+    assert (distill.train.schedule, distill.train.step_every, distill.train.step_gamma) == (
+        "step",
+        10_000,
+        0.85,
+    )
+    assert (reinforce.train.step_every, reinforce.train.step_gamma) == (3, 0.5)
+    with pytest.raises(ConfigError, match=r"stage\.reinforce\.train\.schedule.*step"):
+        workflow.check_stage(
+            make_cfg("experiment=smoke", "stage.reinforce.train.schedule=exp"), "reinforce"
+        )

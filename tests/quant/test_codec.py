@@ -1,14 +1,16 @@
 """Codecs: each family's fit / encode / decode / storage / fake-quant agree with each other."""
 
+import math
+
 import pytest
 import torch
 
-from pipeline.quant.codec import ExpCodec, IntCodec, codec_for, to_groups
+from pipeline.quant.codec import ExpCodec, ExpDesignCodec, IntCodec, codec_for, exp_lut, to_groups
 from pipeline.quant.formats import parse_format
 from pipeline.quant.qtensor import QTensor
 from pipeline.quant.rtn import quantize_rtn
 
-NAMES = ["int2g32", "int3g64-sym", "int4", "int8g128", "exp4g32", "exp4g128"]
+NAMES = ["int2g32", "int3g64-sym", "int4", "int8g128", "exp4g32", "exp4g128", "exp4g64-design"]
 
 
 def _w(out: int = 6, n_in: int = 100, seed: int = 0) -> torch.Tensor:
@@ -85,3 +87,36 @@ def test_int_signed_mapping_recentres_on_the_origin():
     codes = torch.tensor([[0, 3, 4, 7]], dtype=torch.uint8)
     q, scale, offset = codec.signed(codes, torch.ones(1, 1), torch.tensor([[5.0]]))
     assert q.tolist() == [[-4, -1, 0, 3]] and offset.tolist() == [[1.0]]
+
+
+def _design_levels(amax: float) -> list[float]:
+    """The method's grid in plain floats: scale = max * 2/3, log2 step |log2 scale| / 14 (ratio
+    on the 1/256 grid), the max's exponent and the six below it, exponents within [-6, 7]."""
+    s = float(torch.tensor(amax * 2 / 3).half())
+    ratio = 1 + min(max(round((2 ** (abs(math.log2(s)) / 14) - 1) * 256), 1), 256) / 256
+    top = min(max(round(math.log2(amax / s) / math.log2(ratio)), 0), 7)
+    return [s * ratio**e for e in range(top - 6, top + 1)]
+
+
+@pytest.mark.parametrize("amax", [0.003, 0.05, 0.4, 0.9, 3.0])
+def test_the_design_codec_is_the_method_formula(amax):
+    g = torch.linspace(-amax, amax * 0.8, 64)[None, None]  # (1, 1, 64): one group, max |w| = amax
+    p1, p2 = codec_for("exp", 4, True, "design").fit(g)
+    want = torch.tensor(_design_levels(amax))
+    levels = exp_lut(p1, p2)[0, 0, 1:8]  # seven positive magnitudes, code 0 is zero
+    assert torch.allclose(levels, want, rtol=2e-3)  # the stored base is fp16
+    assert 1 < p2.item() <= 2 and (p2 * 256).item() == round(p2.item() * 256)
+    # encode: the nearest of the 16 LUT entries, as exp4 rounds
+    codes = ExpDesignCodec().encode(g, p1[..., None], p2[..., None])
+    lut = exp_lut(p1, p2)[0, 0]
+    nearest = (g[0, 0, :, None] - lut).abs().argmin(-1)
+    assert torch.equal(lut[codes[0, 0]], lut[nearest])
+
+
+def test_the_design_grid_follows_the_weights_magnitude_not_their_shape():
+    """Same shape, scaled: exp4's searched grid scales along, the formula's ratio does not."""
+    w = _w(4, 128)
+    for name in ("exp4g128", "exp4g128-design"):
+        a, b = quantize_rtn(w, name), quantize_rtn(w * 8, name)
+        same = torch.equal(a.params()[1], b.params()[1])
+        assert same == (name == "exp4g128"), name

@@ -11,7 +11,7 @@ ALL_FORMATS = (
         for g in ("", "g32", "g64", "g128")
         for s in ("", "-sym")
     ]
-    + [f"exp4g{g}" for g in (32, 64, 128)]
+    + [f"exp4g{g}{d}" for g in (32, 64, 128) for d in ("", "-design")]
     + ["float"]
 )
 
@@ -28,6 +28,9 @@ def test_parsed_fields():
     assert parse_format("int3g64-sym") == Format("int3g64-sym", "int", 3, 64, True)
     assert parse_format("int8") == Format("int8", "int", 8, 0, False)
     assert parse_format("exp4g32") == Format("exp4g32", "exp", 4, 32, True)
+    design = parse_format("exp4g128-design")
+    assert design == Format("exp4g128-design", "exp", 4, 128, True, "design")
+    assert design.bits_per_weight(4096) == parse_format("exp4g128").bits_per_weight(4096)
     assert parse_format("float").kind == "float"
 
 

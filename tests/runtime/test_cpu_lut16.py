@@ -6,12 +6,16 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pipeline.artifact.lowbit_format import pack_linear, plan_layer, unpack_linear
+from pipeline.quant.rtn import quantize_rtn
 from pipeline.runtime import cpu_lut16, kernels
 from pipeline.runtime.kernels import build, exp_kernel_name, relative_error
 from tests.runtime.test_kernels import ISAS, _codes, needs_kernels
 
 # every group size exp formats have, with n (no tile here) and k neither a power of two
 EXP = [("exp4g32", (40, 160)), ("exp4g64", (24, 192)), ("exp4g128", (48, 384))]
+# the method's formula grid: the same codes and LUT layout, a ratio per group on a 1/256 grid
+EXP += [("exp4g32-design", (40, 160))]
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -52,3 +56,19 @@ def test_runtime_picks_lut16_for_exp_codes_on_lowbit_cpus():
     assert relative_error(layer(x), x @ qt.dequantize().T) < 1e-5
     _, partial = _codes("exp4g64", (24, 160))  # a partial last group: the bf16 copy serves
     assert not cpu_lut16.fits(partial) and build(partial).name == "dense-bf16"
+
+
+@needs_kernels
+def test_the_design_grid_fits_the_lut_kernel_at_any_spread_of_magnitudes():
+    """Its ratios follow each group's magnitude; on the 1/256 grid a layer never needs more than
+    the 256 tables a byte indexes, however widely its groups' magnitudes spread."""
+    torch.manual_seed(3)
+    w = torch.randn(64, 512) * torch.logspace(-4, 1, 64)[:, None]  # 5 decades across rows
+    qt = quantize_rtn(w, "exp4g32-design")
+    info = plan_layer("l", qt.fmt, qt.shape, "lowbit")
+    codes = unpack_linear(pack_linear(qt, info), info)
+    assert cpu_lut16.fits(codes) and codes.ratio.unique().numel() > 64
+    layer = build(codes)
+    assert layer.name == "exp4lut"
+    x = torch.randn(2, 512)
+    assert relative_error(layer(x), x @ qt.dequantize().T) < 1e-5

@@ -23,6 +23,7 @@ STAGES = "stages=[bootstrap,evaluate]"
         ("stage.evaluate.gamma_max=1", "gamma_max"),
         ("stage.evaluate.speed_repeats=2", "speed_repeats"),
         ("stage.evaluate.temperature=-0.1", "temperature"),
+        ("stage.evaluate.long_new_tokens=0", "long_new_tokens"),
         # null apply_chat_template follows data.chat_template, false here
         ("stage.evaluate.lm_eval.fewshot_as_multiturn=true", "lm_eval.fewshot_as_multiturn"),
     ],

@@ -260,6 +260,9 @@ def test_no_draft_means_self_speculation_and_a_skip(boot, tmp_path):
         ("stage.reinforce.serve_temperature=-0.5", "serve_temperature"),
         ("stage.evaluate.temperature=-1", "serve_temperature"),  # what it follows by default
         ("stage.reinforce.greedy_margin=-1", "greedy_margin"),
+        ("stage.reinforce.long_new_tokens=0", "long_new_tokens"),
+        ("stage.reinforce.train.schedule=linear", "train.schedule"),
+        ("stage.reinforce.train.step_gamma=1.2", "train.step_gamma"),
     ],
 )
 def test_check_names_the_bad_key(tmp_path, override, key):
