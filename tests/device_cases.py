@@ -68,7 +68,9 @@ def npu(finished, monkeypatch):
     mod = types.ModuleType("torch_npu")
     mod.__spec__ = importlib.machinery.ModuleSpec("torch_npu", None)
     monkeypatch.setitem(sys.modules, "torch_npu", mod)
-    monkeypatch.setattr(torch, "npu", FakeNpu(), raising=False)
+    fake = FakeNpu()
+    monkeypatch.setattr(torch, "npu", fake, raising=False)
+    monkeypatch.setitem(sys.modules, "torch.npu", fake)  # torch_npu registers it as a module
     monkeypatch.setenv(ASCEND_VISIBLE_DEVICES, "")
     monkeypatch.delenv(ASCEND_VISIBLE_DEVICES)
     return finished

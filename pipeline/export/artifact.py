@@ -49,7 +49,9 @@ def export_artifact(
         d_opts = replace(opts, format="lowbit" if opts.format == "ascend" else opts.format)
         try:
             d_labels = {"source": labels["draft"]} if labels and "draft" in labels else None
-            d_manifest = export_artifact(draft, out / "draft", d_opts, d_labels, device=device)
+            d_manifest = export_artifact(
+                draft, out / "draft", d_opts, labels=d_labels, device=device
+            )
         except ExportError as e:
             raise ExportError(
                 f"the draft {draft}: {e} (or leave the draft out: stage.export.include_draft=false)"
