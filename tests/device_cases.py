@@ -9,9 +9,7 @@ npu:0 and to no other accelerator, before any of them computed on the host.
 
 from __future__ import annotations
 
-import importlib.machinery
 import sys
-import types
 from pathlib import Path
 
 import pytest
@@ -20,10 +18,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from pipeline import workflow
 from pipeline.config import run_config
-from pipeline.lit.devices import ASCEND_VISIBLE_DEVICES, stage_device
+from pipeline.lit.devices import stage_device
 from pipeline.stages import StageIO
 from tests.conftest import smoke_cfg
-from tests.lit.npu_cases import FakeNpu
+from tests.lit.conftest import no_mask  # noqa: F401  (fake_npu's fixture)
+from tests.lit.npu_cases import fake_npu  # noqa: F401  (the stand-in NPU)
 
 MODEL_OPS = {"mm", "addmm", "bmm", "baddbmm", "embedding"}  # what a forward pass is made of
 ON_NPU = ("trainer=npu", "trainer.devices=1", "trainer.strategy=auto", "trainer.precision=32-true")
@@ -59,20 +58,9 @@ def finished(tmp_path_factory) -> Path:
 
 
 @pytest.fixture
-def npu(finished, monkeypatch):
-    name = torch._C._get_privateuse1_backend_name()
-    if name == "privateuseone":
-        torch.utils.rename_privateuse1_backend("npu")
-    elif name != "npu":
-        pytest.skip(f"torch's privateuse1 device is already named {name!r}")
-    mod = types.ModuleType("torch_npu")
-    mod.__spec__ = importlib.machinery.ModuleSpec("torch_npu", None)
-    monkeypatch.setitem(sys.modules, "torch_npu", mod)
-    fake = FakeNpu()
-    monkeypatch.setattr(torch, "npu", fake, raising=False)
+def npu(finished, request, monkeypatch):
+    fake = request.getfixturevalue("fake_npu")
     monkeypatch.setitem(sys.modules, "torch.npu", fake)  # torch_npu registers it as a module
-    monkeypatch.setenv(ASCEND_VISIBLE_DEVICES, "")
-    monkeypatch.delenv(ASCEND_VISIBLE_DEVICES)
     return finished
 
 

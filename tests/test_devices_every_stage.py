@@ -5,7 +5,6 @@ child process: torch's privateuse1 rename is once per process)."""
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
@@ -17,7 +16,7 @@ from pipeline.config import parse, to_plain
 from pipeline.errors import ConfigError
 from pipeline.lit.devices import ASCEND_VISIBLE_DEVICES, stage_device
 from pipeline.stages import load
-from tests.conftest import REPO, make_cfg
+from tests.conftest import REPO, cases_in_child, make_cfg
 
 
 @pytest.fixture
@@ -103,13 +102,4 @@ def test_no_stage_chooses_its_own_device():
 
 
 def test_every_stage_places_its_models_on_the_configured_stand_in_npu():
-    cases = Path(__file__).with_name("device_cases.py")
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", str(cases), "-q", "-p", "no:cacheprovider"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert proc.returncode == 0, proc.stdout[-6000:]
-    assert " passed" in proc.stdout and "skipped" not in proc.stdout
+    cases_in_child(Path(__file__).with_name("device_cases.py"), timeout=1500)
