@@ -95,6 +95,7 @@ def parse(node: Any, schema: type[T], prefix: str) -> T:
     if not isinstance(data, dict):
         raise ConfigError(prefix, f"must be a mapping, got {data!r}")
     data = renamed(data, getattr(schema, "RENAMED", {}), prefix)
+    data = removed(data, getattr(schema, "REMOVED", {}), prefix)
     fields = {f.name: f for f in dataclasses.fields(schema)}
     for key in data:
         if key not in fields:
@@ -653,13 +654,18 @@ def renamed_marker(new: str) -> str:
     return f"(renamed: {new})"
 
 
+REMOVED_MARKER = "(removed)"
+
+
 def stage_defaults(schema: type) -> dict[str, Any]:
     """A stage's defaults, plus a marker under each old key name (never a field's own name);
     a key in the schema's LINKED ({key: dotted key}) defaults to that key's value."""
     node = dataclasses.asdict(schema())
     node |= {k: f"${{{src}}}" for k, src in getattr(schema, "LINKED", {}).items()}
     old = getattr(schema, "RENAMED", {})
-    return node | {k: renamed_marker(new) for k, new in old.items() if k not in node}
+    node |= {k: renamed_marker(new) for k, new in old.items() if k not in node}
+    gone = getattr(schema, "REMOVED", {})
+    return node | {k: REMOVED_MARKER for k in gone if k not in node}
 
 
 def _over_default(value: Any, f: dataclasses.Field) -> Any:
@@ -684,4 +690,22 @@ def renamed(data: dict, old_names: dict[str, str], prefix: str) -> dict:
         for part in path:  # copy each level: `data` may share nodes with its caller
             node[part] = node = dict(node.get(part) or {})
         node[last] = data.pop(old)
+    return data
+
+
+# A schema's REMOVED ({old key: the setting that replaced it}): a value given there is refused,
+# naming that setting, rather than Hydra's "not in struct" or a list of the known keys.
+REMOVED_DEVICE = {
+    "device": "every stage computes on the trainer's device: set trainer.accelerator (cpu, gpu, "
+    "npu, auto; or trainer=cpu|gpu|npu) and trainer.devices"
+}
+
+
+def removed(data: dict, gone: dict[str, str], prefix: str) -> dict:
+    """`data` without the markers of removed keys; a value set there fails, naming the fix."""
+    data = dict(data)
+    for key, instead in gone.items():
+        value = data.pop(key, REMOVED_MARKER)
+        if value != REMOVED_MARKER:
+            raise ConfigError(f"{prefix}.{key}", f"is {value!r}, but it was removed: {instead}")
     return data

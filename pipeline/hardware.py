@@ -8,6 +8,7 @@ one warning where it will be emulated. The rules: docs/portability.md.
 from __future__ import annotations
 
 import functools
+import gc
 import logging
 import os
 import platform
@@ -118,6 +119,16 @@ def device_type(accelerator: str | None) -> str:
     if acc == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     return acc
+
+
+def release(device: torch.device) -> None:
+    """Hand the memory of deleted models back: gc first (a model in a reference cycle outlives
+    its last name), then the caching allocator of ``device`` (a CPU has none)."""
+    gc.collect()
+    if device.type == "cuda" and torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    elif device.type == "npu" and getattr(torch, "npu", None) is not None:
+        torch.npu.empty_cache()
 
 
 def native(dtype: torch.dtype, device: str) -> tuple[bool, str]:

@@ -20,7 +20,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig
 
@@ -38,6 +38,7 @@ from pipeline.dist import Dist, init_from_env
 from pipeline.errors import ConfigError, Interrupted, LowbitError, StageFailed, record_failure
 from pipeline.hardware import describe, where
 from pipeline.inputs import check_inputs
+from pipeline.lit.devices import stage_device
 from pipeline.lit.trainer import check_trainer
 from pipeline.memplan import Capacity, MemoryPlan, capacity, plan_run
 from pipeline.peakmem import StagePeak, device_line
@@ -47,6 +48,9 @@ from pipeline.rundir import DONE, RunLock, commit, outputs_digest, read_done, re
 from pipeline.stageplan import PENDING, Damage, Stage, Step, fingerprint, steps
 from pipeline.stages import StageIO
 from pipeline.tracking import StageRun, Tracker
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "Plan",
@@ -117,6 +121,7 @@ def plan(cfg: DictConfig, run_dir: Path) -> Plan:
     if not memory.show:  # `--plan` needs only config.json: before a download, on a login node
         check_inputs(run.model, run.data)
         check_trainer(run.trainer)  # before any rank starts: `lowbit` relaunches after plan()
+        stage_device(run.trainer)  # every stage's device: an accelerator none can use fails here
     _check_recipe(run, selected, run_dir)
     chosen = [make_stage(cfg, name, run) for name in selected]
     for stage in chosen:
@@ -252,6 +257,9 @@ def _run_locked(cfg: DictConfig, planned: Plan, run_dir: Path, dist: Dist) -> di
         log.info("machine: %s", describe(where()))  # what every timing of this run is from
         if tracker.active:
             log.info("MLflow run %s: %s", tracker.parent.run_id, tracker.ui_command())
+    device = stage_device(planned.run.trainer, dist.local_rank)
+    accelerator = (planned.run.trainer or {}).get("accelerator", "auto")
+    log.info("stages compute on %s (trainer.accelerator=%s)", device, accelerator)
     dist.barrier()
 
     results: dict[str, dict] = {}
@@ -269,7 +277,7 @@ def _run_locked(cfg: DictConfig, planned: Plan, run_dir: Path, dist: Dist) -> di
                 log.info("%-12s up to date (fingerprint %s), skipped", name, step.fingerprint[:12])
                 results[name] = step.done
             else:
-                known[name] = results[name] = _run_stage(step, run_dir, dist, tracker)
+                known[name] = results[name] = _run_stage(step, run_dir, dist, tracker, device)
         status = "FINISHED"
     except (KeyboardInterrupt, Interrupted, Preempted):
         status = "KILLED"
@@ -354,7 +362,9 @@ def _params(stage: Stage) -> dict[str, Any]:
     return {"stage": asdict(stage.cfg), **sections}
 
 
-def _run_stage(step: Step, run_dir: Path, dist: Dist, tracker: Tracker) -> dict:
+def _run_stage(
+    step: Step, run_dir: Path, dist: Dist, tracker: Tracker, device: torch.device
+) -> dict:
     stage, fp, inputs, input_done = step.stage, step.fingerprint, step.inputs, step.input_done
     name = stage.name
     work = run_dir / ".work" / f"{name}-{fp[:12]}"
@@ -368,7 +378,7 @@ def _run_stage(step: Step, run_dir: Path, dist: Dist, tracker: Tracker) -> dict:
     child = StageRun()
     if dist.is_main:
         child = tracker.start_stage(name, _params(stage), {"fingerprint": fp})
-    io = StageIO(name, out_dir, work, run_dir, inputs, dist, child)
+    io = StageIO(name, out_dir, work, run_dir, inputs, dist, child, device)
     log_path = stage_log_path(run_dir, name, dist.rank)
     t0 = time.time()
     error = None

@@ -65,6 +65,20 @@ def lowbit_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "pipeline", *args]
 
 
+def cases_in_child(cases: Path, timeout: int = 300) -> None:
+    """Run the pytest file ``cases`` in a process of its own (for process-wide, final changes
+    such as torch's privateuse1 rename); every case must pass, none be skipped."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", str(cases), "-q", "-p", "no:cacheprovider"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert proc.returncode == 0, proc.stdout[-6000:]
+    assert " passed" in proc.stdout and "skipped" not in proc.stdout
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

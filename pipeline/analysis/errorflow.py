@@ -12,6 +12,8 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor, nn
 
+from pipeline.models.hf import input_device
+
 
 @torch.no_grad()
 def error_flow(
@@ -25,8 +27,10 @@ def error_flow(
     diff = ref = None  # (L,) sums of squares over all tokens
     for i in range(0, windows.shape[0], batch_size):
         x = windows[i : i + batch_size]
-        h_fp = fp_model(input_ids=x, output_hidden_states=True).hidden_states[1:]
-        h_q = q_model(input_ids=x, output_hidden_states=True).hidden_states[1:]
+        h_fp = fp_model(input_ids=x.to(input_device(fp_model)), output_hidden_states=True)
+        h_fp = h_fp.hidden_states[1:]
+        h_q = q_model(input_ids=x.to(input_device(q_model)), output_hidden_states=True)
+        h_q = [h.to(h_fp[0].device) for h in h_q.hidden_states[1:]]
         if len(h_fp) != len(h_q):
             raise ValueError(
                 f"the models differ in depth ({len(h_fp)} vs {len(h_q)} decoder layers); "

@@ -188,6 +188,7 @@ def acceptance_table(
                 m |= {"greedy_match": got["alpha_tf"], "alpha_greedy": got["alpha"]}
                 m["tau_greedy"] = got["tau"]
         table.setdefault(pair_name(draft_name, target_name), {})[scen] = m
+        del target, draft, spec  # a ModelShelf frees them when the next pair loads
     for _ in decoded:  # the last prompt is done: progress' closing line
         pass
     return table

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from torch import Tensor, nn
@@ -14,10 +14,18 @@ log = logging.getLogger(__name__)
 
 
 def error_flows(
-    fp: nn.Module, lowbit: Mapping[str, nn.Module], windows: Tensor, batch_size: int
+    models: Mapping[str, nn.Module],
+    fp: str,
+    lowbit: Iterable[str],
+    windows: Tensor,
+    batch_size: int,
 ) -> dict[str, list[float]]:
-    """``{name: relative hidden-state error after each decoder layer}``. windows: (W, T)"""
-    curves = {k: error_flow(fp, m, windows, batch_size) for k, m in lowbit.items()}
+    """``{name less "target_": relative hidden-state error after each decoder layer}`` of each
+    of ``lowbit`` against ``models[fp]``, both looked up per curve (a ModelShelf holds the two).
+    windows: (W, T)"""
+    curves = {}
+    for k in lowbit:
+        curves[k.removeprefix("target_")] = error_flow(models[fp], models[k], windows, batch_size)
     if curves:
         last = "  ".join(f"{k} {v[-1]:.4f}" for k, v in curves.items())
         log.info("evaluate: error flow (last layer) %s", last)

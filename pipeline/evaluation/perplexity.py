@@ -16,10 +16,11 @@ log = logging.getLogger(__name__)
 def perplexities(
     models: Mapping[str, nn.Module], test: Heldout, batch_size: int
 ) -> dict[str, float]:
-    """``{name: perplexity}`` of each model on every window of ``test``."""
+    """``{name: perplexity}`` of each model on every window of ``test``; each model is looked
+    up where it is used, so a ModelShelf that loads them one at a time can free the last."""
     log.info("evaluate: perplexity on the %s", test.label())
     out = {}
-    for name, model in models.items():
-        out[name] = perplexity(model, test.windows, batch_size)
+    for name in models:
+        out[name] = perplexity(models[name], test.windows, batch_size)
         log.info("evaluate: %-18s perplexity %.3f (%s)", name, out[name], test.label())
     return out

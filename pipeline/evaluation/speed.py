@@ -16,6 +16,7 @@ from torch import nn
 
 from pipeline import plots
 from pipeline.evaluation.acceptance import final_target
+from pipeline.evaluation.shelf import ModelShelf
 from pipeline.runtime.inmemory import to_runtime
 from pipeline.runtime.speed import decode_speed, format_speed
 from pipeline.speculative.stats import pair_name
@@ -44,7 +45,10 @@ def runtime_speed(
     Converts ``models`` in place (a copy would double their memory): call it last.
     ``adaptive`` is (gamma_min, gamma_max, window), or None for the fixed ``gamma``.
     """
-    runtime = {n: to_runtime(m, copy_model=False) for n, m in models.items()}
+    if isinstance(models, ModelShelf):  # converted as each loads, not all at once
+        runtime = models.mapped(lambda m: to_runtime(m, copy_model=False))
+    else:
+        runtime = {n: to_runtime(m, copy_model=False) for n, m in models.items()}
     ids = [torch.as_tensor([x], dtype=torch.long) for x in prompts]
     speed = decode_speed(
         runtime,

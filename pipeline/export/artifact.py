@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pipeline.artifact.ascend import ExportError
 from pipeline.artifact.manifest import write_manifest
@@ -16,6 +17,9 @@ from pipeline.export.compressed_tensors import write_compressed_tensors
 from pipeline.export.options import FORMATS, ExportOptions
 from pipeline.export.source import Source
 
+if TYPE_CHECKING:
+    import torch
+
 
 def export_artifact(
     src: Path | str,
@@ -23,11 +27,13 @@ def export_artifact(
     opts: ExportOptions,
     draft: Path | str | None = None,
     labels: dict[str, str] | None = None,
+    device: torch.device | str = "cpu",
 ) -> dict:
     """Export the model directory ``src`` (quantized or FP) to the new directory ``out``, the
     optional ``draft`` into ``out/draft``; return the manifest written.
 
-    ``labels`` ("source", "draft") name them in the manifest (default: the resolved paths).
+    ``labels`` ("source", "draft") name them in the manifest (default: the resolved paths);
+    tensors are unpacked and packed on ``device``, one at a time, and written from the host.
     """
     if opts.format not in FORMATS:
         raise ValueError(f"format must be one of {FORMATS}, got {opts.format!r}")
@@ -35,7 +41,7 @@ def export_artifact(
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"{out} is not empty; export into a new directory")
     out.mkdir(parents=True, exist_ok=True)
-    source = Source.open(src)
+    source = Source.open(src, device)
     draft_info = None
     if draft is not None:  # first: it is small, and a refusal then costs little
         # Exported as it is (FP: FLOAT tensors). It serves lowbit-run only, so the ascend
@@ -43,7 +49,9 @@ def export_artifact(
         d_opts = replace(opts, format="lowbit" if opts.format == "ascend" else opts.format)
         try:
             d_labels = {"source": labels["draft"]} if labels and "draft" in labels else None
-            d_manifest = export_artifact(draft, out / "draft", d_opts, labels=d_labels)
+            d_manifest = export_artifact(
+                draft, out / "draft", d_opts, labels=d_labels, device=device
+            )
         except ExportError as e:
             raise ExportError(
                 f"the draft {draft}: {e} (or leave the draft out: stage.export.include_draft=false)"

@@ -40,9 +40,11 @@ class Source:
     method: str = "fp"
     weight_map: dict[str, str] = field(default_factory=dict)
     formats: dict[str, Format] = field(default_factory=dict)  # ``layers`` parsed
+    # Where tensors are read to and packed: the stage's device (the writer copies them back).
+    device: torch.device | str = "cpu"
 
     @classmethod
-    def open(cls, path: Path | str) -> Source:
+    def open(cls, path: Path | str, device: torch.device | str = "cpu") -> Source:
         """Read the metadata of a quantized model dir (lowbit_quant.json) or an FP checkpoint."""
         path = Path(path)
         if not (path / "config.json").is_file():
@@ -55,7 +57,7 @@ class Source:
             meta = read_quant_meta(path)
             layers, method = dict(meta["layers"]), meta.get("method", "unknown")
             formats = LowbitConfig(**meta).formats
-        return cls(path, layers, method, _weight_map(path), formats)
+        return cls(path, layers, method, _weight_map(path), formats, device)
 
     def config(self) -> dict:
         return json.loads((self.path / "config.json").read_text())
@@ -74,7 +76,7 @@ class Source:
             file = self.weight_map[key]
             if file not in handles:
                 handles[file] = safe_open(str(self.path / file), framework="pt")
-            return handles[file].get_tensor(key)
+            return handles[file].get_tensor(key).to(self.device)
 
         owner = {}
         for name in self.layers:

@@ -1,7 +1,10 @@
-"""The accelerator devices this machine has, and the DDP strategy on a chosen backend.
+"""The accelerator devices this machine has, the one device every stage computes on, and the DDP
+strategy on a chosen backend.
 
-Shared by the trainer's checks (`pipeline.lit.trainer`) and the NPU accelerator
-(`pipeline.lit.npu`), which both read the visible NPUs and the device indices a config names.
+Shared by the trainer's checks (`pipeline.lit.trainer`), the NPU accelerator (`pipeline.lit.npu`)
+and the workflow, which hands `stage_device` to every stage: `trainer.accelerator` and
+`trainer.devices` are the only device settings, so the plain loops (sensitivity, quantize,
+evaluate, export) run where Lightning trains (distill, reinforce).
 """
 
 from __future__ import annotations
@@ -13,9 +16,11 @@ from typing import Any
 import torch
 
 from pipeline.errors import ConfigError, first_line
+from pipeline.hardware import device_type
 
 ASCEND_VISIBLE_DEVICES = "ASCEND_RT_VISIBLE_DEVICES"
 DEVICES_ALLOWED = "a positive count, a list of device indices, auto or -1 (all visible)"
+ACCELERATORS = "cpu, gpu (or cuda), npu, or auto (CUDA when torch sees it, else cpu)"
 
 
 def torch_npu_problem() -> str | None:
@@ -75,3 +80,36 @@ def ddp_with_backend(strategy: Any, backend: str, ddp_cls: type | None = None) -
             cls = ddp_cls or DDPStrategy
             return cls(**entry["init_params"], process_group_backend=backend)
     return strategy
+
+
+def stage_device(trainer: dict | None, local_rank: int = 0) -> torch.device:
+    """The device this rank's stages compute on: `trainer.accelerator`'s, the `local_rank`-th of
+    `trainer.devices` (`cuda:{local_rank}`, `npu:{local_rank}`, or the listed index).
+
+    `auto` is CUDA when torch sees it, else the CPU, as Lightning's own `auto` picks for the
+    training stages; NPUs are used when asked for (`trainer=npu`). One clear line when the
+    device is missing, whichever stage asks first.
+    """
+    trainer = trainer or {}
+    accelerator = str(trainer.get("accelerator") or "auto").lower()
+    kind = device_type(accelerator)
+    if kind == "cpu":
+        return torch.device("cpu")
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(
+            "trainer.accelerator",
+            f"is {accelerator}, but torch sees no CUDA device; trainer=cpu runs on this machine",
+        )
+    if kind == "npu" and (problem := torch_npu_problem()):
+        raise ConfigError("trainer.accelerator", f"is npu, but {problem}; trainer=cpu runs here")
+    if kind not in ("cuda", "npu"):
+        raise ConfigError("trainer.accelerator", f"is {accelerator!r}", ACCELERATORS)
+    ids = device_list(trainer.get("devices"))
+    # Under a visible-devices mask (pin_visible_devices exported the list) devices count from 0.
+    if ids is None or trainer.get("visible_devices_env"):
+        return torch.device(kind, local_rank)
+    if local_rank >= len(ids):
+        raise ConfigError(
+            "trainer.devices", f"lists {ids}, too few for local rank {local_rank}", DEVICES_ALLOWED
+        )
+    return torch.device(kind, ids[local_rank])

@@ -263,12 +263,20 @@ def save_hf(model, tokenizer, out: Path) -> None:
 
 
 @torch.no_grad()
+def input_device(model: torch.nn.Module) -> torch.device:
+    """Where ``model`` takes its input ids: its input embeddings' device (a device map's first)."""
+    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    param = next((embed or model).parameters(), None)
+    return param.device if param is not None else torch.device("cpu")
+
+
 def perplexity(model, windows: torch.Tensor, batch_size: int = 8) -> float:
     """exp(mean next-token NLL) over the windows. windows: (W, T)"""
     model.eval()
     total, count = 0.0, 0
+    device = input_device(model)
     for i in progress(range(0, windows.shape[0], batch_size), "perplexity", unit="batch"):
-        x = windows[i : i + batch_size]
+        x = windows[i : i + batch_size].to(device)
         logits = model(input_ids=x).logits[:, :-1].float()  # (B, T-1, V)
         nll = torch.nn.functional.cross_entropy(
             logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1), reduction="sum"

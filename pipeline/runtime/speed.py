@@ -147,6 +147,7 @@ def decode_speed(
         row["weight_bytes"] = memory[target][0] + memory[draft][0]
         row["kv_bytes"] = memory[target][1] + memory[draft][1]
         spec[pair_name(draft, target)] = row
+        del fn  # holds the pair: a ModelShelf frees it when the next pair loads
     return {"plain": plain, "speculative": spec}
 
 

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from pipeline.dist import Dist
 from pipeline.errors import ConfigError
 from pipeline.tracking import StageRun
@@ -49,6 +51,9 @@ class StageIO:
     inputs: dict[str, Path] = field(default_factory=dict)  # stage name -> its finished folder
     dist: Dist = field(default_factory=Dist)
     log: StageRun = field(default_factory=StageRun)
+    # Where the stage computes: trainer.accelerator's device for this rank (the workflow resolves
+    # it with pipeline.lit.devices.stage_device); not hashed: it changes how, not what.
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
 
     def describe(self, path: Path | str) -> str:
         """`path` as stage outputs record it: relative to the run dir when inside it, so an

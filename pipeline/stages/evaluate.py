@@ -1,7 +1,8 @@
 """evaluate: perplexity of every model the run produced, and acceptance of every draft/target pair.
 
 Models come from the run (FP target and draft, and whichever of quantize, distill and reinforce
-ran); the measurements are pipeline.evaluation's, saved as one EvalResult.
+ran) and load onto the run's device one at a time (pipeline.evaluation.shelf); the measurements
+are pipeline.evaluation's, saved as one EvalResult.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from pipeline.evaluation.drift import error_flows, write_error_flow
 from pipeline.evaluation.harness import LmEvalConfig, run_lm_eval
 from pipeline.evaluation.perplexity import perplexities
 from pipeline.evaluation.result import EvalResult
+from pipeline.evaluation.shelf import ModelShelf
 from pipeline.evaluation.speed import speed_report
 from pipeline.models.hf import load_tokenizer
 from pipeline.models.quantized import load_model
@@ -85,24 +87,24 @@ class EvaluateConfig:
                 raise ConfigError(f"{prefix}.scenarios[{i}]", f"is {s!r}", ", ".join(SCENARIOS))
 
 
-def _models(run: RunConfig, inputs: dict) -> tuple[dict, dict]:
-    """({name: target-like model}, {name: draft model}) present in this run."""
-    allow_bin = run.model.allow_bin
-    targets = {
-        name: load_model(path, allow_bin, **run.model.load_options("target"))
-        for name, path in runmodels.targets(run.model, inputs).items()
-    }
+def _shelf(run: RunConfig, inputs: dict, device) -> tuple[ModelShelf, list[str], list[str]]:
+    """Every model of this run, loaded onto ``device`` when measured; (shelf, targets, drafts)."""
+    targets, drafts = runmodels.targets(run.model, inputs), runmodels.drafts(run.model, inputs)
+
+    def loader(path, role: str, allow_bin: bool):
+        options = run.model.load_options(role)  # model.device_map, when set, places it instead
+        return lambda device: load_model(path, allow_bin, device=device, **options)
+
+    loaders = {n: loader(p, "target", run.model.allow_bin) for n, p in targets.items()}
     # Only the user's own checkpoint may be a .bin one; reinforce writes safetensors.
-    drafts = {
-        name: load_model(path, allow_bin and name == "draft_fp", **run.model.load_options("draft"))
-        for name, path in runmodels.drafts(run.model, inputs).items()
-    }
-    return targets, drafts
+    bin_ok = {n: run.model.allow_bin and n == "draft_fp" for n in drafts}
+    loaders |= {n: loader(p, "draft", bin_ok[n]) for n, p in drafts.items()}
+    return ModelShelf(loaders, device), list(targets), list(drafts)
 
 
-def _speculative(cfg: EvaluateConfig, run: RunConfig, corpus, tokenizer, targets, drafts, io):
+def _speculative(cfg: EvaluateConfig, run: RunConfig, corpus, tokenizer, models, targets, io):
     """Acceptance (and speed) of every pair: the speculative fields of EvalResult."""
-    pairs, models = run_pairs(targets, drafts), {**drafts, **targets}
+    pairs = run_pairs(targets, [n for n in models if n not in targets])
     sets = heldout_scenarios(
         tokenizer,
         corpus.splits["test"],
@@ -120,7 +122,7 @@ def _speculative(cfg: EvaluateConfig, run: RunConfig, corpus, tokenizer, targets
         adaptive = adaptive_gamma(out["costs"], cfg.gamma_min, cfg.gamma_max, cfg.window)
     decoding = dict(temperature=cfg.temperature, temperature_schedule=cfg.temperature_schedule)
     table = acceptance_table(
-        targets,
+        models.only(targets),
         models,
         sets,
         pairs=pairs,
@@ -138,7 +140,7 @@ def _speculative(cfg: EvaluateConfig, run: RunConfig, corpus, tokenizer, targets
     if cfg.timing:  # last: it converts the models to the runtime's kernels in place
         window = (cfg.gamma_min, cfg.gamma_max, cfg.window) if cfg.adaptive else None
         out |= speed_report(
-            {**targets, **drafts},
+            models,
             pairs,
             prompts[: cfg.spec_prompts],
             io.out_dir,
@@ -156,22 +158,24 @@ def _speculative(cfg: EvaluateConfig, run: RunConfig, corpus, tokenizer, targets
 def run(cfg: EvaluateConfig, run: RunConfig, io: StageIO) -> dict:
     tokenizer = load_tokenizer(runmodels.fp_target(run.model, io.inputs))
     corpus = Corpus(run.data, tokenizer)
-    targets, drafts = _models(run, io.inputs)
-    fp = targets["target_fp"]
-    context = fp.config.max_position_embeddings if run.model.target.path else None
+    # One model on the device at a time (two where a measurement pairs them), freed before the next.
+    models, targets, drafts = _shelf(run, io.inputs, io.device)
+    context = models["target_fp"].config.max_position_embeddings if run.model.target.path else None
     test = corpus_heldout(corpus, "test", context)
     io.log.log_input(test.windows, "test", run.data, "test")
-    fields = {"ppl": perplexities({**targets, **drafts}, test, cfg.batch_size)}
+    fields = {"ppl": perplexities(models.holding(1), test, cfg.batch_size)}
     fields["ppl_protocol"] = test.describe()
     settings = cfg.lm_eval.resolved(run.data.chat_template)  # no tasks: {}, nothing imported
-    fields["lm_eval"] = run_lm_eval(targets, tokenizer, settings, fp.device, io.out_dir)
-    lowbit = {k.removeprefix("target_"): m for k, m in targets.items() if k != "target_fp"}
+    lm_models = models.holding(2).only(targets)
+    fields["lm_eval"] = run_lm_eval(lm_models, tokenizer, settings, io.device, io.out_dir)
     probe = test.windows[: cfg.error_flow_windows]
-    fields["error_flow"] = error_flows(fp, lowbit, probe, cfg.batch_size)
+    lowbit = [n for n in targets if n != "target_fp"]
+    fields["error_flow"] = error_flows(models, "target_fp", lowbit, probe, cfg.batch_size)
     if fields["error_flow"]:
         write_error_flow(fields["error_flow"], io.out_dir)
     if run_pairs(targets, drafts):
-        fields.update(_speculative(cfg, run, corpus, tokenizer, targets, drafts, io))
+        fields.update(_speculative(cfg, run, corpus, tokenizer, models, targets, io))
+    models.clear()
     result = EvalResult(**fields)
     result.save(io.out_dir)
     return result.metrics()

@@ -113,7 +113,7 @@ def run(cfg: ExportConfig, run: RunConfig, io: StageIO) -> dict:
     art = io.out_dir / "artifact"
     t0 = time.time()
     labels = {"source": io.describe(src)} | ({"draft": io.describe(draft)} if draft else {})
-    manifest = export_artifact(src, art, cfg.options(), draft=draft, labels=labels)
+    manifest = export_artifact(src, art, cfg.options(), draft, labels, device=io.device)
     seconds = time.time() - t0
     files = manifest["files"]
     draft_bytes = sum(f["bytes"] for k, f in files.items() if k.startswith("draft/"))

@@ -7,12 +7,12 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 
 from pipeline import plots
-from pipeline.config import QuantConfig, RunConfig, positive
+from pipeline.config import REMOVED_DEVICE, QuantConfig, RunConfig, positive
 from pipeline.errors import LowbitError
 from pipeline.hardware import warn_if_emulated
 from pipeline.models.adapters import linear_names
@@ -35,8 +35,9 @@ class QuantizeConfig:
     """Streaming quantization; the recipe is the shared `quant` section."""
 
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # of the calibration passes
-    device: str = "auto"  # auto (cuda when available) | cpu | cuda | cuda:N
     batch_size: int = 8  # calibration windows per forward pass through a block
+
+    REMOVED: ClassVar[dict[str, str]] = REMOVED_DEVICE
 
     def check(self, prefix: str) -> None:
         positive(prefix, batch_size=self.batch_size)
@@ -94,12 +95,6 @@ def load_feedback(inputs: dict[str, Path], q: QuantConfig) -> Feedback | None:
     return Feedback(fb.threshold, plan.candidates, plan.feedback_bits, fb.pace)
 
 
-def _device(choice: str, local_rank: int) -> str:
-    if choice == "auto":
-        return f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"
-    return choice
-
-
 def run(cfg: QuantizeConfig, run: RunConfig, io: StageIO) -> dict:
     """Quantize the FP target into ``io.out_dir/model``; returns the stage metrics."""
     from transformers import AutoConfig
@@ -113,9 +108,8 @@ def run(cfg: QuantizeConfig, run: RunConfig, io: StageIO) -> dict:
     calib = corpus.calibration(q.calib.samples, q.calib.seq_len, run.seed)  # (N, T)
     io.log.log_input(calib, "calibration", run.data, "train")
     plan = load_plan(io.inputs, AutoConfig.from_pretrained(target, local_files_only=True), q)
-    device = _device(cfg.device, io.dist.local_rank)
-    warn_if_emulated(_DTYPES[cfg.dtype], torch.device(device).type, "stage.quantize.dtype")
-    ckpt = StreamingCheckpoint(target, dtype=_DTYPES[cfg.dtype], device=device)
+    warn_if_emulated(_DTYPES[cfg.dtype], io.device.type, "stage.quantize.dtype")
+    ckpt = StreamingCheckpoint(target, dtype=_DTYPES[cfg.dtype], device=io.device)
     walk = StreamOptions(q.segment_size, cfg.batch_size, q.activation_budget_gb)
     summary = quantize_checkpoint(
         ckpt,

@@ -102,9 +102,9 @@ def run(cfg: ReinforceConfig, run: RunConfig, io: StageIO) -> dict:
     counts = {"train": cfg.train_prompts, "validation": cfg.val_prompts, "test": cfg.eval_prompts}
     sets = {s: _scenarios(cfg, seed, io, tokenizer, docs[s], s, n) for s, n in counts.items()}
     # The target only scores: it loads as the user asked; the draft keeps fp32 master weights.
-    target = load_model(target_dir, allow_bin, **run.model.load_options("target"))
+    target = load_model(target_dir, allow_bin, device=io.device, **run.model.load_options("target"))
     target.requires_grad_(False)
-    draft = load_draft(draft_dir, allow_bin, grad_scale)
+    draft = load_draft(draft_dir, allow_bin, grad_scale).to(io.device)
     start = "draft_quantized" if is_quantized_dir(draft_dir) else "draft_fp"
     log.info("reinforce: %s (%s) against %s (%s)", start, draft_dir, target_name, target_dir)
     table = rr.before(cfg, seed, io, target_name, target, {start: draft.eval()}, sets["test"])
@@ -136,7 +136,8 @@ def run(cfg: ReinforceConfig, run: RunConfig, io: StageIO) -> dict:
     if not io.dist.is_main:
         return {}
 
-    device = next(target.parameters()).device  # Lightning may have moved the module back
+    device = io.device  # not the module's: Lightning may have moved it back to the CPU
+    target.to(device)
     draft = result_draft(fit, draft_dir, allow_bin, grad_scale, cfg.selection_key)
     draft = draft.to(device).eval()
     pairs = {"before": f"{start}@{target_name}", "after": f"{rr.AFTER}@{target_name}"}
@@ -147,8 +148,8 @@ def run(cfg: ReinforceConfig, run: RunConfig, io: StageIO) -> dict:
     if target_name != "target_fp":  # the goal: at least the FP draft's acceptance on the FP target
         fp_dir = runmodels.fp_target(run.model, io.inputs)
         options = run.model.load_options("target")
-        fp_target = load_causal_lm(fp_dir, allow_bin=allow_bin, **options).to(device)
-        fp_draft = {start: load_model(draft_dir, allow_bin).to(device)}
+        fp_target = load_causal_lm(fp_dir, allow_bin=allow_bin, device=device, **options)
+        fp_draft = {start: load_model(draft_dir, allow_bin, device=device)}
         table |= rr.measure(cfg, seed, "target_fp", fp_target, fp_draft, sets["test"])
         pairs["reference"] = f"{start}@target_fp"
     save_draft(draft, draft_dir, io.out_dir / "draft", fit.kept, tokenizer)

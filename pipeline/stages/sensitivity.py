@@ -11,16 +11,14 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
-
-import torch
+from typing import ClassVar, Literal
 
 from pipeline import plots
 from pipeline.analysis.estimate import Estimator, Target, estimate
 from pipeline.analysis.report import LayerScore, SensitivityReport
-from pipeline.config import RunConfig, by_size, positive
+from pipeline.config import REMOVED_DEVICE, RunConfig, by_size, positive
 from pipeline.data.text import Corpus
-from pipeline.errors import ConfigError, LowbitError
+from pipeline.errors import ConfigError
 from pipeline.models.hf import load_tokenizer
 from pipeline.quant.formats import Format
 from pipeline.runmodels import fp_target
@@ -40,12 +38,13 @@ class SensitivityConfig:
     batch_size: int = 8  # sequences per forward (a Fisher backward takes one)
     include_lm_head: bool = True
     include_embeddings: bool = True  # unless tied to lm_head
-    device: Literal["auto", "cpu", "cuda"] = "auto"
     importance: Literal["single", "combined"] = "single"  # combined: mix fitted to the KL
     fit_layers: int = 8  # combined: layers measured for the fit
     # fisher, gptq_proxy: segments from the shards (bigger than memory); null: from 6 B
     # parameters on (pipeline.modelshape), where the loaded estimate outgrows a node
     stream: bool | None = None
+
+    REMOVED: ClassVar[dict[str, str]] = REMOVED_DEVICE
 
     def check(self, prefix: str) -> None:
         positive(prefix, hutchinson_probes=self.hutchinson_probes, batch_size=self.batch_size,
@@ -95,16 +94,6 @@ def skip_reason(cfg: SensitivityConfig, run: RunConfig) -> str | None:
     return None
 
 
-def _device(p: SensitivityConfig, local_rank: int) -> torch.device:
-    if p.device == "cuda" and not torch.cuda.is_available():
-        raise LowbitError(
-            "stage.sensitivity.device=cuda but no CUDA device is visible; use auto or cpu"
-        )
-    if p.device == "cuda" or (p.device == "auto" and torch.cuda.is_available()):
-        return torch.device("cuda", local_rank)
-    return torch.device("cpu")
-
-
 def run(cfg: SensitivityConfig, run: RunConfig, io: StageIO) -> dict:
     """Score every layer of the FP target into ``io.out_dir``; returns the stage metrics."""
     q = run.quant
@@ -114,7 +103,7 @@ def run(cfg: SensitivityConfig, run: RunConfig, io: StageIO) -> dict:
         q.calib.samples, q.calib.seq_len, run.seed
     )  # (S, T), identical on every rank
     io.log.log_input(windows, "calibration", run.data, "train")
-    target = Target(path, _device(cfg, io.dist.local_rank), run.model.allow_bin,
+    target = Target(path, io.device, run.model.allow_bin,
                     run.model.device_map, q.segment_size, q.activation_budget_gb)  # fmt: skip
     estimator = Estimator(cfg.method, cfg.importance, cfg.stream, cfg.gptq_weighting,
                           cfg.fisher_labels, cfg.hutchinson_probes, cfg.batch_size,

@@ -5,28 +5,17 @@ See npu_cases.py for why the cases with a stand-in `npu` device run in a pytest 
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
 
 from pipeline.lit.trainer import check_trainer
-from tests.conftest import REPO, make_cfg
+from tests.conftest import cases_in_child, make_cfg
 from tests.lit.npu_cases import refusal
 
 
 def test_accelerator_cases_against_a_stand_in_npu():
-    cases = Path(__file__).with_name("npu_cases.py")
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", str(cases), "-q", "-p", "no:cacheprovider"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout[-4000:]
-    assert " passed" in proc.stdout and "skipped" not in proc.stdout
+    cases_in_child(Path(__file__).with_name("npu_cases.py"))
 
 
 def test_check_refuses_npu_without_torch_npu(no_torch_npu):

@@ -1,6 +1,9 @@
 """evaluate: its config checks, one run recording costs and the draft length, and the chat
 template reaching perplexity and lm-eval."""
 
+import gc
+import weakref
+
 import pytest
 
 from pipeline import workflow
@@ -68,8 +71,20 @@ def test_end_to_end_records_costs_and_the_draft_length(boot, tmp_path, adaptive,
     assert 1 <= row["gamma"] <= 5
 
 
-def test_the_speed_table_covers_fp_and_the_quantized_target(boot, tmp_path):
+def test_the_speed_table_covers_fp_and_the_quantized_target(boot, tmp_path, monkeypatch):
     from tests.stages.conftest import boot_cfg
+
+    live, counts = weakref.WeakSet(), []
+    load_model = evaluate.load_model
+
+    def counted(*args, **kwargs):  # the real loader, counting the models alive at each load
+        gc.collect()
+        model = load_model(*args, **kwargs)
+        live.add(model)
+        counts.append(len(live))
+        return model
+
+    monkeypatch.setattr(evaluate, "load_model", counted)
 
     cfg = boot_cfg(
         boot,
@@ -99,6 +114,8 @@ def test_the_speed_table_covers_fp_and_the_quantized_target(boot, tmp_path):
         assert r["tokens_per_s_min"] <= r["tokens_per_s"] <= r["tokens_per_s_max"]
     assert metrics["x_fp_plain_target_quantized_plain"] == low["x_fp_plain"]
     assert (out / "speed.png").exists()
+    # Perplexity loads FP target, quantized target and draft one at a time; pairs hold two.
+    assert counts[:3] == [1, 1, 1] and max(counts) == 2
 
 
 @needs("lm-eval")
