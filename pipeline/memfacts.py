@@ -1,10 +1,5 @@
-"""The run facts the memory estimates read, and the pieces they share (`pipeline.memstages`).
-
-Every estimate returns ({term: bytes} on the stage's compute device, {term: bytes} on the host)
-at the stage's peak, per rank, and the alternative settings a refusal may suggest. Element sizes
-follow the code: sensitivity and quantize compute in float32 (their `dtype`), the fake-quant
-student keeps uint8 codes and float32 scales, Adam holds two float32 moments per trainable
-value, and autograd keeps every layer's activations of a window until its backward.
+"""The run facts the memory estimates read, and the pieces they share (`pipeline.memstages`):
+each estimate returns ({term: bytes} on the device, {term: bytes} on the host) per rank at its peak.
 """
 
 from __future__ import annotations

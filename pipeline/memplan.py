@@ -1,13 +1,8 @@
 """The memory plan of a run: each stage's peak per rank, on the device and on the host.
 
-Pure arithmetic on the model's shape (`pipeline.modelshape`) and the run's settings, no tensor
-is allocated: what each stage holds at its peak, read from its code (`pipeline.memstages`),
-summed term by term, against what the machine or the allocation has (`capacity`). A run that
-will not fit is refused before any compute, in one line naming the stage, the bytes needed and
-available, and the first setting that makes it fit (`MemoryPlan.fits`); `plan.check=false`
-proceeds anyway. The constants of the process itself (Python, torch, transformers, Lightning)
-were measured on the embedded default's runs; the docs say how close the plan comes
-(docs/memory.md).
+Pure arithmetic on the model's shape and the run's settings, against what the machine or the
+allocation has; a run that will not fit is refused before any compute, naming the setting that
+makes it fit (`plan.check=false` proceeds). How close it comes: docs/memory.md.
 """
 
 from __future__ import annotations

@@ -1,14 +1,5 @@
-"""Each stage's peak memory per rank, term by term, as its code holds it (`pipeline.memplan`).
-
-sensitivity: loaded, the float32 model plus one gradient and one Fisher sum per scored weight
-(Hutchinson: its probes and double backward; GPTQ proxy: every linear's input Hessian); streamed,
-one segment with its gradients and sums, the head, and the kept segment inputs up to
-quant.activation_budget_gb. quantize: one segment, one group's Hessian with GPTQ's factor copies,
-the calibration activations (spilled past the budget). distill: teacher, fake-quant student, its
-dequantized weights kept for backward, gradients and Adam states of what trains, split by ZeRO.
-reinforce: the final target, the draft with gradients, Adam and its anchor copy. evaluate: a
-target and a draft at a time. export: the packed model and one tensor. bootstrap: a small model
-trained whole.
+"""Each stage's peak memory per rank, term by term, as its code holds it (`pipeline.memplan`);
+the terms per stage are listed in docs/memory.md.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
 """The training stages' peak memory per rank (`pipeline.memplan`): bootstrap, distill, reinforce.
 
-Per trainable value: its float32 weight, gradient and Adam's two moments (16 bytes), a float32
-master copy under DeepSpeed's 16-bit mixed precision; ZeRO-1 splits the optimizer states over the
-ranks, ZeRO-2 the gradients too, ZeRO-3 the parameters (the teacher's included); offloading moves
-them to the host. The fake-quant student keeps, for its backward, each linear's dequantized weight
-and its codes minus zero points: a weight-sized cost per linear whatever the batch.
+Per trainable value 16 bytes (weight, gradient, Adam's moments), split over ranks by the ZeRO
+stage, moved to the host by offload; the fake-quant student keeps each linear's dequantized weight.
 """
 
 from __future__ import annotations

@@ -1,14 +1,5 @@
-"""A causal LM's shape, read from its config.json (or the bootstrap spec), and what scales with it.
-
-Everything the memory planner (`pipeline.memplan`) and the size-dependent defaults need is here:
-layers, widths, heads, vocabulary, tied embeddings and the stored dtype, with parameter counts
-derived from them for a Llama-style block (q, k, v, o; gate, up, down; two norms). Reading a
-shape never touches torch or the weights, so a 70B checkpoint is planned in milliseconds.
-
-Defaults that scale (`size_defaults`): what GPTQ/AutoRound practice uses on real LLMs
-(128 windows of 2048 tokens) is far too slow for the embedded default's 1M-parameter models,
-and a 7B+ model's fp32 copy plus gradients plus Fisher sums (12 bytes a parameter) no longer
-fits a node's host memory, so its sensitivity streams.
+"""A causal LM's shape from its config.json (or the bootstrap spec), without torch or weights, and
+the defaults that scale with its size (`size_defaults`; why: docs/memory.md).
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """The run's models by name, each loaded onto the stage's device when a measurement asks for it.
 
-Evaluate compares up to five models of a 7–70 B target; loaded together they outgrow any one
-device. A shelf holds at most ``keep`` of them (one for perplexity, two where a measurement pairs
-a draft with its target or a low-bit model with the FP one) and frees the least recently used
-one (del, gc, the device's cache) before loading the next. The price is a reload when a name
-comes back; callers ask in an order that keeps those few. A caller that binds a model to a name
-keeps it alive past its eviction, so measurements look models up where they use them.
+A shelf holds at most ``keep`` models (a 7–70 B target and its variants outgrow one device
+together) and frees the least recently used one (del, gc, the device cache) before the next loads.
+Callers look models up where they use them, so an evicted model is not kept alive by a name.
 """
 
 from __future__ import annotations

@@ -1,15 +1,11 @@
 """Error feedback during sequential quantization: the worst layers re-quantized one format finer.
 
-The allocator predicts each layer's loss from weights and gradients before any code is chosen;
-the quantizer then *measures* each linear's relative output error ``||X (W - Q)^T|| / ||X W^T||``
-on the calibration inputs (``sequential``). After a block is quantized, groups whose error is above
-``threshold`` move to the next finer candidate (the cheapest one costing more bits), largest error
-first, while the bits the allocator held back (it plans at budget - slack) pay for them; so the
-result stays within the budget. The block is re-quantized from the first changed group on, with
-the block's inputs as they are (the quantized blocks' outputs), so the groups after it see the
-new codes' outputs, as in the first pass. Fused groups (q/k/v, gate/up) move together: they share
-one format. The price is a second pass over the blocks that change. Blocks are measured in model
-order, so the slack is either spent greedily (early blocks may use it all) or paced evenly.
+After a block is quantized, groups whose measured relative output error
+``||X (W - Q)^T|| / ||X W^T||`` exceeds ``threshold`` move to the next finer candidate, largest
+error first, paid from the slack the allocator held back (it plans at budget - slack), so the
+plan stays within budget. The block is re-quantized from the first moved group on with its
+current inputs; fused groups move together. The slack is spent greedily (early blocks may use it
+all) or paced evenly over the blocks.
 """
 
 from __future__ import annotations

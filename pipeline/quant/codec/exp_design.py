@@ -1,16 +1,8 @@
-"""The method's own exponential grid: ``scale = max * 2/3``, ``exp_base = log2(scale) / 14``,
-exponents clamped to [-6, 7], as an option beside :class:`ExpCodec`'s searched grid.
+"""The method's literal exponential grid (scale = 2/3·max, exp_base = log2(scale)/14, exponents in
+[-6, 7]) in exp4's ``base * ratio**k`` layout, so storage, QAT and the LUT kernel are exp4's.
 
-Per group, ``s = 2/3 * max|w|`` and the log2 step between levels is ``b = |log2 s| / 14`` (the
-formula's ``log2(scale)``, negative for weights below 1, taken by magnitude): level ``e`` is
-``s * 2**(b * e)``, ``-6 <= e <= 7``. A 4-bit code holds a sign and eight magnitudes, zero and
-seven levels, not the formula's fourteen exponents: the grid keeps the exponent the group's
-largest weight rounds to (``round(log2(max / s) / b)``, clamped to 7) and the six below it.
-That is exp4's layout, ``base * ratio**k`` with ``ratio = 2**b``, so storage, rounding (nearest
-level), QAT and the runtime's 16-entry LUT kernel are exp4's unchanged. The ratio is rounded to
-1/256 (between 1 + 1/256 and 2): a layer then holds at most 256 distinct tables, the LUT
-kernel's byte index. Trade-off: no search, and a grid whose span follows the weights' absolute
-magnitude (``b`` shrinks as ``s`` nears 1), not their shape.
+A 4-bit code holds zero and seven levels: the exponent the group's largest weight rounds to and
+the six below it; ratios on a 1/256 grid (the LUT kernel's 256 tables). docs/method.md compares it.
 """
 
 from __future__ import annotations
