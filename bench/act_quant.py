@@ -49,7 +49,7 @@ GOAL = 0.002  # the relative perplexity int8 activations may add over float ones
 VARIANTS = ("A16", "A8", "A8+cols", "A8+fallback")
 
 
-def _report(name: str, run: Path, root: Path):
+def _report(name: str, run: Path, root: Path, overrides: list[str]):
     """The run's sensitivity report, redone under ``root`` when it lacks activation statistics;
     with the run's FP target and test windows."""
     from pipeline import runmodels, workflow
@@ -67,9 +67,10 @@ def _report(name: str, run: Path, root: Path):
     if report is None or not report.measured_activations():
         own = root / name
         seed_run(run, own, ["bootstrap"])
-        workflow.run(compose([f"run_dir={own}", "tracking=none", "stages=[sensitivity]"]))
+        base = [f"run_dir={own}", "tracking=none", *overrides, "stages=[sensitivity]"]
+        workflow.run(compose(base))
         report = SensitivityReport.load(own / "sensitivity")
-    cfg = compose([f"run_dir={run}", "tracking=none"])
+    cfg = compose([f"run_dir={run}", "tracking=none", *overrides])
     windows = corpus_heldout(Corpus(data_cfg(cfg), load_tokenizer(target))).windows
     return report, target, windows
 
@@ -105,14 +106,16 @@ def _plans(report, cap: float, threshold: float) -> dict[str, tuple[str, dict | 
     }
 
 
-def measure(name: str, run: Path, root: Path, formats: list[str], cap: float, threshold: float):
-    """One row per (format, variant) of run ``name``: perplexity and the plan's size."""
+def measure(name: str, run: Path, root: Path, args: argparse.Namespace):
+    """One row per (format, variant) of run ``name``: perplexity and the plan's size; one per
+    linear: its input's int8 activation error and outlier channels; a note on the model."""
     import torch
 
     from pipeline.models.hf import load_causal_lm, perplexity
     from pipeline.runtime.inmemory import to_runtime
 
-    report, target, windows = _report(name, run, root)
+    report, target, windows = _report(name, run, root, args.overrides)
+    formats, cap, threshold = args.formats.split(","), args.cap, args.threshold
     errors = [la.act8_error for la in report.layers if la.act8_error is not None]
     fp = load_causal_lm(target, torch.float32)
     with torch.no_grad():
@@ -133,12 +136,17 @@ def measure(name: str, run: Path, root: Path, formats: list[str], cap: float, th
                 "a16_layers": sum(p["a16"] for p in plan.values()),
             })  # fmt: skip
             logging.info("%s %s %s: ppl %.4f", name, fmt, variant, ppl[variant])
+    layers = [
+        {"run": name, "layer": la.name, "act8_error": la.act8_error,
+         "outlier_channels": len(la.act_columns), "inputs": la.shape[1]}
+        for la in report.layers if la.act8_error is not None
+    ]  # fmt: skip
     shape = fp.config
     note = (f"{name}: hidden {shape.hidden_size}, heads {shape.num_attention_heads}, "
             f"intermediate {shape.intermediate_size}, layers {shape.num_hidden_layers}; "
             f"FP test ppl {fp_ppl:.4f} on {tuple(windows.shape)} windows; int8 activation error "
             f"per layer {min(errors):.4f}..{max(errors):.4f}")  # fmt: skip
-    return rows, note
+    return rows, layers, note
 
 
 def model_kernels(model) -> str:
@@ -164,6 +172,7 @@ def act_goals(rows: list[dict], runs: list[str], formats: list[str]) -> list[dic
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("overrides", nargs="*", help="config overrides the runs share (their data)")
     p.add_argument("--run", action="append", default=[], metavar="NAME=DIR",
                    help="a trained run (repeatable)")  # fmt: skip
     p.add_argument("--formats", default="int4g128,int8", help="weight formats, comma-separated")
@@ -183,10 +192,10 @@ def main() -> int:
     if not runs:
         p.error("give at least one --run NAME=DIR")
     formats = args.formats.split(",")
-    rows, notes = [], [f"lowbit CPU kernels: {cpu_kernels()}"]
+    rows, layers, notes = [], [], [f"lowbit CPU kernels: {cpu_kernels()}"]
     for name, run in runs.items():
-        got, note = measure(name, Path(run), args.root, formats, args.cap, args.threshold)
-        rows += got
+        got, per_layer, note = measure(name, Path(run), args.root, args)
+        rows, layers = rows + got, layers + per_layer
         notes.append(note)
     columns = ["run", "format", "activations", "test_ppl", "vs_A16", "float_columns",
                "a16_layers", "kernels"]  # fmt: skip
@@ -194,7 +203,12 @@ def main() -> int:
     goals = act_goals(rows, list(runs), formats)
     notes.append(f"A8+cols: cap {args.cap}; A8+fallback: threshold {args.threshold}; "
                  "default: the export's defaults")  # fmt: skip
-    tables = [result_table("test perplexity by activation path", rows, columns)]
+    print(markdown_table(layers, list(layers[0])))
+    tables = [
+        result_table("test perplexity by activation path", rows, columns),
+        result_table("int8 activation error and MAD outlier channels per input (sensitivity)",
+                     layers),
+    ]  # fmt: skip
     write_result(args.out or args.root, "act_quant", tables, goals, args.skip_goal, notes)
     args.root.mkdir(parents=True, exist_ok=True)
     return report_goals(goals, args.root, args.skip_goal)
