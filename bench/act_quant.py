@@ -41,6 +41,7 @@ from bench._common import (
     report_goals,
     result_table,
     seed_run,
+    stage_cfg,
     unmeasured,
     write_result,
 )
@@ -94,9 +95,7 @@ def _quantized(fp, fmt: str):
 
 def _plans(report, cap: float, threshold: float) -> dict[str, tuple[str, dict | None]]:
     """{variant: (kernel, activation plan)}; the default export's plan as "default"."""
-    from pipeline.stages.export import ExportConfig
-
-    default = ExportConfig()
+    default = stage_cfg("export")
     return {
         "A16": ("reference", None),
         "A8": ("auto", None),
