@@ -33,11 +33,11 @@ import sys
 from pathlib import Path
 
 from bench._common import (
-    add_goal_args,
     compose,
     cpu_kernels,
     goal,
     markdown_table,
+    parse_bench_args,
     report_goals,
     result_table,
     seed_run,
@@ -178,15 +178,7 @@ def main() -> int:
     p.add_argument("--cap", type=float, default=1 / 32, help="A8+cols: share of inputs in float")
     p.add_argument("--threshold", type=float, default=0.01, help="A8+fallback: act8 error")
     p.add_argument("--root", type=Path, default=Path("outputs/act_quant"))
-    p.add_argument("--threads", type=int, default=None, help="torch threads (1 on a busy host)")
-    p.add_argument("--out", type=Path, default=None, help="folder for result.json (--root)")
-    add_goal_args(p)
-    args = p.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
+    args = parse_bench_args(p)
     runs = dict(r.split("=", 1) for r in args.run)
     if not runs:
         p.error("give at least one --run NAME=DIR")
