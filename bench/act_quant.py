@@ -52,7 +52,7 @@ VARIANTS = ("A16", "A8", "A8+cols", "A8+fallback")
 
 def _report(name: str, run: Path, root: Path, overrides: list[str]):
     """The run's sensitivity report, redone under ``root`` when it lacks activation statistics;
-    with the run's FP target and test windows."""
+    with the run's FP target and test windows. None when the run has no finished bootstrap."""
     from pipeline import runmodels, workflow
     from pipeline.analysis.report import SensitivityReport
     from pipeline.config import data_cfg
@@ -62,7 +62,7 @@ def _report(name: str, run: Path, root: Path, overrides: list[str]):
 
     stages = runmodels.finished_stages(run)
     if "bootstrap" not in stages:
-        raise SystemExit(f"{run} has no finished bootstrap stage (wait for its _done.json)")
+        return None
     target = stages["bootstrap"] / "target"
     report = SensitivityReport.load(stages["sensitivity"]) if "sensitivity" in stages else None
     if report is None or not report.measured_activations():
@@ -113,7 +113,10 @@ def measure(name: str, run: Path, root: Path, args: argparse.Namespace):
     from pipeline.models.hf import load_causal_lm, perplexity
     from pipeline.runtime.inmemory import to_runtime
 
-    report, target, windows = _report(name, run, root, args.overrides)
+    found = _report(name, run, root, args.overrides)
+    if found is None:
+        return [], [], f"{name}: not measured, {run} has no finished bootstrap stage"
+    report, target, windows = found
     formats, cap, threshold = args.formats.split(","), args.cap, args.threshold
     errors = [la.act8_error for la in report.layers if la.act8_error is not None]
     fp = load_causal_lm(target, torch.float32)
@@ -162,7 +165,7 @@ def act_goals(rows: list[dict], runs: list[str], formats: list[str]) -> list[dic
             name = f"{run} {fmt}: ppl of int8 activations (export defaults) over A16"
             got = {r["activations"]: r for r in rows if r["run"] == run and r["format"] == fmt}
             if "default" not in got or "A16" not in got:
-                goals.append(unmeasured(name, f"<= {GOAL:.1%}", "no rows"))
+                goals.append(unmeasured(name, f"<= {GOAL:.1%}", "no trained model"))
                 continue
             cost = got["default"]["vs_A16"]
             goals.append(goal(name, cost, f"<= {GOAL:.1%}", cost <= GOAL))
@@ -194,7 +197,7 @@ def main() -> int:
     goals = act_goals(rows, list(runs), formats)
     notes.append(f"A8+cols: cap {args.cap}; A8+fallback: threshold {args.threshold}; "
                  "default: the export's defaults")  # fmt: skip
-    print(markdown_table(layers, list(layers[0])))
+    print(markdown_table(layers, list(layers[0]) if layers else []))
     tables = [
         result_table("test perplexity by activation path", rows, columns),
         result_table("int8 activation error and MAD outlier channels per input (sensitivity)",
