@@ -126,10 +126,14 @@ def measure(name: str, run: Path, root: Path, args: argparse.Namespace):
     for fmt in formats:
         q = _quantized(fp, fmt)
         ppl = {}
+        seen = {}  # (kernel, plan) -> variant: a plan two variants share is scored once
         for variant, (kernel, plan) in _plans(report, cap, threshold).items():
             model = to_runtime(q, kernel, act=plan)
-            with torch.no_grad():
-                ppl[variant] = perplexity(model, windows)
+            key = (kernel, repr(sorted((plan or {}).items())))
+            if key not in seen:
+                with torch.no_grad():
+                    seen[key] = perplexity(model, windows)
+            ppl[variant] = seen[key]
             plan = plan or {}
             rows.append({
                 "run": name, "format": fmt, "activations": variant, "test_ppl": ppl[variant],
