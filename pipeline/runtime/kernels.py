@@ -145,8 +145,9 @@ class FloatColumns(Kernel):
         if not cols:
             return inner
         k = codes.info.shape[1]
-        if min(cols) < 0 or max(cols) >= k:
-            raise ValueError(f"act_columns {max(cols)} out of range for {k} input channels")
+        bad = [c for c in cols if not 0 <= c < k]
+        if bad:
+            raise ValueError(f"act_columns {bad[0]} out of range for {k} input channels")
         idx = torch.tensor(cols, dtype=torch.int64, device=inner.packed.device)
         return cls(inner, idx, codes.dequantize()[:, idx.cpu()].to(idx.device).contiguous())
 
