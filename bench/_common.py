@@ -15,6 +15,7 @@ import argparse
 import csv
 import datetime
 import json
+import logging
 import os
 import shlex
 import subprocess
@@ -256,6 +257,21 @@ def add_goal_args(parser: argparse.ArgumentParser) -> None:
         help="leave out of the exit status each goal whose name contains TEXT (repeatable); "
         "any other goal that could not be checked counts as missed",
     )  # fmt: skip
+
+
+def parse_bench_args(parser: argparse.ArgumentParser) -> argparse.Namespace:
+    """Add ``--threads``, ``--out`` and ``--skip-goal``, parse, then set up logging and torch's
+    threads."""
+    parser.add_argument("--threads", type=int, help="torch threads (1 on a busy host)")
+    parser.add_argument("--out", type=Path, help="folder for result.json (--root)")
+    add_goal_args(parser)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    return args
 
 
 def _skipped(goals: Sequence[dict[str, Any]], skip: Sequence[str]) -> list[dict[str, Any]]:

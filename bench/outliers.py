@@ -24,17 +24,16 @@ finished ``bootstrap`` run into ``<root>/bootstrap`` to skip training.
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 from pathlib import Path
 
 from bench._common import (
-    add_goal_args,
     bootstrapped,
     compose,
     goal,
     low_bit_model,
     markdown_table,
+    parse_bench_args,
     report_goals,
     result_table,
     seed_run,
@@ -102,15 +101,7 @@ def main() -> int:
     p.add_argument("--root", type=Path, default=Path("outputs/outliers"))
     p.add_argument("--budget", type=float, default=2.5, help="quant.budget_bits")
     p.add_argument("--caps", default="0.01", help="quant.outlier_cap values, comma-separated")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (1 on a busy host)")
-    p.add_argument("--out", type=Path, default=None, help="folder for result.json (--root)")
-    add_goal_args(p)
-    args = p.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
+    args = parse_bench_args(p)
 
     from pipeline import workflow
     from pipeline.models.hf import perplexity

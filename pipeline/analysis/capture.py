@@ -3,21 +3,27 @@
 * Outliers: per input channel the running absmax; a channel is an outlier by the MAD rule
   |a_c − median(a)| > 3.5 · 1.4826 · MAD(a) (Iglewicz & Hoaglin's modified z-score), since a few
   channels 10-100× the rest make quantization hard (LLM.int8()). Kurtosis from float64 raw
-  moments, exact and summable across ranks.
+  moments, exact and summable across ranks. The flagged channels and the error of int8
+  activations (``pipeline.quant.act8``) tell the runtime what to keep float.
 * Optionally H = 2/N Σ xxᵀ per distinct input for the GPTQ proxy; a fused group shares one.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.distributed as tdist
 from torch import Tensor, nn
 
 from pipeline.dist import Dist
+from pipeline.quant import act8
 from pipeline.quant.gptq import HessianAccumulator
 
 MAD_K = 3.5
 MAD_SIGMA = 1.4826
+# Past a sixteenth of the inputs a float input costs less than float side columns.
+ACT_COLUMNS_CAP = 1 / 16
 
 
 class InputStats:
@@ -26,6 +32,8 @@ class InputStats:
     def __init__(self, in_features: int, device: torch.device | str = "cpu") -> None:
         self.moments = torch.zeros(5, dtype=torch.float64, device=device)  # n, Σx, Σx², Σx³, Σx⁴
         self.absmax = torch.zeros(in_features, dtype=torch.float32, device=device)  # (in,)
+        # Σ (x̂ − x)², Σ x² of int8 activations x̂, when the input splits into blocks
+        self.act8 = torch.zeros(2, dtype=torch.float64, device=device)
 
     @torch.no_grad()
     def add(self, x: Tensor) -> None:
@@ -36,15 +44,19 @@ class InputStats:
         self.moments += torch.stack(
             [xd.new_tensor(xd.numel()), xd.sum(), x2.sum(), (x2 * xd).sum(), (x2 * x2).sum()]
         )
+        if x.shape[-1] % act8.BLOCK == 0:
+            self.act8 += act8.error_sums(x)
 
     def reduce_(self, dist: Dist) -> None:
         """Sum the moments and take the max of the absmax over ranks."""
         dist.all_reduce_(self.moments)
+        dist.all_reduce_(self.act8)
         if dist.world_size > 1:
             tdist.all_reduce(self.absmax, op=tdist.ReduceOp.MAX)
 
-    def summary(self) -> dict[str, float | None]:
-        """{"share", "kurtosis", "max_over_median"} (None where undefined)."""
+    def summary(self) -> dict[str, Any]:
+        """{"share", "kurtosis", "max_over_median", "act8_error"} (None where undefined) and
+        "columns", the flagged channels largest first (at most ``ACT_COLUMNS_CAP`` of them)."""
         n = float(self.moments[0])
         kurt = None
         if n > 0:
@@ -52,7 +64,11 @@ class InputStats:
             var = m2 - m1 * m1
             central4 = m4 - 4 * m1 * m3 + 6 * m1 * m1 * m2 - 3 * m1**4
             kurt = central4 / var**2 if var > 0 else None
-        return {**outlier_summary(self.absmax), "kurtosis": kurt}
+        err, ref = self.act8.tolist()
+        act8_error = (err / ref) ** 0.5 if ref > 0 else None
+        columns = ranked_outliers(self.absmax, ACT_COLUMNS_CAP)
+        return {**outlier_summary(self.absmax), "kurtosis": kurt, "act8_error": act8_error,
+                "columns": columns}  # fmt: skip
 
 
 def outlier_mask(absmax: Tensor) -> Tensor:
@@ -73,12 +89,17 @@ def outlier_summary(absmax: Tensor) -> dict[str, float | None]:
     }
 
 
-def outlier_columns(absmax: Tensor, cap: float) -> list[int]:
-    """Columns to keep exactly: the MAD outliers of absmax (in,), largest first, ≤ cap · in."""
+def ranked_outliers(absmax: Tensor, cap: float) -> list[int]:
+    """The MAD outliers of absmax (in,), largest first, at most cap · in of them."""
     mask = outlier_mask(absmax)
     limit = int(cap * absmax.numel() + 1e-9)  # floor, safe from 0.07 * 100 = 7.0000001
     ranked = torch.argsort(torch.where(mask, absmax.double(), -1.0), descending=True, stable=True)
-    return sorted(ranked[: min(limit, int(mask.sum()))].tolist())
+    return ranked[: min(limit, int(mask.sum()))].tolist()
+
+
+def outlier_columns(absmax: Tensor, cap: float) -> list[int]:
+    """Columns to keep exactly: the MAD outliers of absmax (in,), largest first, ≤ cap · in."""
+    return sorted(ranked_outliers(absmax, cap))
 
 
 class Capture:

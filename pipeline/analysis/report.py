@@ -12,14 +12,15 @@ from pipeline import handoff
 
 @dataclass(frozen=True)
 class LayerScore:
-    """One scored tensor; ``outliers``: its input's MAD outlier share, kurtosis, max/median."""
+    """One scored tensor; ``outliers``: its input's MAD outlier share, kurtosis, max/median,
+    the relative error of int8 activations per 32 columns and the flagged channels."""
 
     name: str
     shape: tuple[int, int]
     params: int
     weight_kurtosis: float
     dloss: dict[str, float]  # {format name: predicted loss increase}
-    outliers: dict[str, float | None]
+    outliers: dict[str, Any]
     outlier_columns: list[int] | None = None  # quant.outliers=keep_fp16 only
     dloss_keep: dict[str, float] | None = None  # ΔL with outlier_columns kept in fp16
     estimators: dict[str, dict[str, float]] | None = None  # importance=combined: each ΔL
@@ -27,6 +28,16 @@ class LayerScore:
     @property
     def outlier_share(self) -> float | None:
         return self.outliers.get("share")
+
+    @property
+    def act8_error(self) -> float | None:
+        """||x̂ − x|| / ||x|| of this input as int8 per 32 columns (None: not measured)."""
+        return self.outliers.get("act8_error")
+
+    @property
+    def act_columns(self) -> list[int]:
+        """The input's MAD outlier channels, largest first (empty in reports that predate them)."""
+        return list(self.outliers.get("columns") or ())
 
     def to_dict(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -70,6 +81,24 @@ class SensitivityReport(handoff.HandOff):
     @property
     def importance_weights(self) -> dict[str, float] | None:
         return None if self.importance is None else self.importance["weights"]
+
+    def measured_activations(self) -> bool:
+        """Whether the report holds activation errors and outlier channels (newer reports)."""
+        return any(la.act8_error is not None for la in self.layers)
+
+    def activation_plan(self, cap: float, threshold: float | None) -> dict[str, dict[str, Any]]:
+        """{linear: its ``LayerInfo`` activation fields}: the first ``cap`` of its inputs'
+        outlier channels stay float (``act_columns``); with ``threshold``, a layer whose int8
+        activation error exceeds it runs float activations (``a16``)."""
+        plan = {}
+        for la in self.layers:
+            if la.act8_error is None:
+                continue
+            cols = la.act_columns[: int(cap * la.shape[1] + 1e-9)]
+            a16 = threshold is not None and la.act8_error > threshold
+            if cols or a16:
+                plan[la.name] = {"act_columns": () if a16 else tuple(sorted(cols)), "a16": a16}
+        return plan
 
     def replace(self, **changes: Any) -> SensitivityReport:
         return dataclasses.replace(self, **changes)

@@ -38,7 +38,11 @@ def refuse_kept_columns(keys, layers, fmt: str) -> None:
 
 @dataclass(frozen=True)
 class LayerInfo:
-    """How one linear is stored (manifest.json ``layers``); ``group_size`` 0 = per channel."""
+    """How one linear is stored (manifest.json ``layers``); ``group_size`` 0 = per channel.
+
+    ``act_columns`` (input channels) and ``a16`` tell runtimes that quantize activations to int8
+    which channels, or whether the whole input, to keep in float (``pipeline.quant.act8``).
+    """
 
     type: str
     format: str
@@ -46,9 +50,13 @@ class LayerInfo:
     group_size: int
     shape: tuple[int, int]
     symmetric: bool
+    act_columns: tuple[int, ...] = ()
+    a16: bool = False
 
     def to_json(self) -> dict:
-        return asdict(self) | {"shape": list(self.shape)}
+        out = asdict(self) | {"shape": list(self.shape), "act_columns": list(self.act_columns)}
+        # Written only when set: layers without them read as before in any runtime.
+        return {k: v for k, v in out.items() if k not in _ACT_FIELDS or v}
 
     @classmethod
     def from_json(cls, d: dict) -> LayerInfo:
@@ -59,7 +67,12 @@ class LayerInfo:
             int(d["group_size"]),
             tuple(int(x) for x in d["shape"]),
             bool(d["symmetric"]),
+            tuple(int(c) for c in d.get("act_columns", ())),
+            bool(d.get("a16", False)),
         )
+
+
+_ACT_FIELDS = ("act_columns", "a16")
 
 
 def plan_layer(

@@ -46,7 +46,10 @@ def export_artifact(
     if draft is not None:  # first: it is small, and a refusal then costs little
         # Exported as it is (FP: FLOAT tensors). It serves lowbit-run only, so the ascend
         # target writes it in the lowbit layout, which also holds a 2/3-bit or exp4 draft.
-        d_opts = replace(opts, format="lowbit" if opts.format == "ascend" else opts.format)
+        # The target's activation plan names the target's layers, not the draft's.
+        d_opts = replace(
+            opts, format="lowbit" if opts.format == "ascend" else opts.format, act=None
+        )
         try:
             d_labels = {"source": labels["draft"]} if labels and "draft" in labels else None
             d_manifest = export_artifact(

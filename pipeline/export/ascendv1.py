@@ -7,6 +7,7 @@ layer fails before a byte is written, with every offending layer listed.
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -37,7 +38,8 @@ def plan(source: Source, opts: ExportOptions) -> dict[str, LayerInfo]:
             continue  # a float fallback layer: stored as a FLOAT weight
         try:
             shape = source.shape(f"{name}.codes")
-            infos[name] = plan_layer(name, fmt, shape, opts.format, opts.widen, opts.w8a8_dynamic)
+            info = plan_layer(name, fmt, shape, opts.format, opts.widen, opts.w8a8_dynamic)
+            infos[name] = replace(info, **opts.act.get(name, {})) if opts.act else info
         except ascend.ExportError as e:
             errors.append(str(e))
     if errors:

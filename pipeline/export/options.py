@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -27,6 +29,9 @@ class ExportOptions:
     shard_bytes: int
     float_dtype: str
     w8a8_dynamic: bool
+    # {layer: LayerInfo activation fields}: the float channels (or float input) of each layer
+    # for runtimes with int8 activations (SensitivityReport.activation_plan); None: none.
+    act: Mapping[str, Mapping[str, Any]] | None = None
 
 
 def cast_float(t: torch.Tensor, float_dtype: str) -> torch.Tensor:

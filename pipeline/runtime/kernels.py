@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from pipeline.artifact.lowbit_format import LinearCodes
+from pipeline.quant import act8
 from pipeline.quant.codec import expand_groups
 from pipeline.runtime import cpu_ext, cpu_lut16, cpu_w4a8
 
@@ -126,6 +127,38 @@ class W4A8(Kernel):
         return f"isa={self.isa}"
 
 
+class FloatColumns(Kernel):
+    """An int8-activation kernel whose input channels ``idx`` stay float: x = x_rest + x_idx,
+    x_rest (those channels zeroed) through the kernel, whose per-32 scales then no longer
+    stretch to the outliers, x_idx through the dequantized columns W[:, idx] in float32."""
+
+    def __init__(self, inner: Kernel, idx: Tensor, columns: Tensor) -> None:
+        super().__init__()
+        self.inner, self.name = inner, f"{inner.name}+f32cols"
+        self.register_buffer("idx", idx)  # (c,) int64
+        self.register_buffer("columns", columns)  # (n, c) float32
+
+    @classmethod
+    def around(cls, inner: Kernel, codes: LinearCodes) -> Kernel:
+        """``inner`` with ``codes.info.act_columns`` in float, or ``inner`` itself without any."""
+        cols = codes.info.act_columns
+        if not cols:
+            return inner
+        k = codes.info.shape[1]
+        bad = [c for c in cols if not 0 <= c < k]
+        if bad:
+            raise ValueError(f"act_columns {bad[0]} out of range for {k} input channels")
+        idx = torch.tensor(cols, dtype=torch.int64, device=inner.packed.device)
+        return cls(inner, idx, codes.dequantize()[:, idx.cpu()].to(idx.device).contiguous())
+
+    def forward(self, x: Tensor) -> Tensor:  # (tokens, k) -> (tokens, n)
+        rest, kept = act8.split(x, self.idx)
+        return self.inner(rest) + F.linear(kept.float(), self.columns).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"float columns={self.idx.numel()}"
+
+
 def w_a8_name(bits: int) -> str:
     """lowbit's CPU kernel's name on ``bits``-bit codes: "w2a8pack" ... "w8a8pack"."""
     return f"w{bits}a8pack"
@@ -216,8 +249,8 @@ def _candidate(codes: LinearCodes, device: torch.device) -> Kernel | None:
     if info.type == "W4A16_EXP":
         ours = cpu_lut16.fits(codes) and _w4a8_runs_on(device)
         return Lut16(codes) if ours else DenseBf16(codes, device)
-    if cpu_w4a8.fits(codes) and _w4a8_runs_on(device):
-        return W4A8(codes)
+    if cpu_w4a8.fits(codes) and _w4a8_runs_on(device) and not info.a16:
+        return FloatColumns.around(W4A8(codes), codes)
     block = _int4_block(codes)
     if block is not None:
         return Int4Pack(codes, block, device)

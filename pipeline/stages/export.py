@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 from pipeline import runmodels
+from pipeline.analysis.capture import ACT_COLUMNS_CAP
+from pipeline.analysis.report import SensitivityReport
 from pipeline.config import RunConfig, positive
 from pipeline.errors import ConfigError, LowbitError
 from pipeline.export import ExportError, ExportOptions, export_artifact
@@ -49,14 +51,36 @@ class ExportConfig:
     # artifact/ when it loads instead of holding a second copy (needs log_artifact).
     single_copy_bytes: int = 1_000_000_000
     model_name: str | None = None  # registered model name; null = "<name>-<format>" (smoke-lowbit)
+    # Int8-activation runtimes (docs/kernels.md), from sensitivity's report: each layer's outlier
+    # input channels, up to this share, stay float; a layer whose ||x̂ - x|| / ||x|| exceeds
+    # act_threshold runs float activations (null: none). Measured: docs/results/act_quant.
+    act_columns: float = 0.0
+    act_threshold: float | None = None
 
     def check(self, prefix: str) -> None:
         positive(prefix, shard_bytes=self.shard_bytes, single_copy_bytes=self.single_copy_bytes)
+        if not 0 <= self.act_columns <= ACT_COLUMNS_CAP:
+            raise ConfigError(f"{prefix}.act_columns", f"is {self.act_columns}",
+                              f"a share of the inputs in [0, {ACT_COLUMNS_CAP}]")  # fmt: skip
+        if self.act_threshold is not None and not self.act_threshold > 0:
+            raise ConfigError(f"{prefix}.act_threshold", f"is {self.act_threshold}",
+                              "a relative error > 0, or null (no layer falls back)")  # fmt: skip
 
-    def options(self) -> ExportOptions:
+    def options(self, act: dict | None = None) -> ExportOptions:
         return ExportOptions(
-            self.format, self.widen, self.shard_bytes, self.float_dtype, self.w8a8_dynamic
+            self.format, self.widen, self.shard_bytes, self.float_dtype, self.w8a8_dynamic, act
         )
+
+
+def activation_plan(cfg: ExportConfig, inputs: dict) -> dict | None:
+    """{layer: activation fields} from the sensitivity report, when there is one."""
+    if "sensitivity" not in inputs or (not cfg.act_columns and cfg.act_threshold is None):
+        return None
+    report = SensitivityReport.load(inputs["sensitivity"])
+    if not report.measured_activations():
+        log.warning("export: the sensitivity report predates activation statistics; "
+                    "rerun sensitivity for act_columns / act_threshold")  # fmt: skip
+    return report.activation_plan(cfg.act_columns, cfg.act_threshold) or None
 
 
 def check_candidates(p: ExportConfig, formats: tuple[Format, ...]) -> None:
@@ -113,7 +137,8 @@ def run(cfg: ExportConfig, run: RunConfig, io: StageIO) -> dict:
     art = io.out_dir / "artifact"
     t0 = time.time()
     labels = {"source": io.describe(src)} | ({"draft": io.describe(draft)} if draft else {})
-    manifest = export_artifact(src, art, cfg.options(), draft, labels, device=io.device)
+    act = activation_plan(cfg, io.inputs)
+    manifest = export_artifact(src, art, cfg.options(act), draft, labels, device=io.device)
     seconds = time.time() - t0
     files = manifest["files"]
     draft_bytes = sum(f["bytes"] for k, f in files.items() if k.startswith("draft/"))
@@ -159,7 +184,7 @@ STAGE = Stage(
     config=ExportConfig,
     run=run,
     needs=("quantize",),
-    uses=("bootstrap", "distill", "reinforce"),
+    uses=("bootstrap", "sensitivity", "distill", "reinforce"),
     # model: the draft; quant: the formats checked against `format`; name: the model's default name
     sections=("name", "model", "quant.candidates", "quant.outliers"),
     check=check,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -81,8 +80,10 @@ def tokens(n: int = 12, batch: int = 2, vocab: int = 260, seed: int = 0) -> torc
 
 
 def export_options(**changes: Any) -> ExportOptions:
-    """The options the export stage builds from its config's defaults, with ``changes``."""
+    """The options the export stage builds from its config's defaults, with ``changes``; ``act``
+    (which the stage reads from the sensitivity report) among them."""
     from pipeline.stages.export import ExportConfig
 
+    act = changes.pop("act", None)
     cfg = ExportConfig(**changes)
-    return ExportOptions(**{f.name: getattr(cfg, f.name) for f in fields(ExportOptions)})
+    return cfg.options(act)

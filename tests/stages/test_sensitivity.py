@@ -37,9 +37,12 @@ def test_workflow_writes_sensitivity_and_bitplan(boot, tmp_path):
         for chain in PRECISION_CHAINS:
             dl = [layer["dloss"][f] for f in chain if f in cands]
             assert all(v >= 0 for v in dl) and dl == sorted(dl, reverse=True), layer["name"]
-        assert set(layer["outliers"]) == {"share", "kurtosis", "max_over_median"}
+        keys = {"share", "kurtosis", "max_over_median", "act8_error", "columns"}
+        assert set(layer["outliers"]) == keys
         if layer["name"] != "model.embed_tokens":
             assert 0 <= layer["outliers"]["share"] < 0.5 and layer["outliers"]["kurtosis"] > 1
+            # inputs in blocks of 32: what int8 activations cost them, measured
+            assert 0 < layer["outliers"]["act8_error"] < 0.1
     for png in ("sensitivity_heatmap.png", "sensitivity_bars.png", "outliers.png"):
         assert (run / "sensitivity" / png).stat().st_size > 1000
 
