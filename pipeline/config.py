@@ -367,9 +367,14 @@ class QuantConfig:
         """What allocate plans for (pipeline.quant.plan.Recipe)."""
         from pipeline.quant.plan import Recipe
 
-        return Recipe(self.formats, self.budget_bits, self.float_fallback,
-                      tuple(self.keep_float), self.outliers == "keep_fp16",
-                      self.feedback.slack_bits)  # fmt: skip
+        return Recipe(
+            self.formats,
+            self.budget_bits,
+            self.float_fallback,
+            tuple(self.keep_float),
+            self.outliers == "keep_fp16",
+            self.feedback.slack_bits,
+        )
 
     def check(self, prefix: str) -> None:
         if not self.candidates:
@@ -634,8 +639,9 @@ def quant_cfg(cfg: DictConfig, model: ModelConfig | None = None) -> QuantConfig:
     calib = quant.calib
     if calib.samples is None or calib.seq_len is None:
         scaled = by_size(model or model_cfg(cfg), "quant.calib")
-        calib = CalibConfig(calib.samples or scaled.calib_samples,
-                            calib.seq_len or scaled.calib_seq_len)  # fmt: skip
+        calib = CalibConfig(
+            calib.samples or scaled.calib_samples, calib.seq_len or scaled.calib_seq_len
+        )
         quant = dataclasses.replace(quant, calib=calib)
     return quant
 

@@ -108,8 +108,11 @@ def facts_of(run: RunConfig, shapes: dict[str, ModelShape | None], stages: dict)
     calib = run.quant.calib
     if calib.samples is None or calib.seq_len is None:  # a RunConfig built by hand
         chosen = size_defaults(target)
-        calib = replace(calib, samples=calib.samples or chosen.calib_samples,
-                        seq_len=calib.seq_len or chosen.calib_seq_len)  # fmt: skip
+        calib = replace(
+            calib,
+            samples=calib.samples or chosen.calib_samples,
+            seq_len=calib.seq_len or chosen.calib_seq_len,
+        )
         run = replace(run, quant=replace(run.quant, calib=calib))
     trainer = dict(run.trainer or {})
     device = device_type(trainer.get("accelerator", "cpu"))
@@ -123,9 +126,19 @@ def facts_of(run: RunConfig, shapes: dict[str, ModelShape | None], stages: dict)
     if run.data.path is not None or run.data.name is not None:
         notes.append("the corpus itself is not counted (its size is known only once read)")
     return RunFacts(
-        target, shapes.get("draft"), run, tuple(stages), device, per_node * nodes, per_node,
-        precision.startswith(("bf16", "16")), zero, off_opt, off_par, tuple(notes),
-    )  # fmt: skip
+        target,
+        shapes.get("draft"),
+        run,
+        tuple(stages),
+        device,
+        per_node * nodes,
+        per_node,
+        precision.startswith(("bf16", "16")),
+        zero,
+        off_opt,
+        off_par,
+        tuple(notes),
+    )
 
 
 def _devices(devices: Any, device: str) -> int:

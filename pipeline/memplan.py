@@ -85,16 +85,20 @@ class MemoryPlan:
         """Why `s` does not fit `cap` (None: it fits)."""
         host = s.host_bytes * self._host_ranks(s)
         if cap.device_bytes is not None and s.device_bytes > cap.device_bytes:
-            return f"needs {gib(s.device_bytes)} per {self.device} device, {cap.device_source} " \
-                   f"has {gib(cap.device_bytes)}"  # fmt: skip
+            return (
+                f"needs {gib(s.device_bytes)} per {self.device} device, {cap.device_source} "
+                f"has {gib(cap.device_bytes)}"
+            )
         if cap.host_bytes is not None and host > cap.host_bytes:
             per = (
                 f" ({self._host_ranks(s)} ranks x {gib(s.host_bytes)})"
                 if host != s.host_bytes
                 else ""
             )
-            return f"needs {gib(host)} of host memory per node{per}, {cap.host_source} has " \
-                   f"{gib(cap.host_bytes)}"  # fmt: skip
+            return (
+                f"needs {gib(host)} of host memory per node{per}, {cap.host_source} has "
+                f"{gib(cap.host_bytes)}"
+            )
         return None
 
     def _host_ranks(self, s: StageMemory) -> int:
@@ -125,8 +129,10 @@ class MemoryPlan:
 
     def table(self, capacity: Capacity | None = None) -> str:
         """The plan as text: a row per stage (device, host per rank, largest terms)."""
-        head = (f"memory plan: {self.model}; {self.ranks} rank(s), {self.ranks_per_node} "
-                f"per node, on {self.device}")  # fmt: skip
+        head = (
+            f"memory plan: {self.model}; {self.ranks} rank(s), {self.ranks_per_node} "
+            f"per node, on {self.device}"
+        )
         rows = [head, f"{'stage':<12} {'device':>10} {'host/rank':>10}  largest terms"]
         for s in self.stages:
             dev = gib(s.device_bytes) if self.device != "cpu" else "-"
@@ -138,7 +144,7 @@ class MemoryPlan:
                     f", device {gib(capacity.device_bytes)} ({capacity.device_source})"
                     if self.device != "cpu"
                     else ""
-                )  # fmt: skip
+                )
             )
             bad = self.fits(capacity)
             rows += [f"DOES NOT FIT: {b}" for b in bad] or ["fits"]

@@ -95,8 +95,10 @@ def _streamed(facts: RunFacts, cfg: Any, host: Terms) -> tuple[Terms, Terms]:
         segment["input Hessians"] = _hessians(s, 1)
         segment["activations"] = forward_activations(s, batch // (s.hidden * 4), seq, 4)
     table = s.embed_params if s.tied else s.head_params
-    head = {"lm_head fp32": max(table, s.embed_params) * 4 * copies,
-            "logits": logits(s, seq if fisher else batch // (s.hidden * 4), 3)}  # fmt: skip
+    head = {
+        "lm_head fp32": max(table, s.embed_params) * 4 * copies,
+        "logits": logits(s, seq if fisher else batch // (s.hidden * 4), 3),
+    }
     on = _on_device(facts, cfg)
     return peak(facts.split(on, part, host) for part in (segment, head))
 
@@ -153,8 +155,13 @@ def _quantize_fixes(facts: RunFacts, cfg: Any) -> Fixes:
         )
     if cfg.dtype == "float32":
         out.append(("stage.quantize.dtype=bfloat16", facts, nested(cfg, dtype="bfloat16")))
-    out.append((f"more ranks (trainer.num_nodes={2 * facts.ranks // facts.ranks_per_node})",
-                with_facts(facts, ranks=2 * facts.ranks), cfg))  # fmt: skip
+    out.append(
+        (
+            f"more ranks (trainer.num_nodes={2 * facts.ranks // facts.ranks_per_node})",
+            with_facts(facts, ranks=2 * facts.ranks),
+            cfg,
+        )
+    )
     return out
 
 

@@ -91,8 +91,13 @@ def _distill_fixes(facts: RunFacts, cfg: Any) -> Fixes:
     out: Fixes = []
     if "float" in cfg.trainable:
         frozen = [t for t in cfg.trainable if t != "float"]
-        out.append((f"stage.distill.trainable=[{','.join(frozen)}] (lm_head and embeddings frozen)",
-                    facts, nested(cfg, trainable=frozen)))  # fmt: skip
+        out.append(
+            (
+                f"stage.distill.trainable=[{','.join(frozen)}] (lm_head and embeddings frozen)",
+                facts,
+                nested(cfg, trainable=frozen),
+            )
+        )
     if not getattr(cfg, "activation_checkpointing", True):
         recompute = nested(cfg, activation_checkpointing=True)
         out.append(("stage.distill.activation_checkpointing=true", facts, recompute))

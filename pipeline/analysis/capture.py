@@ -67,8 +67,12 @@ class InputStats:
         err, ref = self.act8.tolist()
         act8_error = (err / ref) ** 0.5 if ref > 0 else None
         columns = ranked_outliers(self.absmax, ACT_COLUMNS_CAP)
-        return {**outlier_summary(self.absmax), "kurtosis": kurt, "act8_error": act8_error,
-                "columns": columns}  # fmt: skip
+        return {
+            **outlier_summary(self.absmax),
+            "kurtosis": kurt,
+            "act8_error": act8_error,
+            "columns": columns,
+        }
 
 
 def outlier_mask(absmax: Tensor) -> Tensor:

@@ -30,8 +30,13 @@ from pipeline.dist import Dist
 from pipeline.models.adapters import fused_groups, get_adapter, linear_names
 
 METHODS = ("fisher", "hutchinson", "gptq_proxy")
-NO_STATS = {"share": None, "kurtosis": None, "max_over_median": None, "act8_error": None,
-            "columns": []}  # fmt: skip
+NO_STATS = {
+    "share": None,
+    "kurtosis": None,
+    "max_over_median": None,
+    "act8_error": None,
+    "columns": [],
+}
 
 
 def scored_modules(

@@ -60,11 +60,17 @@ class ExportConfig:
     def check(self, prefix: str) -> None:
         positive(prefix, shard_bytes=self.shard_bytes, single_copy_bytes=self.single_copy_bytes)
         if not 0 <= self.act_columns <= ACT_COLUMNS_CAP:
-            raise ConfigError(f"{prefix}.act_columns", f"is {self.act_columns}",
-                              f"a share of the inputs in [0, {ACT_COLUMNS_CAP}]")  # fmt: skip
+            raise ConfigError(
+                f"{prefix}.act_columns",
+                f"is {self.act_columns}",
+                f"a share of the inputs in [0, {ACT_COLUMNS_CAP}]",
+            )
         if self.act_threshold is not None and not self.act_threshold > 0:
-            raise ConfigError(f"{prefix}.act_threshold", f"is {self.act_threshold}",
-                              "a relative error > 0, or null (no layer falls back)")  # fmt: skip
+            raise ConfigError(
+                f"{prefix}.act_threshold",
+                f"is {self.act_threshold}",
+                "a relative error > 0, or null (no layer falls back)",
+            )
 
     def options(self, act: dict | None = None) -> ExportOptions:
         return ExportOptions(
@@ -78,8 +84,10 @@ def activation_plan(cfg: ExportConfig, inputs: dict) -> dict | None:
         return None
     report = SensitivityReport.load(inputs["sensitivity"])
     if not report.measured_activations():
-        log.warning("export: the sensitivity report predates activation statistics; "
-                    "rerun sensitivity for act_columns / act_threshold")  # fmt: skip
+        log.warning(
+            "export: the sensitivity report predates activation statistics; "
+            "rerun sensitivity for act_columns / act_threshold"
+        )
     return report.activation_plan(cfg.act_columns, cfg.act_threshold) or None
 
 

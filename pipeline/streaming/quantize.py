@@ -58,8 +58,18 @@ class _QuantizeStep:
     """Quantizes each block before its output pass. Parts: 0 the embeddings, ``k + 1``
     segment ``k``, ``n_seg + 1`` the head; float tensors keep their stored dtype."""
 
-    def __init__(self, raw, plan, opts, reduce, writer: QuantizedWriter | None, n_seg: int, keep,
-                 feedback: Feedback | None = None, slack: int = 0):  # fmt: skip
+    def __init__(
+        self,
+        raw,
+        plan,
+        opts,
+        reduce,
+        writer: QuantizedWriter | None,
+        n_seg: int,
+        keep,
+        feedback: Feedback | None = None,
+        slack: int = 0,
+    ):
         self.raw, self.a, self.plan, self.opts, self.keep = raw, raw.adapter, plan, opts, keep
         self.reduce, self.writer, self.n_seg = reduce, writer, n_seg
         self.feedback, self.slack = feedback, slack  # slack: the bits feedback has left
@@ -162,8 +172,14 @@ def quantize_checkpoint(
     if keep:  # another set of kept columns is another result (none: the key as it always was)
         key.append(keep)
     if feedback:
-        key.append([feedback.threshold, [f.name for f in feedback.candidates],
-                    feedback.slack_bits, feedback.pace])  # fmt: skip
+        key.append(
+            [
+                feedback.threshold,
+                [f.name for f in feedback.candidates],
+                feedback.slack_bits,
+                feedback.pace,
+            ]
+        )
     work = WorkDir(work_dir, key)
     engine = BlockWalk("quantize", ckpt, calib, walk, dist, work)
     writer = QuantizedWriter(out_dir, parts_dir=work.path / "parts") if dist.is_main else None
