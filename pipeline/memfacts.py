@@ -32,6 +32,11 @@ TRAINING = ("bootstrap", "distill", "reinforce")
 SHARD_BYTES = 5 * 10**9
 
 
+def count(n: int) -> str:
+    """A parameter count as people write it: 1.4 M, 8.03 B."""
+    return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.1f} M"
+
+
 @dataclass(frozen=True)
 class RunFacts:
     """The run's settings the estimates read, parsed once."""
@@ -52,8 +57,8 @@ class RunFacts:
     @property
     def title(self) -> str:
         t = self.target
-        draft = f", draft {self.draft.params / 1e9:.2f} B" if self.draft else ""
-        return f"target {t.params / 1e9:.2f} B parameters ({t.layers} layers x {t.hidden}){draft}"
+        draft = f", draft {count(self.draft.params)}" if self.draft else ""
+        return f"target {count(t.params)} parameters ({t.layers} layers x {t.hidden}){draft}"
 
     @property
     def act_bytes(self) -> int:
