@@ -90,10 +90,13 @@ def run_stage(tmp: Path, name: str, out: Path) -> Placements:
 def test_the_stage_puts_its_models_on_npu_0_first(npu, name, tmp_path):
     seen = run_stage(npu, name, tmp_path)
     where = seen.accelerated()
-    assert where, f"{name} never used the configured device; it failed with {seen.error!r}"
+    stand_in_failed = "'npu' backend" in str(seen.error) or "privateuse" in str(seen.error).lower()
+    # The dispatch mode is thread-local and blind to tensors C++ loaders make on a device
+    # (quantize's prefetch thread, safetensors): then the stand-in's own error is the evidence.
+    assert where or stand_in_failed, f"{name} never used the configured device: {seen.error!r}"
     assert set(where) <= {torch.device("npu", 0), torch.device("npu")}, where
     assert not seen.host_compute, f"{name} computed on the host first: {seen.host_compute[:5]}"
-    assert "npu" in str(seen.error).lower() or "privateuse" in str(seen.error).lower(), seen.error
+    assert stand_in_failed or "npu" in str(seen.error).lower(), seen.error
 
 
 def test_the_workflow_hands_every_stage_the_trainer_device(npu, monkeypatch, tmp_path):

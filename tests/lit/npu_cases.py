@@ -51,6 +51,9 @@ class FakeNpu:
     def empty_cache(self) -> None:
         pass
 
+    def mem_get_info(self, device=None) -> tuple[int, int]:  # (free, total), as torch_npu's
+        return 60 * 2**30, 64 * 2**30
+
     def get_amp_supported_dtype(self) -> list[torch.dtype]:  # what torch.autocast asks of it
         return [torch.float16, torch.bfloat16]
 
