@@ -19,9 +19,11 @@ def _weights(out: int, n_in: int, seed: int, kind: str = "normal") -> torch.Tens
     return w * 0.02
 
 
+# Not the design grid: it is set by 2/3 of a group's max, which its own top level does not
+# reproduce, so a second pass sees another max and another grid.
 @settings(max_examples=60, deadline=None)
 @given(
-    name=st.sampled_from(ALL_FORMATS),
+    name=st.sampled_from([f for f in ALL_FORMATS if not f.endswith("-design")]),
     out=st.integers(1, 6),
     n_in=st.integers(1, 300),
     seed=st.integers(0, 2**16),
