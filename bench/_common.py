@@ -220,13 +220,10 @@ def log_mlflow(
 def machine() -> str:
     """CPU model, its flags that decide a default, cores, commit, memory and load: the docs'
     machine line (``pipeline.hardware``)."""
-    from pipeline.hardware import describe, where
+    from pipeline.hardware import describe, meminfo, where
 
-    try:
-        with open("/proc/meminfo") as f:
-            mem = int(f.readline().split()[1]) / 2**20
-    except OSError:
-        mem = float("nan")
+    total = meminfo("MemTotal")
+    mem = total / 2**30 if total is not None else float("nan")
     return f"{describe(where())}, {mem:.0f} GiB RAM, load avg {os.getloadavg()[0]:.1f}"
 
 

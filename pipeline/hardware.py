@@ -213,3 +213,14 @@ def warn_if_emulated(
             f"{who}={value or str(dtype).removeprefix('torch.')} will be emulated on {device}, "
             f"several times slower than {instead[-1]} ({why}); set {who}={' or '.join(instead)}",
         )
+
+
+def meminfo(key: str) -> int | None:
+    """A /proc/meminfo field in bytes (``MemTotal``, ``MemAvailable``); None where unreadable."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None

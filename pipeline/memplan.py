@@ -18,6 +18,7 @@ from typing import Any
 from pipeline import memstages, memtrain
 from pipeline import stages as registry
 from pipeline.config import PlanConfig, RunConfig
+from pipeline.hardware import meminfo
 from pipeline.memfacts import RunFacts, facts_of
 from pipeline.modelshape import ModelShape, model_shapes
 
@@ -252,18 +253,8 @@ def _host_capacity(plan_cfg: PlanConfig, cluster: Mapping[str, Any]) -> tuple[in
         return int(slurm) * 2**20, "the Slurm allocation (SLURM_MEM_PER_NODE)"
     if cluster.get("mem_gb"):
         return int(float(cluster["mem_gb"]) * 2**30), "cluster.mem_gb"
-    available = _meminfo("MemAvailable")
+    available = meminfo("MemAvailable")
     return available, "MemAvailable (/proc/meminfo)"
-
-
-def _meminfo(key: str) -> int | None:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
 
 
 def _device_free(device: str) -> int | None:
