@@ -117,6 +117,7 @@ def lowbit_rows(args, base: list[str], target: Path, calib, win, fp_ppl: float) 
     from transformers import AutoConfig
 
     from pipeline.config import quant_cfg
+    from pipeline.errors import ConfigError
     from pipeline.models.adapters import linear_names
     from pipeline.models.hf import perplexity
     from pipeline.models.quantized import load_quantized
@@ -144,7 +145,10 @@ def lowbit_rows(args, base: list[str], target: Path, calib, win, fp_ppl: float) 
     for budget in [b for b in args.budgets.split(",") if b]:
         for label, extra in variants:
             over = [*base, f"quant.budget_bits={budget}", *extra]
-            rows += _mixed_rows(args, over, f"lowbit mixed@{budget}{label}", win, fp_ppl)
+            try:
+                rows += _mixed_rows(args, over, f"lowbit mixed@{budget}{label}", win, fp_ppl)
+            except ConfigError as err:  # one refused setting: the other rows still count
+                print(f"SKIPPED lowbit mixed@{budget}{label}: {err}", flush=True)
     return rows
 
 

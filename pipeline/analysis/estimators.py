@@ -3,8 +3,9 @@
 Around trained weights (gradient ≈ 0) ΔL ≈ ½ δᵀHδ for δ = Q(w) − w, with H approximated by
 the diagonal empirical Fisher E[g_i²] (EWC; SqueezeLLM; ``labels="model"``: the true Fisher),
 Hutchinson's Tr(H_l)/n from Hessian-vector products (HAWQ-v2), or GPTQ's input Hessian
-H = 2/N Σ xxᵀ (gradient-free: the layer's output error, not the loss). Ranks split the
-sequences and sums are all-reduced; accumulation is float32/float64.
+H = 2/N Σ xxᵀ (gradient-free: the layer's output error, not the loss). The first-order term
+|ḡ·δ| (``mean_gradient``), which the trained-weights assumption drops, is one more estimator.
+Ranks split the sequences and sums are all-reduced; accumulation is float32/float64.
 """
 
 from __future__ import annotations
@@ -45,6 +46,15 @@ def _bar(dist: Dist, items, desc: str, enabled: bool):
     return progress(items, f"sensitivity {desc}", enabled=enabled, is_main=dist.is_main)
 
 
+def _sequence_grads(model, windows, tensors, dist: Dist, progress, desc, labels="data", seed=0):
+    """Each of this rank's windows' gradients of its mean loss: one backward per sequence."""
+    device = tensors[0].device
+    for s in _bar(dist, dist.shard(len(windows)), desc, progress):
+        x = windows[s : s + 1].to(device)  # (1, T)
+        loss = logits_loss(model(input_ids=x).logits, x, label_generator(labels, seed, s))
+        yield torch.autograd.grad(loss, tensors)
+
+
 def fisher_diagonal(
     model: nn.Module,
     windows: Tensor,
@@ -58,17 +68,33 @@ def fisher_diagonal(
     names, tensors = list(params), list(params.values())
     fisher = [torch.zeros_like(p, dtype=torch.float32) for p in tensors]
     tokens = windows.shape[1] - 1
-    device = tensors[0].device
-    for s in _bar(dist, dist.shard(len(windows)), "fisher", progress):
-        x = windows[s : s + 1].to(device)  # (1, T): one backward per sequence
-        loss = logits_loss(model(input_ids=x).logits, x, label_generator(labels, seed, s))
-        grads = torch.autograd.grad(loss, tensors)
+    walk = _sequence_grads(model, windows, tensors, dist, progress, "fisher", labels, seed)
+    for grads in walk:
         for f, g in zip(fisher, grads):
             g = g.float()
             f.addcmul_(g, g, value=tokens)
     for f in fisher:
         dist.all_reduce_(f).div_(len(windows))
     return dict(zip(names, fisher))
+
+
+def mean_gradient(
+    model: nn.Module,
+    windows: Tensor,
+    params: dict[str, nn.Parameter],
+    dist: Dist,
+    progress: bool = False,
+) -> dict[str, Tensor]:
+    """{name: ḡ} (float32): the mean-loss gradient over the windows, on the data's labels
+    (with labels sampled from the model its expectation is zero)."""
+    names, tensors = list(params), list(params.values())
+    total = [torch.zeros_like(p, dtype=torch.float32) for p in tensors]
+    for grads in _sequence_grads(model, windows, tensors, dist, progress, "gradient"):
+        for t, g in zip(total, grads):
+            t.add_(g.float())
+    for t in total:
+        dist.all_reduce_(t).div_(len(windows))
+    return dict(zip(names, total))
 
 
 def _rademacher(shape: torch.Size, gen: torch.Generator, device: torch.device) -> Tensor:

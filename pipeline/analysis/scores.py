@@ -3,6 +3,7 @@
 δ = Q_f(W) − W (RTN, the quantize stage's starting grid) weighted by the layer's curvature:
 
 * fisher:     ½ Σ_i F_ii δ_i²
+* gradient:   |Σ_i ḡ_i δ_i|, the first-order term (ḡ: mean gradient on the data's labels)
 * hutchinson: ½ · max(Tr(H_l), 0)/n_l · ‖δ‖²   (HAWQ-v2 with the Taylor ½: loss units)
 * gptq_proxy: ``full`` ½ Σ_rows δ_r H δ_rᵀ, H = 2/N Σ xxᵀ (GPTQ's output error); ``diag``
   ½ Σ_{r,j} H_jj δ_rj²; an embedding's one-hot input gives Σ_v freq_v ‖δ_v‖².
@@ -35,6 +36,11 @@ def layer_dloss(w: Tensor, formats: Sequence[str], weigh: Weigh) -> dict[str, fl
 def fisher_weigh(fisher: Tensor) -> Weigh:
     """½ Σ F δ² with the diagonal Fisher F (out, in)."""
     return lambda d: 0.5 * (fisher * d * d).sum()
+
+
+def gradient_weigh(grad: Tensor) -> Weigh:
+    """|Σ ḡ δ| with the mean gradient ḡ (out, in)."""
+    return lambda d: (grad * d).sum().abs()
 
 
 def trace_weigh(trace: float, numel: int) -> Weigh:

@@ -16,11 +16,17 @@ import torch
 from torch import Tensor, nn
 
 from pipeline.analysis.capture import Capture, outlier_columns
-from pipeline.analysis.estimators import fisher_diagonal, forward_pass, hutchinson_trace
+from pipeline.analysis.estimators import (
+    fisher_diagonal,
+    forward_pass,
+    hutchinson_trace,
+    mean_gradient,
+)
 from pipeline.analysis.scores import (
     Weigh,
     embedding_weigh,
     fisher_weigh,
+    gradient_weigh,
     hessian_weigh,
     layer_dloss,
     quant_error,
@@ -29,7 +35,7 @@ from pipeline.analysis.scores import (
 from pipeline.dist import Dist
 from pipeline.models.adapters import fused_groups, get_adapter, linear_names
 
-METHODS = ("fisher", "hutchinson", "gptq_proxy")
+METHODS = ("fisher", "hutchinson", "gptq_proxy", "gradient")
 NO_STATS = {
     "share": None,
     "kurtosis": None,
@@ -123,6 +129,9 @@ def _weighs(model, windows, modules, capture, method, weighting, dist, progress,
                 model, windows, params, dist, kw["probes"], kw["seed"], progress
             )
             weigh = {n: trace_weigh(trace[n], params[n].numel()) for n in modules}
+        elif method == "gradient":
+            grad = mean_gradient(model, windows, params, dist, progress)
+            weigh = {n: gradient_weigh(grad[n]) for n in modules}
         else:
             vocab = model.get_input_embeddings().num_embeddings
             counts = forward_pass(model, windows, dist, kw["batch_size"], vocab, progress)

@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 class SensitivityConfig:
     """ΔL_l(f) for every format in quant.candidates, plus input outlier statistics."""
 
-    method: Literal["fisher", "hutchinson", "gptq_proxy"] = "fisher"
+    method: Literal["fisher", "hutchinson", "gptq_proxy", "gradient"] = "fisher"
     gptq_weighting: Literal["full", "diag"] = "full"  # gptq_proxy: Σ_rows δᵀHδ | Σ H_jj δ²
     fisher_labels: Literal["data", "model"] = "data"  # empirical | sampled (true) Fisher
     hutchinson_probes: int = 4  # Rademacher probes per sequence
@@ -56,19 +56,18 @@ class SensitivityConfig:
                 f"estimate and the measured KL of the loaded model: set {prefix}.importance="
                 f"single or {prefix}.stream=false",
             )
-        if self.stream and self.method == "hutchinson":
+        if self.stream and self.method in ("hutchinson", "gradient"):
             raise ConfigError(
                 f"{prefix}.stream",
-                f"is true with {prefix}.method=hutchinson, whose double backward needs the "
-                f"loaded model; set {prefix}.method=fisher or gptq_proxy, or "
-                f"{prefix}.stream=false",
+                f"is true with {prefix}.method={self.method}, which only the loaded model "
+                f"computes; set {prefix}.method=fisher or gptq_proxy, or {prefix}.stream=false",
             )
 
     def scaled(self, run: RunConfig) -> SensitivityConfig:
         """A null `stream` decided by the target's size (loaded where only that path works)."""
         if self.stream is not None:
             return self
-        loaded_only = self.method == "hutchinson" or self.importance == "combined"
+        loaded_only = self.method in ("hutchinson", "gradient") or self.importance == "combined"
         large = by_size(run.model, "stage.sensitivity.stream").stream_sensitivity
         return dataclasses.replace(self, stream=large and not loaded_only)
 

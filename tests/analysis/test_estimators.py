@@ -13,8 +13,10 @@ from pipeline.analysis.estimators import (
     _rademacher,
     fisher_diagonal,
     hutchinson_trace,
+    mean_gradient,
     sequence_loss,
 )
+from pipeline.analysis.scores import gradient_weigh
 from pipeline.analysis.sensitivity import analyze
 from pipeline.dist import Dist
 from pipeline.lit.losses import kl_divergence
@@ -35,6 +37,26 @@ def test_fisher_is_mean_squared_sequence_gradient():
             expect[name] += g * g * tokens
     for name in params:
         torch.testing.assert_close(fisher[name], expect[name] / len(x), rtol=1e-5, atol=1e-10)
+
+
+def test_gradient_term_is_the_first_order_change_of_the_loss():
+    """|ḡ·δ| is the mean gradient (one per window, data labels) contracted with δ, and for a
+    small δ it is the loss change a step along δ makes (the first-order Taylor term)."""
+    model, x = tiny_llama(), windows()
+    w = model.model.layers[1].mlp.down_proj.weight
+    grad = mean_gradient(model, x, {"down": w}, Dist())["down"]
+    expect = sum(
+        torch.autograd.grad(sequence_loss(model, x[s : s + 1]), [w])[0] for s in range(len(x))
+    )
+    torch.testing.assert_close(grad, expect / len(x), rtol=1e-5, atol=1e-10)
+    delta = 1e-3 * grad / grad.norm()  # along the gradient: the first-order term dominates
+    with torch.no_grad():
+        base = sum(float(sequence_loss(model, x[s : s + 1])) for s in range(len(x)))
+        w.add_(delta)
+        moved = sum(float(sequence_loss(model, x[s : s + 1])) for s in range(len(x)))
+        w.sub_(delta)
+    predicted = float(gradient_weigh(grad)(delta))
+    assert predicted == pytest.approx((moved - base) / len(x), rel=0.05)
 
 
 def test_model_label_fisher_predicts_the_kl_of_a_perturbation():
@@ -81,7 +103,7 @@ def _worker(rank: int, world: int, init_file: str, out: str) -> None:
         model, x = tiny_llama(), windows(n=5)  # 5 sequences: ranks get 3 and 2
         results = {
             m: analyze(model, x, FORMATS, m, dist, probes=2, batch_size=2)
-            for m in ("fisher", "hutchinson", "gptq_proxy")
+            for m in ("fisher", "hutchinson", "gptq_proxy", "gradient")
         }
         if rank == 0:
             torch.save(results, out)

@@ -86,5 +86,6 @@ def test_streamed_report_equals_the_loaded_one(ckpt, tmp_path):
 
 def test_stream_takes_fisher_but_not_hutchinson():
     parse({"method": "fisher", "stream": True}, SensitivityConfig, "stage.sensitivity")
-    with pytest.raises(ConfigError, match="method=fisher or"):
-        parse({"method": "hutchinson", "stream": True}, SensitivityConfig, "stage.sensitivity")
+    for method in ("hutchinson", "gradient"):
+        with pytest.raises(ConfigError, match="method=fisher or"):
+            parse({"method": method, "stream": True}, SensitivityConfig, "stage.sensitivity")
