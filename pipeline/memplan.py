@@ -135,6 +135,8 @@ class MemoryPlan:
             f"per node, on {self.device}"
         )
         rows = [head, f"{'stage':<12} {'device':>10} {'host/rank':>10}  largest terms"]
+        if not self.stages:
+            rows.append("(no stage to run: every selected one is up to date; force=true reruns)")
         for s in self.stages:
             dev = gib(s.device_bytes) if self.device != "cpu" else "-"
             rows.append(f"{s.stage:<12} {dev:>10} {gib(s.host_bytes):>10}  {s.largest()}")

@@ -147,6 +147,11 @@ def memory_plan(cfg: DictConfig, planned: Plan) -> tuple[MemoryPlan, Capacity]:
     """The memory plan of the stages that will not be skipped (pipeline.memplan), and what
     this machine (or the allocation) has."""
     running = {s.name: s.cfg for s in planned.stages if not s.skip_reason()}
+    if any(read_done(Path(cfg.run_dir).resolve() / name) for name in running):
+        # A resumed run: stages already up to date are skipped, so their memory (bootstrap's
+        # tokenizer training, which the process would keep) is not part of this run's peaks.
+        ahead = {step.stage.name for step in preview(cfg, planned) if step.runs}
+        running = {name: c for name, c in running.items() if name in ahead}
     memory = plan_run(planned.run, running)
     return memory, capacity(plan_cfg(cfg), memory.device, cfg.get("cluster"))
 

@@ -11,14 +11,15 @@ import pytest
 import torch
 from lightning.pytorch import Callback
 
-from pipeline import hardware
+from pipeline import hardware, workflow
 from pipeline.config import to_plain
 from pipeline.errors import ConfigError
 from pipeline.lit.resume import CKPT_DIR
 from pipeline.stages import StageIO, bootstrap
-from tests.conftest import make_cfg
+from tests.conftest import make_cfg, smoke_cfg
 from tests.lit.test_fit import stage_run  # noqa: F401  (fixture)
 from tests.lit.test_resume import STREAM, tiny_lm
+from tests.stages.conftest import boot_cfg
 
 CPU = {
     "accelerator": "cpu",
@@ -132,3 +133,15 @@ def test_the_default_precision_follows_what_the_cpu_computes_natively():
     got = bootstrap._trainer_cfg(config(precision="auto"), run, "target")["precision"]
     native = hardware.native(torch.bfloat16, "cpu")[0]
     assert got == ("bf16-mixed" if native else "32-true")
+
+
+def test_a_resumed_runs_memory_plan_leaves_out_the_stages_up_to_date(boot, tmp_path):
+    """Bootstrap done: its tokenizer training is no longer in the process, nor in the plan."""
+    fresh = smoke_cfg(tmp_path / "fresh", "tracking=none")
+    plan, _ = workflow.memory_plan(fresh, workflow.plan(fresh, tmp_path / "fresh" / "run"))
+    sens = next(s for s in plan.stages if s.stage == "sensitivity")
+    assert plan.stages[0].stage == "bootstrap" and "tokenizer training" in sens.terms
+    cfg = boot_cfg(boot, tmp_path)
+    resumed, _ = workflow.memory_plan(cfg, workflow.plan(cfg, tmp_path / "run"))
+    assert [s.stage for s in resumed.stages] == [s.stage for s in plan.stages[1:]]
+    assert all("tokenizer training" not in s.terms for s in resumed.stages)
