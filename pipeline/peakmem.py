@@ -2,10 +2,15 @@
 
 Each stage resets the RSS high-water mark (``/proc/self/clear_refs``) and CUDA's peak, so it
 reports its own; where that cannot be written the peak is the process's, and the metric says so.
+Before the reset the heap the earlier stages freed goes back to the system: else it stays
+resident in the allocator's arenas and counts in the next stage's peak (and against its room).
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import gc
 import os
 from pathlib import Path
 
@@ -26,6 +31,12 @@ def device_line() -> str:
     return f"cpu ({torch.get_num_threads()} threads of {os.cpu_count()} cores)"
 
 
+def release_free_heap() -> None:
+    """glibc ``malloc_trim``: freed tensors otherwise stay in its arenas and RSS creeps up."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
 def _hwm_mib() -> float | None:
     try:
         text = STATUS.read_text()
@@ -44,6 +55,8 @@ class StagePeak:
         self.reset = False
 
     def start(self) -> None:
+        gc.collect()
+        release_free_heap()
         try:
             CLEAR_REFS.write_text("5")
             self.reset = True

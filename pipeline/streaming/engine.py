@@ -7,8 +7,6 @@ memory is one segment, the activation cache and one block's step state, whatever
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -19,6 +17,7 @@ from torch import Tensor, nn
 
 from pipeline.dist import Dist
 from pipeline.models.checkpoint import StreamingCheckpoint
+from pipeline.peakmem import release_free_heap
 from pipeline.progress import progress
 from pipeline.streaming.actcache import ActivationCache
 from pipeline.streaming.workdir import Scratch, WorkDir
@@ -92,12 +91,6 @@ def _segment_bounds(n_layers: int, segment_size: int) -> list[tuple[int, int]]:
     return [(s, min(s + segment_size, n_layers)) for s in range(0, n_layers, segment_size)]
 
 
-def _release_free_heap() -> None:
-    """glibc ``malloc_trim``: else freed segment tensors stay in its arenas and RSS creeps up."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-
-
 class BlockWalk:
     """A walk over ``ckpt`` with the (N, T) windows ``calib``; opening it is a collective."""
 
@@ -160,7 +153,7 @@ class BlockWalk:
                 del block
             store.save_acts(k, cache, dist.rank)
             report = step.end_segment(k)
-            _release_free_heap()
+            release_free_heap()
             store.mark(k, report, dist)
             if self.opts.on_segment is not None:
                 self.opts.on_segment(k)
