@@ -94,13 +94,19 @@ def _streamed(facts: RunFacts, cfg: Any, host: Terms) -> tuple[Terms, Terms]:
     else:
         segment["input Hessians"] = _hessians(s, 1)
         segment["activations"] = forward_activations(s, batch // (s.hidden * 4), seq, 4)
+    # The head's pass holds its weight, and its gradient and Fisher sums only when it is scored;
+    # the untied embedding table is scored in a pass of its own after the reverse walk.
     table = s.embed_params if s.tied else s.head_params
+    scored_head = cfg.include_lm_head or (s.tied and cfg.include_embeddings)
     head = {
-        "lm_head fp32": max(table, s.embed_params) * 4 * copies,
+        "lm_head fp32": table * 4 * (copies if scored_head else 1),
         "logits": logits(s, seq if fisher else batch // (s.hidden * 4), 3),
     }
+    parts = [segment, head]
+    if cfg.include_embeddings and not s.tied:
+        parts.append({"embeddings fp32": s.embed_params * 4 * min(copies, 2)})  # + Fisher sums
     on = _on_device(facts, cfg)
-    return peak(facts.split(on, part, host) for part in (segment, head))
+    return peak(facts.split(on, part, host) for part in parts)
 
 
 def _sensitivity_fixes(facts: RunFacts, cfg: Any) -> Fixes:

@@ -110,6 +110,24 @@ def test_streaming_and_zero3_shrink_what_a_70b_needs(tmp_path):
     assert zero3.device_bytes < ddp.device_bytes
 
 
+def test_a_streamed_head_left_unscored_holds_its_weight_alone(tmp_path):
+    # A vocabulary so wide that the head's pass is the stage's peak either way.
+    shape = ModelShape(layers=1, hidden=512, intermediate=1024, heads=8, kv_heads=8, vocab=2**20)
+    head = 2**20 * 512 * 4  # the untied lm_head in float32
+
+    def terms(*overrides):
+        cfg = make_cfg("model=hf", f"model.target.path={LLAMA_70B}", corpus(tmp_path), *overrides)
+        sens = workflow.stage_config(cfg, "sensitivity")[0]
+        plan = plan_run(run_config(cfg), {"sensitivity": sens}, shapes={"target": shape})
+        return plan.stage("sensitivity").terms
+
+    scored = terms("stage.sensitivity.stream=true")
+    unscored = terms("stage.sensitivity.stream=true", "stage.sensitivity.include_lm_head=false",
+                     "stage.sensitivity.include_embeddings=false")  # fmt: skip
+    assert scored["lm_head fp32"] == 3 * head  # weight, gradient, Fisher sums
+    assert unscored["lm_head fp32"] == head and "embeddings fp32" not in unscored
+
+
 def test_a_plan_that_does_not_fit_names_the_stage_and_the_fix(tmp_path):
     plan = _plan(tmp_path, "stage.sensitivity.stream=false")
     problems = plan.fits(Capacity(256 * GIB, None, "a 256 GiB node"))
