@@ -11,7 +11,7 @@ from typing import Any
 
 from pipeline.config import RunConfig
 from pipeline.errors import LowbitError
-from pipeline.modelshape import ModelShape, size_defaults
+from pipeline.modelshape import DTYPE_BYTES, ModelShape, size_defaults
 
 Terms = dict[str, int]
 GIB = 2**30
@@ -22,7 +22,7 @@ RUNTIME = int(0.60 * GIB)
 LIGHTNING = int(0.12 * GIB)
 DEVICE_CONTEXT = int(0.5 * GIB)  # a CUDA/CANN context and its kernels, outside torch's counts
 # The built-in corpus per character of its text: read by a stage (text, token ids, the imported
-# packages), and bootstrap's BPE training on it (kept by the process); the standard library's
+# packages), and bootstrap's BPE training on it (during bootstrap); the standard library's
 # docstrings alone (conf/experiment/smoke.yaml) hold about 1.5 M characters.
 CORPUS_BYTES_PER_CHAR = 22
 TOKENIZER_BYTES_PER_CHAR = 28
@@ -64,6 +64,21 @@ class RunFacts:
     def act_bytes(self) -> int:
         return 2 if self.bf16 else 4
 
+    def loaded_bytes(self, role: str) -> int:
+        """Bytes per parameter of ``role`` as loaded to compute: ``model.<role>.dtype``, "auto" as
+        pipeline.hardware.compute_dtype does it (two stored bytes taken as bfloat16)."""
+        import torch
+
+        from pipeline.hardware import native
+
+        shape = self.target if role == "target" else self.draft or self.target
+        dtype = getattr(self.run.model, role).dtype
+        if dtype != "auto":
+            return DTYPE_BYTES[dtype]
+        if shape.dtype_bytes != 2:
+            return shape.dtype_bytes
+        return 2 if native(torch.bfloat16, self.device)[0] else 4
+
     @property
     def calib(self) -> tuple[int, int]:
         c = self.run.quant.calib
@@ -74,9 +89,9 @@ class RunFacts:
         return RUNTIME + (LIGHTNING if any(s in TRAINING for s in ran) else 0)
 
     def corpus(self, stage: str) -> Terms:
-        """The built-in corpus in this process: its text, token ids and the docstring packages
-        imported to read it; bootstrap's tokenizer training on top, kept by the process for the
-        stages after it (a user's corpus is known only once read: a note says so)."""
+        """The built-in corpus in this process (text, token ids, the packages imported to read
+        it), and bootstrap's tokenizer training, freed when it ends; a user's corpus is unknown
+        until read (a note says so)."""
         data, out = self.run.data, {}
         if data.path is not None or data.name is not None:
             return out
@@ -86,7 +101,7 @@ class RunFacts:
         after_bootstrap = "bootstrap" in self.stages[: self._index(stage) + 1]
         if after_bootstrap or stage not in ("allocate", "export"):
             out["corpus"] = chars * CORPUS_BYTES_PER_CHAR
-        if after_bootstrap:
+        if stage == "bootstrap":
             out["tokenizer training"] = chars * TOKENIZER_BYTES_PER_CHAR
         return out
 

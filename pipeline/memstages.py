@@ -94,15 +94,16 @@ def _streamed(facts: RunFacts, cfg: Any, host: Terms) -> tuple[Terms, Terms]:
     else:
         segment["input Hessians"] = _hessians(s, 1)
         segment["activations"] = forward_activations(s, batch // (s.hidden * 4), seq, 4)
-    # The head's pass holds its weight, and its gradient and Fisher sums only when it is scored;
-    # the untied embedding table is scored in a pass of its own after the reverse walk.
+    # The head's gradient and Fisher sums only when scored; the untied table in its own pass.
     table = s.embed_params if s.tied else s.head_params
     scored_head = cfg.include_lm_head or (s.tied and cfg.include_embeddings)
     head = {
         "lm_head fp32": table * 4 * (copies if scored_head else 1),
         "logits": logits(s, seq if fisher else batch // (s.hidden * 4), 3),
     }
-    parts = [segment, head]
+    # Reading the embedding table or lm_head casts it: both dtypes' copies held for a moment.
+    read = {"table read (stored + fp32)": max(table, s.embed_params) * (s.dtype_bytes + 4)}
+    parts = [segment, head, read]
     if cfg.include_embeddings and not s.tied:
         parts.append({"embeddings fp32": s.embed_params * 4 * min(copies, 2)})  # + Fisher sums
     on = _on_device(facts, cfg)
@@ -171,13 +172,6 @@ def _quantize_fixes(facts: RunFacts, cfg: Any) -> Fixes:
     return out
 
 
-def _target_bytes(facts: RunFacts, quantized: bool) -> int:
-    s = facts.target
-    if quantized:
-        return quantized_model(s, s.dtype_bytes, smallest_group(facts.run))
-    return s.params * s.dtype_bytes
-
-
 SPREAD = ("auto", "balanced", "balanced_low_0", "sequential")  # device maps over every device
 
 
@@ -189,13 +183,17 @@ def _evaluate(facts: RunFacts, cfg: Any) -> tuple[Terms, Terms]:
     )
     tokens = cfg.batch_size * seq
     over = facts.ranks_per_node if model.device_map in SPREAD and facts.device != "cpu" else 1
+    loaded = facts.loaded_bytes("target")
     compute = {
-        "target": _target_bytes(facts, False) // over,
-        "draft": d.params * d.dtype_bytes // over if d is not None else 0,
+        "target": s.params * loaded // over,
+        "draft": d.params * facts.loaded_bytes("draft") // over if d is not None else 0,
         "activations": forward_activations(s, tokens, seq, 4),
         "logits": logits(s, tokens, 2),
     }
-    return facts.split(True, compute, {})
+    # A target stored in a dtype it does not compute in is cast whole, held in both a moment.
+    load = {"target": compute["target"], "as stored (cast)": s.params * s.dtype_bytes // over}
+    phases = [compute, load] if loaded != s.dtype_bytes else [compute]
+    return peak(facts.split(True, phase, {}) for phase in phases)
 
 
 def _evaluate_fixes(facts: RunFacts, cfg: Any) -> Fixes:
@@ -210,11 +208,11 @@ def _evaluate_fixes(facts: RunFacts, cfg: Any) -> Fixes:
 
 
 def _export(facts: RunFacts, cfg: Any) -> tuple[Terms, Terms]:
-    s, d = facts.target, facts.draft
+    s, d, group = facts.target, facts.draft, smallest_group(facts.run)
     host = {
-        "quantized model": _target_bytes(facts, True),
+        "quantized model": quantized_model(s, facts.loaded_bytes("target"), group),
         "one tensor packed": s.largest_linear * 4 * 2,
-        "draft": d.params * d.dtype_bytes if d is not None else 0,
+        "draft": d.params * facts.loaded_bytes("draft") if d is not None else 0,
     }
     return {}, host
 

@@ -16,6 +16,7 @@ from pipeline.memfacts import (
     forward_activations,
     logits,
     nested,
+    peak,
     quantized_model,
     scales,
     smallest_group,
@@ -122,8 +123,8 @@ def _distill_fixes(facts: RunFacts, cfg: Any) -> Fixes:
 def _reinforce(facts: RunFacts, cfg: Any) -> tuple[Terms, Terms]:
     s, d, a = facts.target, facts.draft or facts.target, facts.act_bytes
     quantized = "quantize" in facts.stages
-    group = smallest_group(facts.run)
-    target = quantized_model(s, s.dtype_bytes, group) if quantized else s.params * s.dtype_bytes
+    loaded, group = facts.loaded_bytes("target"), smallest_group(facts.run)
+    target = quantized_model(s, loaded, group) if quantized else s.params * loaded
     seq = cfg.long_len + cfg.gamma  # the long-context scenario's windows
     tokens = cfg.train.batch * seq
     compute: Terms = {"target": target, "draft fp32": d.params * 4, "anchor copy": d.params * 4}
@@ -132,9 +133,13 @@ def _reinforce(facts: RunFacts, cfg: Any) -> tuple[Terms, Terms]:
     compute["activations"] = train_activations(d, tokens, seq, a)
     compute["target forward"] = forward_activations(s, tokens, seq, a)
     compute["logits"] = logits(d, tokens, 4)
-    if quantized:  # rank 0 then measures the FP pair beside the trained one
-        compute["FP target and draft (after)"] = s.params * s.dtype_bytes + 2 * d.params * 4
-    return facts.split(True, compute, host)
+    if not quantized:
+        return facts.split(True, compute, host)
+    # Then rank 0 measures the FP pair beside the trained one, the optimizer state gone.
+    after: Terms = {"target": target, "FP target (after)": s.params * loaded}
+    after["FP and trained drafts (after)"] = 2 * d.params * 4
+    after["target forward"] = compute["target forward"]
+    return peak(facts.split(True, phase, host) for phase in (compute, after))
 
 
 def _reinforce_fixes(facts: RunFacts, cfg: Any) -> Fixes:

@@ -148,8 +148,8 @@ def memory_plan(cfg: DictConfig, planned: Plan) -> tuple[MemoryPlan, Capacity]:
     this machine (or the allocation) has."""
     running = {s.name: s.cfg for s in planned.stages if not s.skip_reason()}
     if any(read_done(Path(cfg.run_dir).resolve() / name) for name in running):
-        # A resumed run: stages already up to date are skipped, so their memory (bootstrap's
-        # tokenizer training, which the process would keep) is not part of this run's peaks.
+        # A resumed run: stages already up to date are skipped, so neither their own peaks nor
+        # what the process keeps after them (Lightning, the corpus) are part of this run's.
         ahead = {step.stage.name for step in preview(cfg, planned) if step.runs}
         running = {name: c for name, c in running.items() if name in ahead}
     memory = plan_run(planned.run, running)

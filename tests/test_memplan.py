@@ -6,8 +6,9 @@ import dataclasses
 import subprocess
 
 import pytest
+import torch
 
-from pipeline import workflow
+from pipeline import hardware, workflow
 from pipeline.config import PlanConfig, run_config
 from pipeline.errors import ConfigError, LowbitError
 from pipeline.memplan import GIB, Capacity, StageMemory, capacity, plan_run
@@ -126,6 +127,26 @@ def test_a_streamed_head_left_unscored_holds_its_weight_alone(tmp_path):
                      "stage.sensitivity.include_embeddings=false")  # fmt: skip
     assert scored["lm_head fp32"] == 3 * head  # weight, gradient, Fisher sums
     assert unscored["lm_head fp32"] == head and "embeddings fp32" not in unscored
+
+
+def test_models_are_planned_in_the_dtype_they_compute_in(tmp_path):
+    """A bf16 checkpoint on a CPU without native bf16 is cast to float32 as it loads (pipeline.
+    hardware.compute_dtype): evaluate holds it in both dtypes for a moment, export in float32."""
+    params = ModelShape.from_dir(LLAMA_8B).params
+    native = hardware.native(torch.bfloat16, "cpu")[0]
+
+    def terms(stage, *overrides):
+        cfg = make_cfg("model=hf", f"model.target.path={LLAMA_8B}", corpus(tmp_path), *overrides)
+        plan = plan_run(run_config(cfg), {stage: workflow.stage_config(cfg, stage)[0]})
+        return plan.stage(stage).terms
+
+    auto = terms("evaluate", "stage.evaluate.batch_size=1")
+    assert auto["target"] == params * (2 if native else 4)
+    assert auto.get("as stored (cast)") == (None if native else params * 2)
+    forced = terms("evaluate", "stage.evaluate.batch_size=1", "model.target.dtype=float32")
+    assert forced["target"] == params * 4 and forced["as stored (cast)"] == params * 2
+    floats = terms("export", "model.target.dtype=float32")["quantized model"]
+    assert floats - terms("export", "model.target.dtype=bfloat16")["quantized model"] > params // 8
 
 
 def test_a_plan_that_does_not_fit_names_the_stage_and_the_fix(tmp_path):

@@ -109,6 +109,7 @@ class _KeepInputs:
         self.capture.reduce_(self.dist)
         for n in self.linears:
             self._keep(n, self.capture.stats[n])
+        self.linears, self.capture = {}, None  # else the last block stays loaded all reverse walk
 
     def end_segment(self, k: int) -> dict:
         return {}
@@ -160,6 +161,7 @@ class _Reverse:
             g = torch.autograd.grad(self._head_loss(norm, lm_head, h, j), [h, *wants])
             grads[j : j + 1] = g[0]
             _accumulate(fisher, g[1:], self.tokens)
+            del g  # before the next window's backward: else two sets of gradients at its peak
         if score:
             self._finish({self.ckpt.adapter.lm_head: lm_head.weight}, fisher)
 
@@ -183,6 +185,7 @@ class _Reverse:
             g = torch.autograd.grad(h, [x, *weights], grad_outputs=grads[j : j + 1].to(self.dev))
             grads[j : j + 1] = g[0]
             _accumulate(fisher, g[1:], self.tokens)
+            del g, h
         self._finish({n: m.weight for n, m in named.items()}, fisher)
 
     def embeddings(self, grads: ActivationCache, final: ActivationCache | None) -> None:
@@ -210,6 +213,7 @@ class _Reverse:
             g = g.clone()
             g[tok] += rows
             _accumulate([fisher], [g], self.tokens)
+            del g
         self._finish({name: table}, [fisher])
 
 

@@ -89,3 +89,27 @@ def test_stream_takes_fisher_but_not_hutchinson():
     for method in ("hutchinson", "gradient"):
         with pytest.raises(ConfigError, match="method=fisher or"):
             parse({"method": method, "stream": True}, SensitivityConfig, "stage.sensitivity")
+
+
+def test_one_block_is_loaded_at_a_time(ckpt, tmp_path, monkeypatch):
+    """With one block a segment, no block outlives its turn: the reverse walk holds none of
+    the forward walk's (else a block's weights more at its peak: 3 GiB on a 70B)."""
+    import gc
+    import weakref
+
+    from pipeline.streaming.engine import BlockSource
+
+    alive: list[weakref.ref] = []
+    load = BlockSource.block
+
+    def tracked(self, i):
+        gc.collect()
+        assert all(r() is None for r in alive), "a weight of a block loaded earlier is held"
+        block = load(self, i)
+        alive.extend(weakref.ref(p) for p in block.parameters())
+        return block
+
+    monkeypatch.setattr(BlockSource, "block", tracked)
+    one = StreamOptions(segment_size=1, batch_size=2, act_budget_gb=2.0, progress=False)
+    fisher_streamed(ckpt, X, one, lambda n, w, f: None, spill_dir=tmp_path)
+    assert len(alive) == 2 * TINY["layers"] * len(list(load(BlockSource(ckpt), 0).parameters()))
