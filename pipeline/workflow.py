@@ -147,9 +147,10 @@ def memory_plan(cfg: DictConfig, planned: Plan) -> tuple[MemoryPlan, Capacity]:
     """The memory plan of the stages that will not be skipped (pipeline.memplan), and what
     this machine (or the allocation) has."""
     running = {s.name: s.cfg for s in planned.stages if not s.skip_reason()}
-    if any(read_done(Path(cfg.run_dir).resolve() / name) for name in running):
+    if not cfg.verify and any(read_done(Path(cfg.run_dir).resolve() / name) for name in running):
         # A resumed run: stages already up to date are skipped, so neither their own peaks nor
         # what the process keeps after them (Lightning, the corpus) are part of this run's.
+        # Under --verify that needs every output hashed, which the run does again: plan them all.
         ahead = {step.stage.name for step in preview(cfg, planned) if step.runs}
         running = {name: c for name, c in running.items() if name in ahead}
     memory = plan_run(planned.run, running)

@@ -144,3 +144,7 @@ def test_a_resumed_runs_memory_plan_leaves_out_the_stages_up_to_date(boot, tmp_p
     resumed, _ = workflow.memory_plan(cfg, workflow.plan(cfg, tmp_path / "run"))
     assert [s.stage for s in resumed.stages] == [s.stage for s in plan.stages[1:]]
     assert all("tokenizer training" not in s.terms for s in resumed.stages)
+    # --verify would hash every output to decide, as the run does after: all stages planned
+    verify = boot_cfg(boot, tmp_path, "verify=true")
+    planned, _ = workflow.memory_plan(verify, workflow.plan(verify, tmp_path / "run"))
+    assert [s.stage for s in planned.stages] == [s.stage for s in plan.stages]
