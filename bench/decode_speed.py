@@ -9,7 +9,8 @@ weights' values) is built in memory, and each row runs it one way, one row at a 
 * ``W8``, ``W4g128``, ``W3``, ``W2``, ``exp4``: every decoder-layer linear quantized by RTN
   (int8, int4g128, int3g128, int2g64, exp4g128) and replaced by the runtime's layer
   (``runtime_linear``: the export's packing, the kernel ``load`` picks); embeddings, norms and
-  lm_head stay float32, as the quantize stage keeps them (lm_head on ``f32rows``). exp4 codes
+  lm_head stay float32, as the quantize stage keeps them (lm_head on ``f32rows``; ``--head
+  int8`` quantizes it too, as ``quant.keep_float=[embed_tokens]`` lets the plan do). exp4 codes
   are fitted once per weight shape (RTN's exp grid search would take most of the run) and
   copied to every layer.
 
@@ -20,7 +21,8 @@ runtime falls back to without lowbit's CPU kernels; ``x torch`` divides a row's 
 ``pipeline.runtime.cpu_ext`` picks (``LOWBIT_CPU_ISA``: auto, avx512, avx2, none); every output
 names it and the CPU.
 
-Per row: decode tokens/s (greedy ``plain_generate``, prompt excluded: (n - 1) / (t(n) - t(1)),
+Per row: decode tokens/s (greedy ``plain_generate``, on ``pipeline.models.lean``'s forward as the
+runtime decodes, prompt excluded: (n - 1) / (t(n) - t(1)),
 medians of ``--repeats`` runs after a warm-up), the kernels the layers run, the bytes one
 decode step reads (every parameter and buffer of the forward, one embedding row, and the KV
 cache at the mean context of the timed steps), and the bandwidth limit: copy bandwidth / bytes
@@ -62,6 +64,8 @@ Usage:
       --new-tokens 16 --crossover-widths 256,512                # smoke
   LOWBIT_CPU_ISA=avx2 python -m bench.decode_speed --threads 2 --crossover-widths '' \\
       --rows FP32,FP32@torch,W8,W8@torch,W4g128,W4g128@torch   # AVX2 against torch's kernels
+  LOWBIT_CPU_ISA=avx2 python -m bench.decode_speed --threads 2 --head int8 --crossover-widths '' \
+      --gammas '' --rows W4g128,W3,W2,exp4 --skip-goal FP32 --skip-goal W8 --skip-goal speculative
   [--rows FP32,W4g128,...] [--threads N] [--repeats 3] [--gammas 2,3,4,5] [--temperature 0]
   [--out bench-out/decode_speed] [--mlflow URI] [--skip-goal TEXT ...]
 """
@@ -167,10 +171,11 @@ def torch_kernels(model: nn.Module) -> Iterator[nn.Module]:
 
 
 @contextlib.contextmanager
-def run_as(model: nn.Module, row: str) -> Iterator[nn.Module]:
-    """``model`` as ``row`` runs it (decoder linears swapped or the model cast), restored after."""
+def run_as(model: nn.Module, row: str, head: str = "float") -> Iterator[nn.Module]:
+    """``model`` as ``row`` runs it (decoder linears swapped or the model cast), restored after;
+    a quantized row's lm_head in ``head`` (a format, or "float": kept)."""
     if row.endswith(TORCH):
-        with torch_kernels(model), run_as(model, row.removesuffix(TORCH)) as m:
+        with torch_kernels(model), run_as(model, row.removesuffix(TORCH), head) as m:
             yield m
         return
     fmt = ROWS[row]
@@ -186,14 +191,15 @@ def run_as(model: nn.Module, row: str) -> Iterator[nn.Module]:
     if fmt is None:
         yield model
         return
-    with quantized_linears(model, lambda name: fmt) as m:
+    with quantized_linears(model, lambda name: fmt, None if head == "float" else head) as m:
         yield m
 
 
 @contextlib.contextmanager
-def quantized_linears(model: nn.Module, fmt_of) -> Iterator[nn.Module]:
+def quantized_linears(model: nn.Module, fmt_of, head: str | None = None) -> Iterator[nn.Module]:
     """``model`` with each decoder-layer linear ``name`` quantized by RTN to ``fmt_of(name)``
-    (None: kept) as the runtime's layer; the float layers are put back on exit."""
+    (None: kept) and the lm_head to ``head`` (None: kept), as the runtime's layers; the float
+    layers are put back on exit."""
     from pipeline.models.adapters import linear_names
     from pipeline.quant.formats import parse_format
     from pipeline.quant.rtn import quantize_rtn
@@ -205,8 +211,8 @@ def quantized_linears(model: nn.Module, fmt_of) -> Iterator[nn.Module]:
     fitted = {}  # (weight shape, format) -> its codes (exp formats only)
     saved: dict[str, nn.Module] = {}  # the float layers, put back on exit
     try:
-        for name in linear_names(model.config, include_lm_head=False):
-            fmt = fmt_of(name)
+        for name in [*linear_names(model.config, include_lm_head=False), "lm_head"]:
+            fmt = fmt_of(name) if name != "lm_head" else head
             if fmt is None:
                 continue
             lin = model.get_submodule(name)
@@ -275,7 +281,7 @@ def measure_rows(
     context = args.prompt_len + args.new_tokens / 2
     for row in args.rows.split(","):
         t0 = time.perf_counter()
-        with run_as(model, row) as m:
+        with run_as(model, row, args.head) as m:
             built = time.perf_counter() - t0
             rate = decode_rate(m, prompt, args.new_tokens, args.repeats)
             nbytes = bytes_per_token(m, context)
@@ -469,6 +475,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--gammas", default="2,3,4,5", help="draft lengths to time; '' skips")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--draft-layers", type=int, default=None, help="default: a quarter of them")
+    p.add_argument("--head", default="float",
+                   help="the quantized rows' lm_head: float (as quantize.keep_float keeps it) "
+                   "or a format (int8: quant.keep_float=[embed_tokens] plans it)")  # fmt: skip
     p.add_argument("--draft-head", default="int8", help="the draft's lm_head format")
     p.add_argument("--tail-scale", type=float, default=0.01,
                    help="residual writes of the layers after the draft's")  # fmt: skip

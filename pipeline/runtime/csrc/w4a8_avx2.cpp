@@ -90,6 +90,54 @@ inline void line_pair(const uint8_t* wb, int p, int h, __m256i& a, __m256i& b) {
   }
 }
 
+// 2- and 3-bit: 64-byte line c of the low two bits holds lines 4c..4c+3, line 4c + s at bits 2s
+// (3-bit: line j's third bit at bit j of the 1-bit plane). Each line is masked where it lies
+// shifted to bits 2-3 (2-bit: 4u) or 1-3 (3-bit: 2u): one load and constant shifts for four
+// lines, no shift back (1.16x / 1.2x the codes per second at one row, one thread); pairs stay
+// <= 2 * 14 * 127 and a block's eight per lane sum to <= 28448. kScaled undoes the factor (exact).
+template <int BITS>
+constexpr float kScaled = BITS == 2 ? 0.25f : 0.5f;
+// One row only: from two rows on, the pairs below (which reload and shift the same line again)
+// measured as fast or faster (quad's eight lines and 2R accumulators spill registers).
+template <int BITS, int R>
+constexpr bool kQuad = BITS < 4 && R == 1;
+
+// One line c of the low bits: its four lines of each half, scaled, times the activations of
+// columns 16c..16c+15 of one row (x: this block's), added to the halves' s[0], s[1].
+template <int BITS>
+inline void quad(const uint8_t* wb, int c, const int8_t* x, __m256i (&s)[2]) {
+  __m256i q[2][4];
+  for (int h = 0; h < 2; ++h) {
+    const __m256i v = load(wb + 64 * c + 32 * h);
+    if constexpr (BITS == 2) {
+      const __m256i twelve = _mm256_set1_epi8(12);
+      q[h][0] = _mm256_and_si256(_mm256_slli_epi16(v, 2), twelve);
+      q[h][1] = _mm256_and_si256(v, twelve);
+      q[h][2] = _mm256_and_si256(_mm256_srli_epi16(v, 2), twelve);
+      q[h][3] = _mm256_and_si256(_mm256_srli_epi16(v, 4), twelve);
+    } else {
+      const __m256i six = _mm256_set1_epi8(6), eight = _mm256_set1_epi8(8);
+      const __m256i hi = _mm256_srli_epi16(load(wb + 128 + 32 * h), 4 * c);  // bits 4c.. at 0..
+      q[h][0] = _mm256_or_si256(_mm256_and_si256(_mm256_slli_epi16(v, 1), six),
+                                _mm256_and_si256(_mm256_slli_epi16(hi, 3), eight));
+      q[h][1] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 1), six),
+                                _mm256_and_si256(_mm256_slli_epi16(hi, 2), eight));
+      q[h][2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 3), six),
+                                _mm256_and_si256(_mm256_slli_epi16(hi, 1), eight));
+      q[h][3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 5), six),
+                                _mm256_and_si256(hi, eight));
+    }
+  }
+  const int8_t* xc = x + 16 * c;
+  const __m256i xs[4] = {bcast(xc), bcast(xc + 4), bcast(xc + 8), bcast(xc + 12)};
+  for (int h = 0; h < 2; ++h)
+    s[h] = _mm256_add_epi16(
+        s[h], _mm256_add_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(q[h][0], xs[0]),
+                                                _mm256_maddubs_epi16(q[h][1], xs[1])),
+                               _mm256_add_epi16(_mm256_maddubs_epi16(q[h][2], xs[2]),
+                                                _mm256_maddubs_epi16(q[h][3], xs[3]))));
+}
+
 // 2/3/4-bit: a vpmaddubsw pair is at most 2 * 15 * 127 = 3810, so a row's eight products per
 // block sum in int16 (30480) before one vpmaddwd. Both halves of the tile go through the block
 // at once, so each activation broadcast serves 16 output rows: with several rows the broadcasts
@@ -112,22 +160,30 @@ void tile_rows_low(const uint8_t* w, const at::Half* scale, const at::Half* zero
         _mm_prefetch(reinterpret_cast<const char*>(wb + kPrefetch + line), _MM_HINT_T1);
       __m256i s0[R], s1[R];
       for (int m = 0; m < R; ++m) s0[m] = s1[m] = _mm256_setzero_si256();
+      if constexpr (kQuad<BITS, R>) {
+        __m256i s[2] = {s0[0], s1[0]};
+#pragma GCC unroll 1
+        for (int c = 0; c < 2; ++c) quad<BITS>(wb, c, xq + b * kBlock, s);
+        s0[0] = s[0];
+        s1[0] = s[1];
+      } else {
 #pragma GCC unroll 1  // unrolled (with the rows' loop), GCC computes every product first
-      for (int p = 0; p < 4; ++p) {
-        __m256i a0, b0, a1, b1;
-        line_pair<BITS>(wb, p, 0, a0, b0);
-        line_pair<BITS>(wb, p, 1, a1, b1);
-        for (int m = 0; m < R; ++m) {
-          const int8_t* xm = xq + m * k + b * kBlock + 8 * p;
-          const __m256i x0 = bcast(xm), x4 = bcast(xm + 4);
-          s0[m] = _mm256_add_epi16(s0[m], _mm256_add_epi16(_mm256_maddubs_epi16(a0, x0),
-                                                           _mm256_maddubs_epi16(b0, x4)));
-          s1[m] = _mm256_add_epi16(s1[m], _mm256_add_epi16(_mm256_maddubs_epi16(a1, x0),
-                                                           _mm256_maddubs_epi16(b1, x4)));
+        for (int p = 0; p < 4; ++p) {
+          __m256i a0, b0, a1, b1;
+          line_pair<BITS>(wb, p, 0, a0, b0);
+          line_pair<BITS>(wb, p, 1, a1, b1);
+          for (int m = 0; m < R; ++m) {
+            const int8_t* xm = xq + m * k + b * kBlock + 8 * p;
+            const __m256i x0 = bcast(xm), x4 = bcast(xm + 4);
+            s0[m] = _mm256_add_epi16(s0[m], _mm256_add_epi16(_mm256_maddubs_epi16(a0, x0),
+                                                             _mm256_maddubs_epi16(b0, x4)));
+            s1[m] = _mm256_add_epi16(s1[m], _mm256_add_epi16(_mm256_maddubs_epi16(a1, x0),
+                                                             _mm256_maddubs_epi16(b1, x4)));
+          }
         }
       }
       for (int m = 0; m < R; ++m) {
-        const __m256 d = _mm256_set1_ps(dx[m * nb + b]);
+        const __m256 d = _mm256_set1_ps((kQuad<BITS, R> ? kScaled<BITS> : 1.f) * dx[m * nb + b]);
         part[0][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(s0[m], ones)), d,
                                      part[0][m]);
         part[1][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(s1[m], ones)), d,

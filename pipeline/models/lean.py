@@ -1,0 +1,156 @@
+"""A lean inference forward for Llama-shaped causal LMs (docs/kernels.md): the model's own
+modules, called without transformers' per-step bookkeeping, on a KV cache written in place.
+It speaks ``CachedLM``'s protocol; :func:`lean` wraps only models whose forward it is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+TYPES = ("llama", "mistral", "qwen2")  # model types whose decoder layer is this forward
+
+
+class LeanCache:
+    """Per-layer keys and values (B, kv_heads, capacity, head_dim), written in place; the
+    capacity doubles when full. ``crop`` as transformers' caches: keep n, or drop -n."""
+
+    def __init__(self, layers: int) -> None:
+        self.k: list[Tensor | None] = [None] * layers
+        self.v: list[Tensor | None] = [None] * layers
+        self.length = 0
+
+    def get_seq_length(self, layer: int = 0) -> int:
+        return self.length
+
+    def crop(self, n: int) -> None:
+        self.length = max(0, self.length + n if n < 0 else min(n, self.length))
+
+    def update(self, i: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Store (B, kv, n, d) at the cache's end; the layer's keys and values so far (views)."""
+        end = self.length + k.shape[2]
+        held = self.k[i]
+        if held is None or held.shape[2] < end or held.shape[0] != k.shape[0]:
+            cap = max(64, 2 * end)
+            grown_k = k.new_empty(*k.shape[:2], cap, k.shape[3])
+            grown_v = v.new_empty(*v.shape[:2], cap, v.shape[3])
+            if held is not None and held.shape[0] == k.shape[0]:
+                grown_k[:, :, : self.length] = held[:, :, : self.length]
+                grown_v[:, :, : self.length] = self.v[i][:, :, : self.length]
+            self.k[i], self.v[i] = grown_k, grown_v
+        self.k[i][:, :, self.length : end] = k
+        self.v[i][:, :, self.length : end] = v
+        return self.k[i][:, :, :end], self.v[i][:, :, :end]
+
+
+@dataclass
+class LeanOutput:
+    logits: Tensor
+    cache: LeanCache
+
+
+def fits(model: nn.Module) -> bool:
+    """Whether ``model`` is a causal LM whose forward :class:`LeanLM` reproduces."""
+    config = getattr(model, "config", None)
+    inner = getattr(model, "model", None)
+    if config is None or inner is None or getattr(config, "model_type", None) not in TYPES:
+        return False
+    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+        return False  # windowed attention: a mask the lean path does not build
+    if getattr(config, "pretraining_tp", 1) != 1 or not hasattr(inner, "rotary_emb"):
+        return False
+    return all(_plain_layer(layer) for layer in inner.layers)
+
+
+def lean(model: nn.Module) -> nn.Module:
+    """``model`` behind :class:`LeanLM` where :func:`fits`, else ``model`` itself."""
+    return LeanLM(model) if fits(model) else model
+
+
+class LeanLM(nn.Module):
+    """``model``'s inference forward (no grad, no attention mask: every row attends to the
+    cache and the rows before it), batch of equal-length rows."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.hf = model
+        self.config = model.config
+        cfg = model.config
+        self.heads = cfg.num_attention_heads
+        self.kv_heads = getattr(cfg, "num_key_value_heads", None) or self.heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
+
+    def get_output_embeddings(self) -> nn.Module:
+        return self.hf.get_output_embeddings()
+
+    @torch.no_grad()
+    def forward(
+        self,
+        input_ids: Tensor,
+        position_ids: Tensor | None = None,
+        use_cache: bool = True,
+        cache: LeanCache | None = None,
+        logits_to_keep: int | Tensor = 0,
+    ) -> LeanOutput:
+        inner = self.hf.model
+        cache = cache if cache is not None else LeanCache(len(inner.layers))
+        b, n = input_ids.shape
+        past = cache.length
+        if position_ids is None:
+            position_ids = torch.arange(past, past + n, device=input_ids.device)[None]
+        x = inner.embed_tokens(input_ids)
+        cos, sin = inner.rotary_emb(x, position_ids)  # (1 | B, n, d)
+        cos = cos[:, None]
+        half = self.head_dim // 2
+        # rotate_half(t) = cat(-t2, t1) = roll(t, d/2) with the first half negated
+        sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)[:, None]
+        # row i sees the cache and rows 0..i; a single row sees everything (no mask)
+        mask = None
+        if n > 1:
+            mask = torch.ones(n, past + n, dtype=torch.bool, device=x.device).tril(past)
+        for i, layer in enumerate(inner.layers):
+            attn, h = layer.self_attn, _norm(layer.input_layernorm, x)
+            q = attn.q_proj(h).view(b, n, self.heads, self.head_dim).transpose(1, 2)
+            k = attn.k_proj(h).view(b, n, self.kv_heads, self.head_dim).transpose(1, 2)
+            v = attn.v_proj(h).view(b, n, self.kv_heads, self.head_dim).transpose(1, 2)
+            q = q * cos + q.roll(half, -1) * sin
+            k = k * cos + k.roll(half, -1) * sin
+            k, v = cache.update(i, k, v)
+            o = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, scale=attn.scaling, enable_gqa=self.heads != self.kv_heads
+            )
+            x = x + attn.o_proj(o.transpose(1, 2).reshape(b, n, -1))
+            mlp, h = layer.mlp, _norm(layer.post_attention_layernorm, x)
+            x = x + mlp.down_proj(mlp.act_fn(mlp.gate_proj(h)) * mlp.up_proj(h))
+        cache.length = past + n
+        if isinstance(logits_to_keep, int):
+            x = x[:, -logits_to_keep:] if logits_to_keep else x
+        else:
+            x = x[:, logits_to_keep]
+        return LeanOutput(self.hf.lm_head(_norm(inner.norm, x)), cache)
+
+
+def _norm(norm: nn.Module, x: Tensor) -> Tensor:
+    """transformers' RMSNorm (fp32 statistics, then the weight) as torch's one fused op."""
+    return (
+        F.rms_norm(x.float(), norm.weight.shape, None, norm.variance_epsilon).to(x.dtype)
+        * norm.weight
+    )
+
+
+def _plain_layer(layer: nn.Module) -> bool:
+    """Whether a decoder layer has exactly the modules :meth:`LeanLM.forward` calls."""
+    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    norms = (
+        getattr(layer, "input_layernorm", None),
+        getattr(layer, "post_attention_layernorm", None),
+    )
+    return (
+        all(hasattr(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj", "scaling"))
+        and not hasattr(attn, "q_norm")  # Qwen3-style per-head norms: not this forward
+        and all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn"))
+        and all(hasattr(n, "variance_epsilon") for n in norms)
+    )
