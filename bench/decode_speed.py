@@ -250,7 +250,8 @@ def bytes_per_token(model: nn.Module, context: float) -> int:
 
     embed = model.get_input_embeddings().weight
     total = weight_bytes(model)
-    if model.get_output_embeddings().weight.data_ptr() != embed.data_ptr():
+    head = getattr(model.get_output_embeddings(), "weight", None)  # None: a quantized head
+    if head is None or head.data_ptr() != embed.data_ptr():
         total -= embed.nbytes - embed[0].nbytes  # an untied embedding is read one row a step
     return int(total + kv_cache_bytes(model, context))
 
