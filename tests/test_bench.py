@@ -72,3 +72,18 @@ def test_streaming_memory_quantizes_a_tiny_checkpoint(tmp_path):
     result = json.loads((tmp_path / "out" / "result.json").read_text())
     assert result["bench"] == "streaming_memory" and "--gb 0.002" in result["command"]
     assert [r[0] for r in result["tables"][0]["rows"]] == ["stream", "full"]
+
+
+def test_decode_speed_rows_quantize_the_head_only_when_asked_and_put_it_back():
+    from bench import decode_speed as ds
+
+    model = ds.llama(64, 2, 128, 512, 1)
+    head = model.lm_head
+    with ds.run_as(model, "W4g128") as m:
+        kept = ds.bytes_per_token(m, 8)
+        assert m.lm_head is head
+    with ds.run_as(model, "W4g128", "int8") as m:
+        assert m.lm_head is not head and not hasattr(m.lm_head, "weight")
+        # about a byte a weight (and its scales) instead of 4
+        assert ds.bytes_per_token(m, 8) < kept - 2.5 * head.weight.numel()
+    assert model.lm_head is head
