@@ -62,6 +62,9 @@ def fits(model: nn.Module) -> bool:
         return False  # windowed attention: a mask the lean path does not build
     if getattr(config, "pretraining_tp", 1) != 1 or not hasattr(inner, "rotary_emb"):
         return False
+    param = next(model.parameters(), None)  # NPU: its SDPA's grouped-query path is untested
+    if param is None or param.device.type not in ("cpu", "cuda"):
+        return False
     return all(_plain_layer(layer) for layer in inner.layers)
 
 

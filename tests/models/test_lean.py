@@ -69,6 +69,7 @@ def test_greedy_decoding_with_the_lean_forward_matches_transformers_generate():
 def test_lean_wraps_only_what_it_reproduces_and_only_for_inference():
     assert not fits(_model("mistral", sliding_window=8))  # windowed attention
     assert not fits(torch.nn.Linear(2, 2))
+    assert not fits(_model().to("meta"))  # only CPU and CUDA devices
     model = _model()
     assert isinstance(lean(model), LeanLM)
     assert CachedLM(model).model is model  # grad enabled: transformers' forward
