@@ -7,7 +7,8 @@ Rows (batch 1, greedy, the runtime's kernels):
 * ``int4 + FP draft``: RTN int4g128 of the FP target with the FP draft, the conventional
   baseline;
 * ``lowbit plain``: lowbit's target alone;
-* ``lowbit``: lowbit's target with its draft, adaptive gamma (which may choose plain decoding).
+* ``lowbit``: lowbit's target with its draft, adaptive gamma (which may choose plain decoding;
+  one controller over all of a row's runs, as the runtime keeps one across requests).
 
 Columns: ms/token and tokens/s (median of ``--repeats`` runs, min-max), x FP plain, weights +
 KV cache resident (MB), on-line alpha, tokens per target call (tau) and the gamma used.
@@ -138,21 +139,18 @@ class Pair:
         return self.costs
 
     def runs(self, gamma: int | None, repeats: int | None = None) -> Passes:
-        """Speculative runs at ``gamma``, or adaptive (a fresh window per run) when None."""
+        """Speculative runs at ``gamma``, or adaptive when None: one window over the warm-up and
+        every run, as the runtime keeps one across requests and evaluate across passes."""
         c, v = self.measured_costs()
-
-        def decode(x, g):
-            window = None
-            if gamma is None:
-                lo, hi = min(self.args.gammas), max(self.args.gammas)
-                window = AdaptiveGamma(lo, hi, 64, cost_ratio=c, verify_cost=v, timed=True)
-            n = self.args.new_tokens
-            fn = speculative_decoder(
-                self.target, self.draft, n, gamma=gamma or 1, adaptive=window, temperature=0.0
-            )
-            return fn(x, g)
-
-        return decode_passes(decode, self.prompts, 0, repeats or self.args.repeats)
+        window = None
+        if gamma is None:
+            lo, hi = min(self.args.gammas), max(self.args.gammas)
+            window = AdaptiveGamma(lo, hi, 64, cost_ratio=c, verify_cost=v, timed=True)
+        fn = speculative_decoder(
+            self.target, self.draft, self.args.new_tokens, gamma=gamma or 1, adaptive=window,
+            temperature=0.0,
+        )  # fmt: skip
+        return decode_passes(fn, self.prompts, 0, repeats or self.args.repeats)
 
     def alpha(self, repeats: int | None = None) -> float:
         """Alpha at the fixed gamma ALPHA_GAMMA: the pair's agreement, what calibration matches.

@@ -198,8 +198,7 @@ def speculative_generate(
     stats = SpecStats()
     start = time.perf_counter()
     if len(seq) > 1 and max_new_tokens > 0:
-        tgt.forward(ids[:, :-1], keep=1)
-        drf.forward(ids[:, :-1], keep=1)
+        tgt.forward(ids[:, :-1], keep=1)  # the draft reads the prompt when it first drafts
     vocab = vocab_size(target)
     produced, done = 0, False
     while produced < max_new_tokens and not done:
@@ -215,7 +214,7 @@ def speculative_generate(
             adaptive.update(0, 0, time.perf_counter() - round_start)
             continue
         # Committed tokens the draft has not read yet: (1, 1), (1, 2) after a full accept, or
-        # every token since it last drafted after plain steps (one forward catches it up).
+        # every token since it last drafted (the prompt, plain steps): one forward catches up.
         pending = torch.tensor([seq[drf.length :]], dtype=torch.long)
         temps = block_temperatures(temperature, produced, g, temperature_schedule)
         draft_t, q_probs = draft_block(drf, pending, g, vocab, temps, generator, probs=not greedy)
