@@ -33,8 +33,8 @@ Two levels:
 Goals (exit 1 when one is missed or cannot be checked): at scale lowbit >= 3.0 x FP plain
 tokens/s and >= 1.4 x the int4 + FP draft row, measured speed-up >= 0.8 x theory at every gamma
 of ``--gammas``, every calibrated alpha within tolerance; per run dir lowbit speculative >=
-1.0 x lowbit plain (adaptive gamma) and the final draft's alpha >= the FP draft's on lowbit's
-target.
+1.0 x lowbit plain (adaptive gamma; the median ratio of passes that alternate the two) and
+the final draft's alpha >= the FP draft's on lowbit's target.
 
 Usage:
   python -m bench.headline --run-dir outputs/default --scale --out docs/results/headline
@@ -70,7 +70,7 @@ from bench._common import (
     write_result,
 )
 from pipeline.runtime import float_rows
-from pipeline.runtime.speed import decode_passes, kv_cache_bytes, weight_bytes
+from pipeline.runtime.speed import decode_passes, kv_cache_bytes, paired_passes, weight_bytes
 from pipeline.speculative.adaptive import AdaptiveGamma
 from pipeline.speculative.cost import measure_cost_ratio, measure_verify_cost
 from pipeline.speculative.decoding import plain_generate, speculative_decoder
@@ -138,19 +138,30 @@ class Pair:
             )
         return self.costs
 
-    def runs(self, gamma: int | None, repeats: int | None = None) -> Passes:
-        """Speculative runs at ``gamma``, or adaptive when None: one window over the warm-up and
-        every run, as the runtime keeps one across requests and evaluate across passes."""
+    def decoder(self, gamma: int | None):
+        """Speculative decoding at ``gamma``, or adaptive when None: one window over the warm-up
+        and every run, as the runtime keeps one across requests and evaluate across passes."""
         c, v = self.measured_costs()
         window = None
         if gamma is None:
             lo, hi = min(self.args.gammas), max(self.args.gammas)
             window = AdaptiveGamma(lo, hi, 64, cost_ratio=c, verify_cost=v, timed=True)
-        fn = speculative_decoder(
+        return speculative_decoder(
             self.target, self.draft, self.args.new_tokens, gamma=gamma or 1, adaptive=window,
             temperature=0.0,
         )  # fmt: skip
-        return decode_passes(fn, self.prompts, 0, repeats or self.args.repeats)
+
+    def runs(self, gamma: int | None, repeats: int | None = None) -> Passes:
+        return decode_passes(self.decoder(gamma), self.prompts, 0, repeats or self.args.repeats)
+
+    def paired_speedup(self) -> float:
+        """Adaptive speculative / plain tokens/s, the median over passes that alternate the two
+        (``paired_passes``): the VM's drift between two separate series of passes (10-30%)
+        exceeds the few percent this ratio decides."""
+        n = self.args.new_tokens
+        plain = lambda x, g: plain_generate(self.target, x, n, 0.0, g)  # noqa: E731
+        _, spec, base = paired_passes(self.decoder(None), plain, self.prompts, 0, self.args.repeats)
+        return statistics.median(s / b for s, b in zip(spec, base))
 
     def alpha(self, repeats: int | None = None) -> float:
         """Alpha at the fixed gamma ALPHA_GAMMA: the pair's agreement, what calibration matches.
@@ -327,7 +338,8 @@ def trained(run_dir: Path, args: argparse.Namespace) -> dict:
         r["x FP plain"] = r["tok/s"] / rows[0]["tok/s"]
         print(r, flush=True)
     plan = inputs.get("allocate")  # the allocate stage's folder: BitPlan.load reads its plan
-    return {"rows": rows, "alphas": alphas, "fp_draft_on_lowbit": fp_draft_alpha, "plan": plan}
+    return {"rows": rows, "alphas": alphas, "fp_draft_on_lowbit": fp_draft_alpha, "plan": plan,
+            "paired_speedup": low.paired_speedup()}  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------
@@ -340,9 +352,9 @@ def check_goals(runs: Sequence[dict], scale: dict | None, tol: float) -> list[di
     for t in runs:
         by = {r["row"]: r for r in t["rows"]}
         level = t["rows"][0]["level"]
-        ratio = by["lowbit"]["tok/s"] / by["lowbit plain"]["tok/s"]
-        goals.append(goal(f"{level}: lowbit speculative / lowbit plain", ratio, ">= 1.0",
-                          ratio >= 1.0))  # fmt: skip
+        ratio = t["paired_speedup"]
+        goals.append(goal(f"{level}: lowbit speculative / lowbit plain (paired passes)", ratio,
+                          ">= 1.0", ratio >= 1.0))  # fmt: skip
         final, fp_d = t["alphas"]["lowbit"], t["fp_draft_on_lowbit"]
         goals.append(goal(f"{level}: final draft alpha - FP draft alpha on lowbit's target",
                           final - fp_d, ">= 0", final >= fp_d))  # fmt: skip

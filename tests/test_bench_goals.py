@@ -246,7 +246,8 @@ def test_decode_speed_avx2_goals_met_missed_and_missing():
 def headline_run(spec: float = 110.0, plain: float = 100.0, final: float = 0.6) -> dict:
     rows = [{"level": "trained wf", "row": "lowbit plain", "tok/s": plain},
             {"level": "trained wf", "row": "lowbit", "tok/s": spec, "alpha": 0.2}]  # fmt: skip
-    return {"rows": rows, "alphas": {"lowbit": final}, "fp_draft_on_lowbit": 0.55}
+    return {"rows": rows, "alphas": {"lowbit": final}, "fp_draft_on_lowbit": 0.55,
+            "paired_speedup": spec / plain}  # fmt: skip
 
 
 def headline_scale(lowbit: float = 40.0, calibrated: float = 0.5, of_theory=(0.9, 0.85)) -> dict:
