@@ -10,11 +10,10 @@ Gamma 0 is plain decoding (one target call, one token: speed-up 1 by definition)
 speculation is never expected to be slower than decoding without it. Plain steps test no draft
 token, so alpha would stay frozen at the value that switched speculation off; every
 ``probe_every`` plain tokens one round is therefore drafted at the best gamma to refresh the
-window. A probe costs about gamma c + v - 1 target steps more than a plain step, plus the
-draft's catch-up on the tokens it skipped: on small models, where c is large, probing every 16
-tokens cost ~12% of plain decoding. So each probe that leaves decoding plain doubles the
-interval, up to ``probe_max`` (a draft that starts agreeing, on another kind of text, is then
-noticed within that many tokens), and speculation resuming resets it.
+window. A probe costs about gamma c + v - 1 target steps more than a plain step, so probing
+every 16 tokens slows plain decoding by (gamma c + v - 1) / 16, a few percent for a cheap draft,
+while a draft that starts agreeing (another kind of text) is noticed within a few probes, as
+each accepted block outweighs many rejected first positions in the window.
 
 ``timed``: the decoder reports each round's wall time, and the expected speed-up of a gamma is
 priced with what its rounds really cost against a plain step, (gamma c + v) times the measured
@@ -56,7 +55,6 @@ class AdaptiveGamma:
         verify_cost: Mapping[int, float] | None = None,
         allow_plain: bool = True,
         probe_every: int = 16,
-        probe_max: int = 256,
         timed: bool = False,
         plain_samples: int = 3,
     ) -> None:
@@ -69,16 +67,14 @@ class AdaptiveGamma:
             raise ValueError(f"window must be >= 1, got {window}")
         if cost_ratio < 0:
             raise ValueError(f"cost_ratio must be >= 0, got {cost_ratio}")
-        if not 1 <= probe_every <= probe_max:
-            raise ValueError(f"need 1 <= probe_every <= probe_max, got {probe_every}, {probe_max}")
+        if probe_every < 1:
+            raise ValueError(f"probe_every must be >= 1, got {probe_every}")
         self.gamma_min = gamma_min
         self.gamma_max = gamma_max
         self.cost_ratio = cost_ratio
         self.verify_cost = dict(verify_cost or {})
         self.allow_plain = allow_plain
-        self.probe_every, self.probe_max = probe_every, probe_max
-        self._interval = probe_every  # plain steps before the next probe
-        self._probing = False  # the round asked for is a probe
+        self.probe_every = probe_every
         start = (gamma_min + gamma_max) // 2 if initial_gamma is None else initial_gamma
         self.gamma = min(max(start, gamma_min), gamma_max)
         self._rounds: deque[tuple[int, int]] = deque(maxlen=window)
@@ -145,11 +141,9 @@ class AdaptiveGamma:
             if self._timing_plain:  # a one-off sample: back to the best choice
                 self._timing_plain = False
                 self.gamma = self._choose()
-            elif self.gamma == 0 and self._plain_run >= self._interval:
+            elif self.gamma == 0 and self._plain_run >= self.probe_every:
                 self.gamma = self.best_gamma()  # one probe round refreshes alpha
-                self._probing = True
             return self.gamma
-        probe, self._probing = self._probing, False
         self._plain_run = 0
         self._rounds.append((accepted, verified))
         self._drafted += 1
@@ -165,10 +159,6 @@ class AdaptiveGamma:
             self.gamma = 0
             return self.gamma
         self.gamma = self._choose()
-        if self.gamma == 0 and probe:  # the probe failed: wait twice as long for the next
-            self._interval = min(2 * self._interval, self.probe_max)
-        elif self.gamma > 0:
-            self._interval = self.probe_every
         return self.gamma
 
     def _choose(self) -> int:

@@ -48,8 +48,8 @@ def test_the_draft_catches_up_on_the_tokens_it_skipped(target, prompt, greedy_re
 def test_plain_steps_and_a_returning_draft(target, stranger, prompt, greedy_reference):
     # One controller across requests, as the runtime keeps it: a stranger drives it to plain
     # decoding, then an agreeing draft (the target itself, priced as a 5x cheaper one) brings
-    # gamma back, within the probe interval the failed probes grew to (here at most 8).
-    adaptive = AdaptiveGamma(1, 5, window=8, cost_ratio=0.2, probe_every=4, probe_max=8)
+    # gamma back.
+    adaptive = AdaptiveGamma(1, 5, window=8, cost_ratio=0.2, probe_every=4)
     out, _ = speculative_generate(target, stranger, prompt, N_NEW, adaptive=adaptive, temperature=0)
     assert torch.equal(out, greedy_reference) and adaptive.history[-8:].count(0) >= 6
     before = len(adaptive.history)
