@@ -64,8 +64,9 @@ Usage:
       --new-tokens 16 --crossover-widths 256,512                # smoke
   LOWBIT_CPU_ISA=avx2 python -m bench.decode_speed --threads 2 --crossover-widths '' \\
       --rows FP32,FP32@torch,W8,W8@torch,W4g128,W4g128@torch   # AVX2 against torch's kernels
-  LOWBIT_CPU_ISA=avx2 python -m bench.decode_speed --threads 2 --head int8 --crossover-widths '' \
-      --gammas '' --rows W4g128,W3,W2,exp4 --skip-goal FP32 --skip-goal W8 --skip-goal speculative
+  LOWBIT_CPU_ISA=avx2 python -m bench.decode_speed --threads 2 --head int8 --crossover-widths '' \\
+      --gammas '' --rows W4g128,W3,W2 --skip-goal FP32 --skip-goal W8 --skip-goal exp4 \\
+      --skip-goal speculative --skip-goal v: --skip-goal @torch       # the lm_head in int8 too
   [--rows FP32,W4g128,...] [--threads N] [--repeats 3] [--gammas 2,3,4,5] [--temperature 0]
   [--out bench-out/decode_speed] [--mlflow URI] [--skip-goal TEXT ...]
 """
