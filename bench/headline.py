@@ -122,10 +122,12 @@ class Pair:
     def mb(self) -> float:
         return resident_mb([m for m in (self.target, self.draft) if m is not None], self.context)
 
+    def plain_decoder(self):
+        """Greedy plain decoding of the target, as the rows time it."""
+        return lambda x, g: plain_generate(self.target, x, self.args.new_tokens, 0.0, g)
+
     def plain(self, level: str, name: str) -> dict:
-        n = self.args.new_tokens
-        fn = lambda x, g: plain_generate(self.target, x, n, 0.0, g)  # noqa: E731
-        runs = decode_passes(fn, self.prompts, 0, self.args.repeats)
+        runs = decode_passes(self.plain_decoder(), self.prompts, 0, self.args.repeats)
         return row(level, name, runs, resident_mb([self.target], self.context))
 
     def measured_costs(self) -> tuple[float, dict[int, float]]:
@@ -158,9 +160,8 @@ class Pair:
         """Adaptive speculative / plain tokens/s, the median over passes that alternate the two
         (``paired_passes``): the VM's drift between two separate series of passes (10-30%)
         exceeds the few percent this ratio decides."""
-        n = self.args.new_tokens
-        plain = lambda x, g: plain_generate(self.target, x, n, 0.0, g)  # noqa: E731
-        _, spec, base = paired_passes(self.decoder(None), plain, self.prompts, 0, self.args.repeats)
+        passes = (self.decoder(None), self.plain_decoder(), self.prompts, 0, self.args.repeats)
+        _, spec, base = paired_passes(*passes)
         return statistics.median(s / b for s, b in zip(spec, base))
 
     def alpha(self, repeats: int | None = None) -> float:

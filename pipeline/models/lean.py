@@ -80,8 +80,7 @@ class LeanLM(nn.Module):
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
         self.hf = model
-        self.config = model.config
-        cfg = model.config
+        self.config = cfg = model.config
         self.heads = cfg.num_attention_heads
         self.kv_heads = getattr(cfg, "num_key_value_heads", None) or self.heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
