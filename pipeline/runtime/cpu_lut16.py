@@ -1,5 +1,6 @@
 """Exponential 4-bit codes on AVX-512 and AVX2 CPUs without a float copy: a 16-entry LUT lookup
-(``vpermps``) per code inside the kernel, float32 activations.
+per code inside the kernel (AVX-512: float32 products; AVX2: an int16 table times activations
+rounded to int16 per group).
 
 An exponential group decodes as ``base * P(ratio)[code]``, ``P`` the normalised 16-level table
 (:func:`~pipeline.quant.codec.exponential.exp_lut` with base 1). A layer's groups share few
