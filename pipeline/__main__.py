@@ -9,6 +9,7 @@ lowbit -m quant.budget_bits=2.5,3,4      # a sweep: each point in its own run di
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import logging.config
 import os
@@ -333,6 +334,7 @@ def main() -> None:
     if "--version" in sys.argv[1:]:  # Hydra's own flag would print Hydra's version
         print(f"lowbit {__version__}")
         return
+    faulthandler.enable()  # a crash in native code leaves every thread's Python stack in the log
     sys.argv = sys.argv[:1] + _with_flags(sys.argv[1:])
     if not sys.stderr.isatty():
         # Their bars grow one line forever in a log; set before transformers is imported.

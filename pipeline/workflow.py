@@ -299,6 +299,9 @@ def _run_locked(cfg: DictConfig, planned: Plan, run_dir: Path, dist: Dist) -> di
         log.info("workflow %s finished in %.1fs; report %s", name, time.time() - t_start, report)
         if tracker.active:
             log.info("MLflow: %s", tracker.ui_command())
+    # Ranks leave together: a rank that exits while rank 0 still writes the report tears the
+    # process group down under a live peer (suspected in a gloo rank 0's rare abort at exit).
+    dist.barrier()
     return results
 
 
