@@ -84,6 +84,14 @@ class LeanLM(nn.Module):
         self.heads = cfg.num_attention_heads
         self.kv_heads = getattr(cfg, "num_key_value_heads", None) or self.heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
+        # q/k/v and gate/up as one call each where the layers can join (quantized CPU kernels);
+        # plain lists: the joined layers hold the model's own codes, not parameters of this one
+        self.qkv = [
+            _joined(layer.self_attn, ("q_proj", "k_proj", "v_proj")) for layer in model.model.layers
+        ]
+        self.gate_up = [
+            _joined(layer.mlp, ("gate_proj", "up_proj")) for layer in model.model.layers
+        ]
 
     def get_output_embeddings(self) -> nn.Module:
         return self.hf.get_output_embeddings()
@@ -115,9 +123,10 @@ class LeanLM(nn.Module):
             mask = torch.ones(n, past + n, dtype=torch.bool, device=x.device).tril(past)
         for i, layer in enumerate(inner.layers):
             attn, h = layer.self_attn, _norm(layer.input_layernorm, x)
-            q = attn.q_proj(h).view(b, n, self.heads, self.head_dim).transpose(1, 2)
-            k = attn.k_proj(h).view(b, n, self.kv_heads, self.head_dim).transpose(1, 2)
-            v = attn.v_proj(h).view(b, n, self.kv_heads, self.head_dim).transpose(1, 2)
+            q, k, v = _outputs(self.qkv[i], attn, ("q_proj", "k_proj", "v_proj"), h)
+            q = q.view(b, n, self.heads, self.head_dim).transpose(1, 2)
+            k = k.view(b, n, self.kv_heads, self.head_dim).transpose(1, 2)
+            v = v.view(b, n, self.kv_heads, self.head_dim).transpose(1, 2)
             q = q * cos + q.roll(half, -1) * sin
             k = k * cos + k.roll(half, -1) * sin
             k, v = cache.update(i, k, v)
@@ -126,13 +135,28 @@ class LeanLM(nn.Module):
             )
             x = x + attn.o_proj(o.transpose(1, 2).reshape(b, n, -1))
             mlp, h = layer.mlp, _norm(layer.post_attention_layernorm, x)
-            x = x + mlp.down_proj(mlp.act_fn(mlp.gate_proj(h)) * mlp.up_proj(h))
+            gate, up = _outputs(self.gate_up[i], mlp, ("gate_proj", "up_proj"), h)
+            x = x + mlp.down_proj(mlp.act_fn(gate) * up)
         cache.length = past + n
         if isinstance(logits_to_keep, int):
             x = x[:, -logits_to_keep:] if logits_to_keep else x
         else:
             x = x[:, logits_to_keep]
         return LeanOutput(self.hf.lm_head(_norm(inner.norm, x)), cache)
+
+
+def _joined(parent: nn.Module, names: tuple[str, ...]) -> nn.Module | None:
+    """The linears ``names`` of ``parent`` as one layer, where their class can join them."""
+    layers = [getattr(parent, name) for name in names]
+    join = getattr(type(layers[0]), "joined", None)
+    return None if join is None else join(layers)
+
+
+def _outputs(joined: nn.Module | None, parent: nn.Module, names: tuple[str, ...], h: Tensor):
+    """Each linear's output on ``h``: one call of the joined layer split, or one call each."""
+    if joined is None:
+        return [getattr(parent, name)(h) for name in names]
+    return joined(h).split(joined.sizes, dim=-1)
 
 
 def _norm(norm: nn.Module, x: Tensor) -> Tensor:

@@ -109,8 +109,10 @@ class W4A8(Kernel):
 
     name = "w4a8pack"
 
-    def __init__(self, codes: LinearCodes, isa: str | None = None) -> None:
+    def __init__(self, codes: LinearCodes | None, isa: str | None = None) -> None:
         super().__init__()
+        if codes is None:  # filled by `joined`
+            return
         self.name = w_a8_name(codes.info.bits)
         self.isa = isa or cpu_ext.isa()
         self.group = codes.group_len
@@ -119,9 +121,42 @@ class W4A8(Kernel):
         self.register_buffer("scale", scale)  # (n / 16, n_groups, 16) float16
         self.register_buffer("zero", zero)
 
+    @classmethod
+    def joined(cls, parts: list[W4A8]) -> W4A8 | None:
+        """One kernel computing ``parts``' outputs side by side in one call, or None where their
+        codes differ in width, group, ISA or input size. Tiles are whole rows, so each output
+        is the part's own, bit for bit; the parts' buffers become views of the joined ones (the
+        codes stay held once)."""
+        first = parts[0]
+        done = getattr(first, "joined_into", (None,))[0]
+        if done is not None and all(
+            p.joined_into == (done, i, len(parts))
+            and p.packed.untyped_storage().data_ptr() == done.packed.untyped_storage().data_ptr()
+            for i, p in enumerate(parts)
+        ):
+            return done  # joined before (each decoding run's forward asks again): no new copy
+        same = ("name", "group", "isa")
+        if any(getattr(p, a) != getattr(first, a) for p in parts for a in same) or any(
+            p.packed.shape[1:] != first.packed.shape[1:] for p in parts
+        ):
+            return None
+        out = cls(None)
+        out.name, out.isa, out.group = first.name, first.isa, first.group
+        start = 0
+        for buffer in ("packed", "scale", "zero"):
+            out.register_buffer(buffer, torch.cat([getattr(p, buffer) for p in parts]))
+        for p in parts:
+            tiles = p.packed.shape[0]
+            for buffer in ("packed", "scale", "zero"):
+                setattr(p, buffer, getattr(out, buffer)[start : start + tiles])
+            start += tiles
+        for i, p in enumerate(parts):
+            p.joined_into = (out, i, len(parts))  # a tuple: not registered as a submodule
+        return out
+
     def forward(self, x: Tensor) -> Tensor:
         y = cpu_w4a8.matmul(x, self.packed, self.scale, self.zero, self.group, self.isa)
-        return y.to(x.dtype)
+        return y if y.dtype == x.dtype else y.to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"isa={self.isa}"
