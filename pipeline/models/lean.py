@@ -84,8 +84,7 @@ class LeanLM(nn.Module):
         self.heads = cfg.num_attention_heads
         self.kv_heads = getattr(cfg, "num_key_value_heads", None) or self.heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
-        # q/k/v and gate/up as one call each where the layers can join (quantized CPU kernels);
-        # plain lists: the joined layers hold the model's own codes, not parameters of this one
+        # q/k/v and gate/up as one call each where they join; lists: not this module's state
         self.qkv = [
             _joined(layer.self_attn, ("q_proj", "k_proj", "v_proj")) for layer in model.model.layers
         ]

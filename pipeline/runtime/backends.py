@@ -106,9 +106,8 @@ class TorchQuantLinear(nn.Module):
 
     @classmethod
     def joined(cls, layers: list[nn.Module]) -> JoinedLinear | None:
-        """One layer computing ``cat([layer(x) for layer in layers], -1)`` in one kernel call
-        (q/k/v, gate/up: each call costs ~20 µs besides its bytes), or None where the layers'
-        kernels cannot join. The layers keep working, on views of the joined codes."""
+        """``cat([layer(x) for layer in layers], -1)`` in one kernel call, or None where the
+        layers' kernels cannot join (docs/kernels.md)."""
         if not all(
             type(layer) is cls
             and isinstance(layer.impl, kernels.W4A8)
@@ -131,8 +130,7 @@ class TorchQuantLinear(nn.Module):
 
 
 class JoinedLinear(nn.Module):
-    """Several quantized linears on one input as one kernel call (:meth:`TorchQuantLinear.joined`):
-    (..., k) -> (..., sum of ``sizes``), the layers' outputs in order."""
+    """(..., k) -> (..., sum of ``sizes``): :meth:`TorchQuantLinear.joined`'s layers in order."""
 
     def __init__(self, impl: kernels.Kernel, bias: Tensor | None, sizes: list[int]) -> None:
         super().__init__()

@@ -123,10 +123,8 @@ class W4A8(Kernel):
 
     @classmethod
     def joined(cls, parts: list[W4A8]) -> W4A8 | None:
-        """One kernel computing ``parts``' outputs side by side in one call, or None where their
-        codes differ in width, group, ISA or input size. Tiles are whole rows, so each output
-        is the part's own, bit for bit; the parts' buffers become views of the joined ones (the
-        codes stay held once)."""
+        """One kernel for ``parts``' outputs side by side (each the part's own, bit for bit), or
+        None where their codes differ; the parts' buffers become views of the joined ones."""
         first = parts[0]
         done = getattr(first, "joined_into", (None,))[0]
         if done is not None and all(
@@ -134,7 +132,7 @@ class W4A8(Kernel):
             and p.packed.untyped_storage().data_ptr() == done.packed.untyped_storage().data_ptr()
             for i, p in enumerate(parts)
         ):
-            return done  # joined before (each decoding run's forward asks again): no new copy
+            return done  # joined before: no new copy
         same = ("name", "group", "isa")
         if any(getattr(p, a) != getattr(first, a) for p in parts for a in same) or any(
             p.packed.shape[1:] != first.packed.shape[1:] for p in parts
