@@ -140,16 +140,15 @@ class W4A8(Kernel):
             return None
         out = cls(None)
         out.name, out.isa, out.group = first.name, first.isa, first.group
-        start = 0
         for buffer in ("packed", "scale", "zero"):
             out.register_buffer(buffer, torch.cat([getattr(p, buffer) for p in parts]))
-        for p in parts:
+        start = 0
+        for i, p in enumerate(parts):
             tiles = p.packed.shape[0]
             for buffer in ("packed", "scale", "zero"):
                 setattr(p, buffer, getattr(out, buffer)[start : start + tiles])
-            start += tiles
-        for i, p in enumerate(parts):
             p.joined_into = (out, i, len(parts))  # a tuple: not registered as a submodule
+            start += tiles
         return out
 
     def forward(self, x: Tensor) -> Tensor:

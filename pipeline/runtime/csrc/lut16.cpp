@@ -227,15 +227,20 @@ at::Tensor lut16_mm(at::Tensor x, at::Tensor packed, at::Tensor base, at::Tensor
   const uint8_t *wp = packed.data_ptr<uint8_t>(), *rp = ridx.data_ptr<uint8_t>();
   const uint16_t* bp = reinterpret_cast<const uint16_t*>(base.data_ptr<at::Half>());
   float* op = out.data_ptr<float>();
-  if (avx512) {
+  // call(i, m0, r): weight row i times activation rows m0 .. m0 + r, r <= max_rows
+  const auto each_row = [&](int max_rows, const auto& call) {
     at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
-        for (int64_t m0 = 0; m0 < rows; m0 += avx512::kMaxRows) {
-          const int r = static_cast<int>(std::min<int64_t>(avx512::kMaxRows, rows - m0));
-          avx512::kRowFns[r](wp + i * (k / 2), bp + i * groups, rp + i * groups, tp,
-                             xp + m0 * k, k, group_len, op + m0 * n + i, n);
+        for (int64_t m0 = 0; m0 < rows; m0 += max_rows) {
+          call(i, m0, static_cast<int>(std::min<int64_t>(max_rows, rows - m0)));
         }
       }
+    });
+  };
+  if (avx512) {
+    each_row(avx512::kMaxRows, [&](int64_t i, int64_t m0, int r) {
+      avx512::kRowFns[r](wp + i * (k / 2), bp + i * groups, rp + i * groups, tp, xp + m0 * k, k,
+                         group_len, op + m0 * n + i, n);
     });
     return out;
   }
@@ -250,15 +255,9 @@ at::Tensor lut16_mm(at::Tensor x, at::Tensor packed, at::Tensor base, at::Tensor
     avx2::quantize_row(xp + m * k, k, group_len, xq.data() + m * k, xs.data() + m * groups);
   }
   const avx2::RowFn* fns = avx2::row_fns(group_len);
-  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      for (int64_t m0 = 0; m0 < rows; m0 += avx2::kMaxRows) {
-        const int r = static_cast<int>(std::min<int64_t>(avx2::kMaxRows, rows - m0));
-        fns[r](wp + i * (k / 2), bp + i * groups, rp + i * groups, tbytes.data(),
-               tscale.data(), xq.data() + m0 * k, xs.data() + m0 * groups, k, group_len,
-               op + m0 * n + i, n);
-      }
-    }
+  each_row(avx2::kMaxRows, [&](int64_t i, int64_t m0, int r) {
+    fns[r](wp + i * (k / 2), bp + i * groups, rp + i * groups, tbytes.data(), tscale.data(),
+           xq.data() + m0 * k, xs.data() + m0 * groups, k, group_len, op + m0 * n + i, n);
   });
   return out;
 }
