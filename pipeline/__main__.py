@@ -9,6 +9,8 @@ lowbit -m quant.budget_bits=2.5,3,4      # a sweep: each point in its own run di
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import faulthandler
 import logging
 import logging.config
@@ -330,11 +332,22 @@ def _log_beside(where: Path, hydra_cfg) -> logging.Handler | None:
     return handler
 
 
+M_ARENA_MAX = -8  # glibc's malloc.h
+
+
+def _one_heap() -> None:
+    """One glibc malloc arena, before threads start: one per thread grows peaks (docs/memory.md)."""
+    if "MALLOC_ARENA_MAX" not in os.environ:
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL("libc.so.6").mallopt(M_ARENA_MAX, 1)
+
+
 def main() -> None:
     if "--version" in sys.argv[1:]:  # Hydra's own flag would print Hydra's version
         print(f"lowbit {__version__}")
         return
     faulthandler.enable()  # a crash in native code leaves every thread's Python stack in the log
+    _one_heap()
     sys.argv = sys.argv[:1] + _with_flags(sys.argv[1:])
     if not sys.stderr.isatty():
         # Their bars grow one line forever in a log; set before transformers is imported.

@@ -190,9 +190,14 @@ def _evaluate(facts: RunFacts, cfg: Any) -> tuple[Terms, Terms]:
         "activations": forward_activations(s, tokens, seq, 4),
         "logits": logits(s, tokens, 2),
     }
+    # Teacher-forced acceptance: a batch of the longest prompts, logits, softmaxes, their minimum.
+    longest = max(cfg.long_len if s_ == "long" else cfg.prompt_len for s_ in cfg.scenarios)
+    tf = min(cfg.batch_size, cfg.scenario_prompts) * longest
+    accept = compute | {"activations": forward_activations(s, tf, longest, 4),
+                        "logits": logits(s, tf, 5)}  # fmt: skip
     # A target stored in a dtype it does not compute in is cast whole, held in both a moment.
     load = {"target": compute["target"], "as stored (cast)": s.params * s.dtype_bytes // over}
-    phases = [compute, load] if loaded != s.dtype_bytes else [compute]
+    phases = [compute, accept] + ([load] if loaded != s.dtype_bytes else [])
     return peak(facts.split(True, phase, {}) for phase in phases)
 
 

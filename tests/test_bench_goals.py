@@ -463,29 +463,36 @@ def test_rehearsal_goals_met_missed_and_missing():
         *_rows("default", {"bootstrap": 1.1, "quantize": 0.85}),
         *_rows("8b", {"sensitivity": 1.0, "distill": 1.25}, peak=12.0),
         *_rows("70b", {"sensitivity": 1.0, "quantize": 1.0}, peak=1.0),
+        *_rows("70b-2", {"sensitivity": 1.0, "quantize": 1.0}, peak=1.0),
     ]
-    goals = rehearsal.rehearsal_goals(rows, {"8b": 3.0, "70b": 5.0})
+    sizes = {"8b": 3.0, "70b": 5.0, "70b-2": 6.0}  # 80 layers: 6 + 78 x 1 = 84 GiB
+    goals = rehearsal.rehearsal_goals(rows, sizes)
     assert verdicts(goals) == ["met", "MISSED", "met", "met", "met"]
     assert "(distill)" in goals[1]["goal"] and math.isclose(goals[1]["value"], 1.25)
-    assert math.isclose(goals[3]["value"], 12.0) and math.isclose(goals[4]["value"], 0.2)
-    # the 70B's streamed peaks over a quarter of its checkpoint, the 8B over the machine
-    big = [{**r, "measured GiB": 2.0} if r["shape"] == "70b" else r for r in rows]
-    assert verdicts(rehearsal.rehearsal_goals(big, {"70b": 5.0}))[4] == "MISSED"
+    assert math.isclose(goals[3]["value"], 12.0) and math.isclose(goals[4]["value"], 1 / 84)
+    # a 70B-shaped peak that grows with depth: 0.3 GiB a layer is 24.4 GiB at 80 layers
+    grows = [{**r, "measured GiB": 1.3} if r["shape"] == "70b-2" else r for r in rows]
+    deep = rehearsal.rehearsal_goals(grows, sizes)[4]
+    assert deep["verdict"] == "MISSED" and math.isclose(deep["value"], (1.3 + 78 * 0.3) / 84)
+    # a 70B-shaped plan off at the second depth misses the planner goal
+    off = [{**r, "planned/measured": 1.3} if r["shape"] == "70b-2" else r for r in rows]
+    assert verdicts(rehearsal.rehearsal_goals(off, sizes))[2] == "MISSED"
     huge = [{**r, "measured GiB": 30.0} if r["shape"] == "8b" else r for r in rows]
-    assert verdicts(rehearsal.rehearsal_goals(huge, {"70b": 5.0}))[3] == "MISSED"
+    assert verdicts(rehearsal.rehearsal_goals(huge, sizes))[3] == "MISSED"
 
 
 def test_rehearsal_a_stopped_stage_or_a_missing_plan_is_not_measured():
     rows = [
         *_rows("default", {"bootstrap": None}),  # no planner: no ratio
         *[{**r, "status": "stopped at 14.1 GiB"} for r in _rows("8b", {"evaluate": 1.0})],
-        *_rows("70b", {"sensitivity": 1.0}),  # quantize never ran
+        *_rows("70b", {"sensitivity": 1.0, "quantize": 1.0}),
+        *_rows("70b-2", {"sensitivity": 1.0}),  # quantize never ran
     ]
-    goals = rehearsal.rehearsal_goals(rows, {"70b": 5.0})
+    goals = rehearsal.rehearsal_goals(rows, {"70b": 5.0, "70b-2": 6.0})
     missing = not_measured(goals)
     assert [g["goal"].split(":")[0] for g in missing] == ["default", "8b", "70b"]
     assert "evaluate did not finish" in missing[1]["goal"]
-    assert "quantize" in missing[2]["goal"]
+    assert "70b-2 quantize" in missing[2]["goal"]
     assert len(not_measured(rehearsal.rehearsal_goals([], {}))) == 5
 
 

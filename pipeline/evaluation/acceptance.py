@@ -16,6 +16,7 @@ import logging
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from pipeline.progress import progress
@@ -24,6 +25,8 @@ from pipeline.speculative.cost import measure_cost_ratio, measure_verify_cost
 from pipeline.speculative.decoding import speculative_decoder
 from pipeline.speculative.metrics import teacher_forced_acceptance
 from pipeline.speculative.stats import decode_prompts, pair_name
+
+TOKENIZE_BATCH = 256
 
 __all__ = [
     "acceptance_table",
@@ -77,7 +80,14 @@ def heldout_scenarios(
     """Scenario prompt sets (long, repetition, rare, mix) cut from tokenised documents."""
     from pipeline.data.scenarios import build_scenarios
 
-    ids = tokenizer(documents, add_special_tokens=False)["input_ids"]
+    # A batch at a time, kept as arrays: a split in one call peaks at its encodings' size.
+    ids = [
+        np.asarray(doc, dtype=np.int64)
+        for i in range(0, len(documents), TOKENIZE_BATCH)
+        for doc in tokenizer(
+            documents[i : i + TOKENIZE_BATCH], add_special_tokens=False, return_attention_mask=False
+        )["input_ids"]
+    ]
     return build_scenarios(
         ids,
         n_prompts=n_prompts,

@@ -181,3 +181,20 @@ def test_new_tokens_per_scenario(target):
         assert per[scen] == alone["self@t"][scen]
     # a self pair accepts every draft: 2 tokens take one target call, 24 take several of 4
     assert per["mix"]["tau"] <= 2.0 < per["long"]["tau"]
+
+
+def test_scenarios_cut_from_batched_tokenization_equal_one_call(monkeypatch):
+    """Tokenizing a split a batch of documents at a time (its peak is one batch's encodings)
+    cuts the very prompts one call over every document does."""
+    from pipeline.data.scenarios import build_scenarios
+    from pipeline.evaluation import acceptance
+    from pipeline.models.hf import train_tokenizer
+
+    words = ["river", "hill", "stone", "cloud", "field", "lamp", "bread", "music"]
+    docs = [" ".join(words[(i * k) % 8] for k in range(3, 40)) + f" x{i}" for i in range(50)]
+    tokenizer = train_tokenizer(docs, 200)
+    monkeypatch.setattr(acceptance, "TOKENIZE_BATCH", 7)  # 50 documents: 8 calls
+    shape = dict(n_prompts=3, prompt_len=12, long_len=30, seed=1)
+    batched = acceptance.heldout_scenarios(tokenizer, docs, **shape)
+    whole = build_scenarios(tokenizer(docs, add_special_tokens=False)["input_ids"], **shape)
+    assert batched == whole and all(batched[s] for s in batched)
