@@ -25,6 +25,7 @@ DEVICE_CONTEXT = int(0.5 * GIB)  # a CUDA/CANN context and its kernels, outside 
 # packages), and bootstrap's BPE training on it (during bootstrap); the standard library's
 # docstrings alone (conf/experiment/smoke.yaml) hold about 1.5 M characters.
 CORPUS_BYTES_PER_CHAR = 22
+CORPUS_KEPT_BYTES_PER_CHAR = 10  # what reading it leaves: its imports and cached text
 TOKENIZER_BYTES_PER_CHAR = 28
 STDLIB_CHARS = 1_500_000
 TRAINING = ("bootstrap", "distill", "reinforce")
@@ -98,9 +99,11 @@ class RunFacts:
         chars = data.builtin_max_chars or 0
         if not data.builtin_packages:  # the standard library's docstrings alone
             chars = min(chars, STDLIB_CHARS)
-        after_bootstrap = "bootstrap" in self.stages[: self._index(stage) + 1]
-        if after_bootstrap or stage not in ("allocate", "export"):
+        before = self.stages[: self._index(stage)]
+        if "bootstrap" in before or stage not in ("allocate", "export"):
             out["corpus"] = chars * CORPUS_BYTES_PER_CHAR
+        elif any(s not in ("allocate", "export") for s in before):
+            out["corpus read before"] = chars * CORPUS_KEPT_BYTES_PER_CHAR
         if stage == "bootstrap":
             out["tokenizer training"] = chars * TOKENIZER_BYTES_PER_CHAR
         return out

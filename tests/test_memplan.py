@@ -80,6 +80,19 @@ def test_the_default_plan_has_every_stage_and_adds_up():
     assert "sensitivity" in plan.table()
 
 
+def test_allocate_and_export_keep_what_an_earlier_stage_reading_the_corpus_left():
+    def terms(*names):
+        plan = plan_run(run_config(make_cfg()), dict.fromkeys(names))
+        return {n: plan.stage(n).terms for n in names}
+
+    after = terms("sensitivity", "allocate", "export")
+    assert after["allocate"]["corpus read before"] == after["export"]["corpus read before"] > 0
+    assert after["sensitivity"]["corpus"] > after["allocate"]["corpus read before"]
+    alone = terms("allocate", "export")  # nothing before them reads it
+    assert not [t for n in alone for t in alone[n] if t.startswith("corpus")]
+    assert "corpus" in terms("bootstrap", "allocate")["allocate"]  # bootstrap's whole term
+
+
 def _plan(tmp_path, *overrides):
     cfg = make_cfg("model=hf", f"model.target.path={LLAMA_70B}", corpus(tmp_path), *overrides)
     return plan_run(run_config(cfg), {
