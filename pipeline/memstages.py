@@ -191,7 +191,8 @@ def _evaluate(facts: RunFacts, cfg: Any) -> tuple[Terms, Terms]:
         "logits": logits(s, tokens, 2),
     }
     # Teacher-forced acceptance: a batch of the longest prompts, logits, softmaxes, their minimum.
-    longest = max(cfg.long_len if s_ == "long" else cfg.prompt_len for s_ in cfg.scenarios)
+    lengths = [cfg.long_len if name == "long" else cfg.prompt_len for name in cfg.scenarios]
+    longest = max(lengths, default=0)
     tf = min(cfg.batch_size, cfg.scenario_prompts) * longest
     accept = compute | {"activations": forward_activations(s, tf, longest, 4),
                         "logits": logits(s, tf, 5)}  # fmt: skip

@@ -93,6 +93,16 @@ def test_allocate_and_export_keep_what_an_earlier_stage_reading_the_corpus_left(
     assert "corpus" in terms("bootstrap", "allocate")["allocate"]  # bootstrap's whole term
 
 
+def test_evaluate_plans_acceptance_on_its_longest_prompts_and_none_without_scenarios():
+    def evaluate(*overrides):
+        cfg = make_cfg(*overrides)
+        plan = plan_run(run_config(cfg), {"evaluate": workflow.stage_config(cfg, "evaluate")[0]})
+        return plan.stage("evaluate").terms["logits"]
+
+    mix, none = evaluate("stage.evaluate.scenarios=[mix]"), evaluate("stage.evaluate.scenarios=[]")
+    assert evaluate() > mix > none  # the long scenario's 576-token prompts, then 128 tokens
+
+
 def _plan(tmp_path, *overrides):
     cfg = make_cfg("model=hf", f"model.target.path={LLAMA_70B}", corpus(tmp_path), *overrides)
     return plan_run(run_config(cfg), {
