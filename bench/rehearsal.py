@@ -403,7 +403,9 @@ def depth_goal(rows: Sequence[dict], checkpoint_gib: dict[str, float]) -> dict:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--shapes", default="default,8b,70b", help=f"comma list of {', '.join(SHAPES)}")
+    p.add_argument(
+        "--shapes", default="default,8b,70b,70b-2", help=f"comma list of {', '.join(SHAPES)}"
+    )
     p.add_argument(
         "--root",
         default="/tmp/lowbit-rehearsal",
