@@ -29,6 +29,7 @@ CORPUS_KEPT_BYTES_PER_CHAR = 10  # what reading it leaves: its imports and cache
 TOKENIZER_BYTES_PER_CHAR = 28
 STDLIB_CHARS = 1_500_000
 TRAINING = ("bootstrap", "distill", "reinforce")
+NO_CORPUS = ("allocate", "export")  # the stages that never read the corpus
 # A stored shard read whole before its tensors move to the device (transformers' loaders).
 SHARD_BYTES = 5 * 10**9
 
@@ -100,9 +101,9 @@ class RunFacts:
         if not data.builtin_packages:  # the standard library's docstrings alone
             chars = min(chars, STDLIB_CHARS)
         before = self.stages[: self._index(stage)]
-        if "bootstrap" in before or stage not in ("allocate", "export"):
+        if "bootstrap" in before or stage not in NO_CORPUS:
             out["corpus"] = chars * CORPUS_BYTES_PER_CHAR
-        elif any(s not in ("allocate", "export") for s in before):
+        elif any(s not in NO_CORPUS for s in before):
             out["corpus read before"] = chars * CORPUS_KEPT_BYTES_PER_CHAR
         if stage == "bootstrap":
             out["tokenizer training"] = chars * TOKENIZER_BYTES_PER_CHAR
