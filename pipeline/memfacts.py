@@ -92,22 +92,26 @@ class RunFacts:
 
     def corpus(self, stage: str) -> Terms:
         """The built-in corpus in this process (text, token ids, the packages imported to read
-        it), and bootstrap's tokenizer training, freed when it ends; a user's corpus is unknown
-        until read (a note says so)."""
-        data, out = self.run.data, {}
-        if data.path is not None or data.name is not None:
+        it); a user's corpus is unknown until read (a note says so)."""
+        out, chars = {}, self.builtin_chars
+        if not chars:
             return out
-        chars = data.builtin_max_chars or 0
-        if not data.builtin_packages:  # the standard library's docstrings alone
-            chars = min(chars, STDLIB_CHARS)
         before = self.stages[: self._index(stage)]
         if "bootstrap" in before or stage not in NO_CORPUS:
             out["corpus"] = chars * CORPUS_BYTES_PER_CHAR
         elif any(s not in NO_CORPUS for s in before):
             out["corpus read before"] = chars * CORPUS_KEPT_BYTES_PER_CHAR
-        if stage == "bootstrap":
-            out["tokenizer training"] = chars * TOKENIZER_BYTES_PER_CHAR
         return out
+
+    @property
+    def builtin_chars(self) -> int:
+        data = self.run.data
+        if data.path is not None or data.name is not None:
+            return 0
+        chars = data.builtin_max_chars or 0
+        if not data.builtin_packages:  # the standard library's docstrings alone
+            chars = min(chars, STDLIB_CHARS)
+        return chars
 
     def _index(self, stage: str) -> int:
         return self.stages.index(stage) if stage in self.stages else len(self.stages)

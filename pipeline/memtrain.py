@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from pipeline.memfacts import (
+    TOKENIZER_BYTES_PER_CHAR,
     Estimate,
     Fixes,
     RunFacts,
@@ -156,7 +157,9 @@ def _bootstrap(facts: RunFacts, cfg: Any) -> tuple[Terms, Terms]:
         "activations": train_activations(s, tokens, data.seq_len, 4, eager=True),
         "logits": logits(s, tokens, 3),
     }
-    return facts.split(True, compute, {})
+    # The tokenizer's BPE training ends, and frees its memory, before the models train.
+    tokenizer = {"tokenizer training": facts.builtin_chars * TOKENIZER_BYTES_PER_CHAR}
+    return peak(facts.split(True, c, h) for c, h in ((compute, {}), ({}, tokenizer)))
 
 
 ESTIMATES = {

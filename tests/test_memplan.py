@@ -93,6 +93,18 @@ def test_allocate_and_export_keep_what_an_earlier_stage_reading_the_corpus_left(
     assert "corpus" in terms("bootstrap", "allocate")["allocate"]  # bootstrap's whole term
 
 
+def test_bootstrap_plans_its_tokenizer_and_its_training_as_phases_not_a_sum():
+    def bootstrap(*overrides):
+        cfg = make_cfg(*overrides)
+        plan = plan_run(run_config(cfg), {"bootstrap": workflow.stage_config(cfg, "bootstrap")[0]})
+        return plan.stage("bootstrap").terms
+
+    tokenizer = bootstrap()  # the built-in corpus's BPE training outweighs a 1.4 M model
+    assert "tokenizer training" in tokenizer and "activations" not in tokenizer
+    wide = bootstrap("model.target.hidden=512", "stage.bootstrap.batch_size=64")
+    assert "activations" in wide and "tokenizer training" not in wide
+
+
 def test_evaluate_plans_acceptance_on_its_longest_prompts_and_none_without_scenarios():
     def evaluate(*overrides):
         cfg = make_cfg(*overrides)
