@@ -189,15 +189,21 @@ def overrides(shape: Shape, run_dir: Path, target: Path | None, draft: Path | No
 
 
 def _tree_rss_kib(pid: int) -> int:
-    """Resident KiB of ``pid`` and its descendants (a stage may start workers)."""
-    total, todo = 0, [pid]
+    """Resident KiB of ``pid`` and its descendants (a stage may start workers). A child that has
+    not yet exec'd (its command line is its parent's) shares its parent's pages: the git calls a
+    stage makes on ending counted the stage twice."""
+    total, todo = 0, [(pid, b"")]
     while todo:
-        p = todo.pop()
+        p, parent_cmd = todo.pop()
         try:
+            cmd = Path(f"/proc/{p}/cmdline").read_bytes()
             status = Path(f"/proc/{p}/status").read_text()
-            total += next(int(x.split()[1]) for x in status.splitlines() if x.startswith("VmRSS:"))
+            if cmd != parent_cmd:
+                total += next(
+                    int(x.split()[1]) for x in status.splitlines() if x.startswith("VmRSS:")
+                )
             for task in Path(f"/proc/{p}/task").iterdir():
-                todo += [int(c) for c in (task / "children").read_text().split()]
+                todo += [(int(c), cmd) for c in (task / "children").read_text().split()]
         except (OSError, StopIteration, ValueError):
             continue  # gone meanwhile
     return total

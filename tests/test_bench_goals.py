@@ -9,6 +9,8 @@ import ast
 import importlib
 import math
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -535,3 +537,28 @@ def test_quality_without_the_2_5_bit_plan_its_goal_is_missed():
     rows = [{"row": "lowbit gptq int3g128", "ppl": 44.0}]  # --budgets 4.0
     (plan_goal,) = not_measured(quality.quality_goals(rows, []))
     assert "no lowbit mixed@2.5 row" in plan_goal["goal"]
+
+
+def test_the_rehearsal_counts_a_child_that_shares_its_parents_pages_once():
+    import os
+    import signal
+    import subprocess
+
+    from bench.rehearsal import _tree_rss_kib
+
+    code = (
+        "import os, time; b = bytearray(300 * 2**20); b[::4096] = b'x' * len(b[::4096]); "
+        "os.fork() or time.sleep(60); time.sleep(60)"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+    try:
+        for _ in range(200):  # until the forked child is up and the buffer resident
+            kids = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+            if kids and _tree_rss_kib(proc.pid) > 250 * 2**10:
+                break
+            time.sleep(0.05)
+        assert kids, "the child did not fork"
+        own = _tree_rss_kib(proc.pid)
+        assert 250 * 2**10 < own < 450 * 2**10  # once, not twice (about 620 MiB)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
