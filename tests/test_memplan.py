@@ -93,11 +93,16 @@ def test_allocate_and_export_keep_what_an_earlier_stage_reading_the_corpus_left(
     assert "corpus" in terms("bootstrap", "allocate")["allocate"]  # bootstrap's whole term
 
 
+def stage_terms(stage, *overrides):
+    """{term: bytes} of `stage` alone in the plan of a run with `overrides`."""
+    cfg = make_cfg(*overrides)
+    plan = plan_run(run_config(cfg), {stage: workflow.stage_config(cfg, stage)[0]})
+    return plan.stage(stage).terms
+
+
 def test_bootstrap_plans_its_tokenizer_and_its_training_as_phases_not_a_sum():
     def bootstrap(*overrides):
-        cfg = make_cfg(*overrides)
-        plan = plan_run(run_config(cfg), {"bootstrap": workflow.stage_config(cfg, "bootstrap")[0]})
-        return plan.stage("bootstrap").terms
+        return stage_terms("bootstrap", *overrides)
 
     tokenizer = bootstrap()  # the built-in corpus's BPE training outweighs a 1.4 M model
     assert "tokenizer training" in tokenizer and "activations" not in tokenizer
@@ -107,9 +112,7 @@ def test_bootstrap_plans_its_tokenizer_and_its_training_as_phases_not_a_sum():
 
 def test_evaluate_plans_acceptance_on_its_longest_prompts_and_none_without_scenarios():
     def evaluate(*overrides):
-        cfg = make_cfg(*overrides)
-        plan = plan_run(run_config(cfg), {"evaluate": workflow.stage_config(cfg, "evaluate")[0]})
-        return plan.stage("evaluate").terms["logits"]
+        return stage_terms("evaluate", *overrides)["logits"]
 
     mix, none = evaluate("stage.evaluate.scenarios=[mix]"), evaluate("stage.evaluate.scenarios=[]")
     assert evaluate() > mix > none  # the long scenario's 576-token prompts, then 128 tokens
