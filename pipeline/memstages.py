@@ -64,6 +64,11 @@ def _sensitivity(facts: RunFacts, cfg: Any) -> tuple[Terms, Terms]:
             compute["probes and Hv"] = scored * 8  # its double backward keeps the graph twice
             compute["activations"] *= 2
     compute["scoring"] = max(s.largest_linear, s.embed_params) * 4 * 4  # Q(w) - w per format
+    if cfg.delta == "gptq":  # every input Hessian until scored; one layer's GPTQ at a time
+        if cfg.method != "gptq_proxy":
+            compute["input Hessians"] = _hessians(s, s.layers) + s.hidden**2 * 4
+        largest = max(s.largest_linear, (s.head_params or s.embed_params) * cfg.include_lm_head)
+        compute["GPTQ factors and copies"] = 5 * max(s.input_widths) ** 2 * 4 + largest * 32
     if facts.device != "cpu" and _on_device(facts, cfg):
         host["shard read"] = min(s.checkpoint_bytes(), SHARD_BYTES)
     return facts.split(_on_device(facts, cfg), compute, host)

@@ -118,6 +118,14 @@ def test_evaluate_plans_acceptance_on_its_longest_prompts_and_none_without_scena
     assert evaluate() > mix > none  # the long scenario's 576-token prompts, then 128 tokens
 
 
+def test_sensitivity_plans_the_hessians_a_gptq_delta_holds():
+    gptq, rtn = stage_terms("sensitivity"), stage_terms("sensitivity", "quant.method=rtn")
+    assert "input Hessians" not in rtn and "GPTQ factors and copies" not in rtn
+    hidden, inter, layers = 128, 384, 4  # the default target: q/k/v, o, gate/up in 128, down 384
+    assert gptq["input Hessians"] == layers * (3 * hidden**2 + inter**2) * 4 + hidden**2 * 4
+    assert gptq["GPTQ factors and copies"] > 5 * inter**2 * 4
+
+
 def _plan(tmp_path, *overrides):
     cfg = make_cfg("model=hf", f"model.target.path={LLAMA_70B}", corpus(tmp_path), *overrides)
     return plan_run(run_config(cfg), {

@@ -16,6 +16,7 @@ from pipeline.analysis.streamed_fisher import analyze_fisher_streamed
 from pipeline.dist import Dist
 from pipeline.models.checkpoint import StreamingCheckpoint
 from pipeline.models.hf import load_causal_lm
+from pipeline.quant.sequential import QuantOptions
 from pipeline.streaming import StreamOptions
 
 
@@ -33,6 +34,7 @@ class Estimator:
     fit_layers: int = 8
     include_lm_head: bool = True
     include_embeddings: bool = True
+    gptq: QuantOptions | None = None  # scale ΔL to the output error GPTQ leaves (loaded only)
 
 
 @dataclass(frozen=True)
@@ -76,6 +78,7 @@ def estimate(
             weighting=e.weighting,
             batch_size=e.batch_size,
             progress=True,
+            gptq=e.gptq,
             **scope,
         )
         if e.importance == "combined":

@@ -74,6 +74,7 @@ class SensitivityReport(handoff.HandOff):
     importance: dict[str, Any] | None = None  # combined: fitted weights, fit layers, KL, ρ
     outliers: str | None = None  # quant.outliers and outlier_cap when columns were scored
     outlier_cap: float | None = None
+    delta: str | None = None  # whose error ΔL weighs: rtn | gptq (RTN's, scaled); None: rtn
 
     def by_name(self) -> dict[str, LayerScore]:
         return {layer.name: layer for layer in self.layers}

@@ -10,6 +10,7 @@ both sums are all-reduced, so every rank returns the same report.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -26,6 +27,7 @@ from pipeline.analysis.scores import (
     Weigh,
     embedding_weigh,
     fisher_weigh,
+    gptq_share,
     gradient_weigh,
     hessian_weigh,
     layer_dloss,
@@ -34,6 +36,7 @@ from pipeline.analysis.scores import (
 )
 from pipeline.dist import Dist
 from pipeline.models.adapters import fused_groups, get_adapter, linear_names
+from pipeline.quant.sequential import QuantOptions
 
 METHODS = ("fisher", "hutchinson", "gptq_proxy", "gradient")
 NO_STATS = {
@@ -75,17 +78,20 @@ def analyze(
     include_embeddings: bool = True,
     progress: bool = False,
     keep_cap: float | None = None,
+    gptq: QuantOptions | None = None,
 ) -> dict:
     """Sensitivity report (``SensitivityReport``'s fields) of ``model`` on ``windows`` (S, T),
-    the same tensor on every rank; the options are ``Estimator``'s (pipeline.analysis.estimate)
-    and ``keep_cap`` also scores kept outlier columns (at most that share of the inputs)."""
+    the same tensor on every rank; the options are ``Estimator``'s (pipeline.analysis.estimate),
+    ``keep_cap`` also scores kept outlier columns (at most that share of the inputs) and with
+    ``gptq`` each linear's ΔL is scaled by the share of RTN's output error GPTQ leaves."""
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     dist = dist or Dist()
     modules = scored_modules(model, include_lm_head, include_embeddings)
     linears = {n: m for n, m in modules.items() if isinstance(m, nn.Linear)}
     shared = {n: g[0] for g in fused_groups(model) for n in g[1:]}  # k, v -> q; up -> gate
-    capture = Capture(linears, hessians=method == "gptq_proxy", shared=shared)
+    hessians = method == "gptq_proxy" or gptq is not None
+    capture = Capture(linears, hessians=hessians, shared=shared)
     estimate = dict(probes=probes, fisher_labels=fisher_labels, seed=seed, batch_size=batch_size)
     weigh = _weighs(model, windows, modules, capture, method, weighting, dist, progress, estimate)
     cols = {}
@@ -93,7 +99,10 @@ def analyze(
         cols = {n: outlier_columns(capture.stats[n].absmax, keep_cap) for n in linears}
     params = {n: m.weight for n, m in modules.items()}
     device = next(model.parameters()).device  # NCCL reduces device tensors only
-    table = _dloss_table(params, candidates, weigh, cols, dist, device)
+    share = None
+    if gptq is not None:
+        share = {n: functools.partial(gptq_share, H=capture.hessian(n), opts=gptq) for n in linears}
+    table = _dloss_table(params, candidates, weigh, cols, dist, device, share)
     layers, k = [], len(candidates)
     for i, name in enumerate(params):
         stats = capture.stats[name].summary() if name in linears else dict(NO_STATS)
@@ -110,6 +119,7 @@ def analyze(
         fisher_labels=fisher_labels if method == "fisher" else None,
         candidates=candidates,
         windows=windows,
+        delta="rtn" if gptq is None else "gptq",
     )
 
 
@@ -149,13 +159,17 @@ def _weighs(model, windows, modules, capture, method, weighting, dist, progress,
     return weigh
 
 
-def _dloss_table(params, candidates, weigh, cols, dist: Dist, device: torch.device) -> Tensor:
-    """(layers, 2k) float64 ΔL, then with kept columns; layers split over ranks, all-reduced."""
+def _dloss_table(params, candidates, weigh, cols, dist: Dist, device, share) -> Tensor:
+    """(layers, 2k) float64 ΔL, then with kept columns, each scaled by ``share`` ({name: w ->
+    {format: factor}}) where given; layers split over ranks, all-reduced."""
     names, k = list(params), len(candidates)
     table = torch.zeros(len(names), 2 * k, dtype=torch.float64, device=device)
     for i in dist.shard(len(names)):
-        dl, dk = layer_dloss_keep(params[names[i]], candidates, weigh[names[i]], cols.get(names[i]))
-        row = [dl[f] for f in candidates] + [dk.get(f, 0.0) for f in candidates]
+        n = names[i]
+        dl, dk = layer_dloss_keep(params[n], candidates, weigh[n], cols.get(n))
+        s = share[n](params[n], formats=candidates) if share and n in share else {}
+        row = [dl[f] * s.get(f, 1.0) for f in candidates]
+        row += [dk.get(f, 0.0) * s.get(f, 1.0) for f in candidates]
         table[i] = torch.tensor(row, dtype=torch.float64, device=device)
     dist.all_reduce_(table)
     return table
@@ -217,6 +231,7 @@ def report(
     fisher_labels: str | None,
     candidates: Sequence[str],
     windows: Tensor,
+    delta: str = "rtn",
 ) -> dict:
     """The sensitivity.json contract around the scored ``layers`` of a model with ``config``."""
     names = {layer["name"] for layer in layers}
@@ -230,4 +245,5 @@ def report(
         "tied_embeddings": bool(getattr(config, "tie_word_embeddings", False)),
         "fused_groups": [g for g in fused_groups(config) if all(n in names for n in g)],
         "layers": layers,
+        "delta": delta,
     }

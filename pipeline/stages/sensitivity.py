@@ -21,6 +21,7 @@ from pipeline.data.text import Corpus
 from pipeline.errors import ConfigError
 from pipeline.models.hf import load_tokenizer
 from pipeline.quant.formats import Format
+from pipeline.quant.sequential import QuantOptions
 from pipeline.runmodels import fp_target
 from pipeline.stages import Stage, StageIO
 
@@ -43,6 +44,9 @@ class SensitivityConfig:
     # fisher, gptq_proxy: segments from the shards (bigger than memory); null: from 6 B
     # parameters on (pipeline.modelshape), where the loaded estimate outgrows a node
     stream: bool | None = None
+    # Whose error ΔL weighs: rtn, or rtn's scaled by the share of its output error GPTQ leaves
+    # (loaded, single estimator); null: gptq where quant.method=gptq allows it, else rtn
+    delta: Literal["rtn", "gptq"] | None = None
 
     REMOVED: ClassVar[dict[str, str]] = REMOVED_DEVICE
 
@@ -56,6 +60,12 @@ class SensitivityConfig:
                 f"estimate and the measured KL of the loaded model: set {prefix}.importance="
                 f"single or {prefix}.stream=false",
             )
+        if self.delta == "gptq" and (self.stream or self.importance == "combined"):
+            raise ConfigError(
+                f"{prefix}.delta",
+                "is gptq, which the loaded single estimate computes (not stream=true, not "
+                f"importance=combined, whose fit is to RTN's KL): set {prefix}.delta=rtn",
+            )
         if self.stream and self.method in ("hutchinson", "gradient"):
             raise ConfigError(
                 f"{prefix}.stream",
@@ -64,12 +74,24 @@ class SensitivityConfig:
             )
 
     def scaled(self, run: RunConfig) -> SensitivityConfig:
-        """A null `stream` decided by the target's size (loaded where only that path works)."""
-        if self.stream is not None:
-            return self
-        loaded_only = self.method in ("hutchinson", "gradient") or self.importance == "combined"
-        large = by_size(run.model, "stage.sensitivity.stream").stream_sensitivity
-        return dataclasses.replace(self, stream=large and not loaded_only)
+        """A null `stream` decided by the target's size (loaded where only that path works),
+        then a null `delta` by the quantizer and the path."""
+        stream = self.stream
+        if stream is None:
+            loaded_only = self.method in ("hutchinson", "gradient") or self.importance == "combined"
+            large = by_size(run.model, "stage.sensitivity.stream").stream_sensitivity
+            stream = large and not loaded_only
+        delta = self.delta
+        if delta == "gptq" and run.quant.method != "gptq":  # checked here: the stage's view
+            raise ConfigError(  # of quant leaves out the method
+                "stage.sensitivity.delta",
+                f"is gptq, but quant.method={run.quant.method} quantizes: set "
+                "stage.sensitivity.delta=rtn or quant.method=gptq",
+            )
+        if delta is None:
+            gptq = run.quant.method == "gptq" and not stream and self.importance == "single"
+            delta = "gptq" if gptq else "rtn"
+        return dataclasses.replace(self, stream=stream, delta=delta)
 
 
 def check(cfg: SensitivityConfig, run: RunConfig) -> None:
@@ -106,7 +128,8 @@ def run(cfg: SensitivityConfig, run: RunConfig, io: StageIO) -> dict:
                     run.model.device_map, q.segment_size, q.activation_budget_gb)  # fmt: skip
     estimator = Estimator(cfg.method, cfg.importance, cfg.stream, cfg.gptq_weighting,
                           cfg.fisher_labels, cfg.hutchinson_probes, cfg.batch_size,
-                          cfg.fit_layers, cfg.include_lm_head, cfg.include_embeddings)  # fmt: skip
+                          cfg.fit_layers, cfg.include_lm_head, cfg.include_embeddings,
+                          _gptq(run.quant) if cfg.delta == "gptq" else None)  # fmt: skip
     cap = keep_cap(run)
     t0 = time.time()
     report = estimate(target, windows, candidates, estimator, dist=io.dist, seed=run.seed,
@@ -123,6 +146,11 @@ def run(cfg: SensitivityConfig, run: RunConfig, io: StageIO) -> dict:
     report.save(io.out_dir)
     write_plots(report, q.formats, io.out_dir)
     return _metrics(report, seconds)
+
+
+def _gptq(q) -> QuantOptions:
+    """GPTQ as quantize runs it (the method, outside this stage's view, is gptq: `scaled`)."""
+    return QuantOptions("gptq", q.block_size, q.damp, q.act_order)
 
 
 def _metrics(report: SensitivityReport, seconds: float) -> dict:
@@ -174,6 +202,10 @@ STAGE = Stage(
         "quant.segment_size",
         "quant.outliers",
         "quant.outlier_cap",
+        # delta=gptq runs GPTQ as quantize will
+        "quant.block_size",
+        "quant.damp",
+        "quant.act_order",
     ),
     distributed=True,
     check=check,

@@ -16,10 +16,11 @@ from pipeline.analysis.estimators import (
     mean_gradient,
     sequence_loss,
 )
-from pipeline.analysis.scores import gradient_weigh
+from pipeline.analysis.scores import gptq_share, gradient_weigh
 from pipeline.analysis.sensitivity import analyze
 from pipeline.dist import Dist
 from pipeline.lit.losses import kl_divergence
+from pipeline.quant.sequential import QuantOptions
 from tests.analysis.conftest import tiny_llama, windows
 
 FORMATS = ["int2", "int4"]  # per channel: rows of 8 and 16 weights
@@ -140,3 +141,32 @@ def test_tied_embeddings_are_scored_once_as_lm_head():
     assert "model.embed_tokens" not in names and names[-1] == "lm_head"
     assert report["tied_embeddings"] and len(names) == 1 + 7 * 2
     assert all(layer["dloss"]["int4"] > 0 for layer in report["layers"])
+
+
+def test_gptq_delta_scales_each_linear_by_the_share_gptq_leaves():
+    """delta=gptq: a linear's ΔL is the estimator's ΔL of RTN's δ times ``gptq_share`` under the
+    Hessian of the layer's own inputs; the embedding table (no GPTQ) keeps its ΔL."""
+    model, x = tiny_llama(), windows(n=4)
+    opts = QuantOptions("gptq", block_size=8, damp=0.01, act_order=True)
+    plain = analyze(model, x, FORMATS, "fisher", batch_size=2)
+    scaled = analyze(model, x, FORMATS, "fisher", batch_size=2, gptq=opts)
+    assert (plain["delta"], scaled["delta"]) == ("rtn", "gptq")
+    inputs: dict[str, list] = {}
+    hooks = [m.register_forward_hook(lambda m, a, o, n=n: inputs.setdefault(n, []).append(a[0]))
+             for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]  # fmt: skip
+    with torch.no_grad():
+        model(input_ids=x)
+    for h in hooks:
+        h.remove()
+    moved = 0
+    for a, b in zip(plain["layers"], scaled["layers"]):
+        name = a["name"]
+        if name == "model.embed_tokens":
+            assert a["dloss"] == b["dloss"]
+            continue
+        xs = torch.cat(inputs[name]).reshape(-1, model.get_submodule(name).in_features)
+        share = gptq_share(model.get_submodule(name).weight, 2 * xs.T @ xs / len(xs), FORMATS, opts)
+        for f in FORMATS:
+            assert b["dloss"][f] == pytest.approx(a["dloss"][f] * share[f], rel=1e-3), (name, f)
+            moved += share[f] < 0.99
+    assert moved > 0  # GPTQ left less than RTN's error somewhere

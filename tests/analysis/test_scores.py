@@ -8,12 +8,15 @@ import torch
 from pipeline.analysis.scores import (
     embedding_weigh,
     fisher_weigh,
+    gptq_share,
     hessian_weigh,
     layer_dloss,
     quant_error,
     trace_weigh,
 )
+from pipeline.quant.gptq import gptq_quantize
 from pipeline.quant.rtn import quantize_rtn
+from pipeline.quant.sequential import QuantOptions
 
 FORMATS = ["int2g32", "int3g32", "int4g32", "int8"]
 
@@ -61,3 +64,27 @@ def test_embedding_weighting_ignores_unseen_tokens():
     assert float(embedding_weigh(counts)(d)) == 0.0
     counts[3] = 4.0  # token 3 is half of all tokens: Σ freq ‖δ‖² = 0.5 * 4
     assert float(embedding_weigh(counts)(d)) == pytest.approx(2.0)
+
+
+def test_gptq_share_is_the_output_error_gptq_leaves_of_rtns():
+    """Inputs on a few directions: GPTQ moves the error where no input goes, so it leaves a small
+    share of RTN's output error; the share is the ratio of the two errors under H."""
+    torch.manual_seed(0)
+    x = torch.randn(400, 4) @ torch.randn(4, 64)  # (N, in), rank 4
+    H = 2 * x.T @ x / len(x)
+    w = torch.randn(16, 64)
+    opts = QuantOptions("gptq", block_size=32, damp=0.01, act_order=True)
+    share = gptq_share(w, H, ["int2g32", "int4g32"], opts)
+    assert all(0 < s < 0.2 for s in share.values())
+    qt, _ = gptq_quantize(w, H, "int2g32", 32, 0.01, True)
+    g, r = qt.dequantize() - w, quant_error(w, "int2g32")
+    assert share["int2g32"] == pytest.approx(float(((g @ H) * g).sum() / ((r @ H) * r).sum()))
+    # inputs in every direction leave GPTQ less room: a larger share
+    full = torch.randn(400, 64)
+    assert gptq_share(w, 2 * full.T @ full / 400, ["int2g32"], opts)["int2g32"] > 0.5
+
+
+def test_gptq_share_of_a_weight_rtn_stores_exactly_is_one():
+    w = quantize_rtn(torch.randn(8, 64), "int4g32").dequantize()  # already on the grid
+    opts = QuantOptions("gptq", block_size=32, damp=0.01, act_order=False)
+    assert gptq_share(w, torch.eye(64), ["int4g32"], opts) == {"int4g32": 1.0}

@@ -73,11 +73,12 @@ def test_invalid_method_is_rejected_before_compute():
 
 @pytest.mark.parametrize("method", ["gptq_proxy", "fisher"])
 def test_streamed_stage_matches_the_loaded_one(boot, tmp_path, method):
-    """stream=true (what the 70B experiment runs) writes the same ΔL as the loaded model."""
+    """stream=true (what the 70B experiment runs) writes the same ΔL as the loaded model (of
+    RTN's δ: the streamed walk scores no other)."""
     reports = {}
     for stream in ("false", "true"):
         overrides = (f"stage.sensitivity.method={method}", f"stage.sensitivity.stream={stream}",
-                     "quant.segment_size=2")  # fmt: skip
+                     "quant.segment_size=2", "stage.sensitivity.delta=rtn")  # fmt: skip
         cfg = boot_cfg(boot, tmp_path / stream, "stages=[bootstrap,sensitivity]", *overrides)
         workflow.run(cfg)
         path = tmp_path / stream / "run" / "sensitivity"
@@ -118,3 +119,38 @@ def test_combined_importance_cannot_stream():
             make_cfg("stage.sensitivity.importance=combined", "stage.sensitivity.stream=true"),
             "sensitivity",
         )
+
+
+@pytest.mark.parametrize(
+    ("overrides", "delta"),
+    [
+        ((), "gptq"),  # the default recipe quantizes with GPTQ, loaded
+        (("quant.method=rtn",), "rtn"),
+        (("stage.sensitivity.stream=true",), "rtn"),
+        (("stage.sensitivity.importance=combined",), "rtn"),  # fitted to RTN's measured KL
+        (("quant.method=rtn", "stage.sensitivity.delta=rtn"), "rtn"),
+    ],
+)
+def test_a_null_delta_follows_the_quantizer_where_the_loaded_estimate_runs(overrides, delta):
+    cfg, _ = workflow.stage_config(make_cfg(*overrides), "sensitivity")
+    assert cfg.delta == delta
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ("stage.sensitivity.delta=gptq", "stage.sensitivity.stream=true"),
+        ("stage.sensitivity.delta=gptq", "stage.sensitivity.importance=combined"),
+        ("stage.sensitivity.delta=gptq", "quant.method=rtn"),
+    ],
+)
+def test_a_gptq_delta_the_run_cannot_compute_is_refused(overrides):
+    with pytest.raises(ConfigError, match="stage.sensitivity.delta"):
+        workflow.check_stage(make_cfg(*overrides), "sensitivity")
+
+
+def test_the_gptq_delta_reaches_the_report(boot, tmp_path):
+    cfg = boot_cfg(boot, tmp_path, "stages=[bootstrap,sensitivity]", "quant.method=gptq",
+                   "stage.sensitivity.delta=gptq")  # fmt: skip
+    workflow.run(cfg)
+    assert SensitivityReport.load(tmp_path / "run" / "sensitivity").delta == "gptq"
