@@ -7,8 +7,6 @@
 * hutchinson: ½ · max(Tr(H_l), 0)/n_l · ‖δ‖²   (HAWQ-v2 with the Taylor ½: loss units)
 * gptq_proxy: ``full`` ½ Σ_rows δ_r H δ_rᵀ, H = 2/N Σ xxᵀ (GPTQ's output error); ``diag``
   ½ Σ_{r,j} H_jj δ_rj²; an embedding's one-hot input gives Σ_v freq_v ‖δ_v‖².
-
-``gptq_share`` rescales any of them to the error GPTQ leaves (``stage.sensitivity.delta=gptq``).
 """
 
 from __future__ import annotations
@@ -41,10 +39,8 @@ def layer_dloss(w: Tensor, formats: Sequence[str], weigh: Weigh) -> dict[str, fl
 def gptq_share(
     w: Tensor, H: Tensor, formats: Sequence[str], opts: QuantOptions
 ) -> dict[str, float]:
-    """{format: δ_G H δ_Gᵀ / δ_R H δ_Rᵀ} summed over rows: the share of RTN's output error that
-    GPTQ (``opts``, input Hessian H) leaves. GPTQ moves the error into input directions the layer
-    rarely sees, which a per-weight estimate of δ cannot see: on trained layers the share runs
-    from 0.01 to 0.6, by layer far more than by format, so ΔL of RTN's δ alone misranks layers."""
+    """{format: Σ_rows δ_G H δ_Gᵀ / δ_R H δ_Rᵀ}: the share of RTN's output error GPTQ leaves. It
+    moves error to input directions the layer rarely sees, unseen by a per-weight estimate."""
     w = w.detach().float()
     H = H.to(device=w.device, dtype=torch.float32)
     out = {}

@@ -160,8 +160,7 @@ def _weighs(model, windows, modules, capture, method, weighting, dist, progress,
 
 
 def _dloss_table(params, candidates, weigh, cols, dist: Dist, device, share) -> Tensor:
-    """(layers, 2k) float64 ΔL, then with kept columns, each scaled by ``share`` ({name: w ->
-    {format: factor}}) where given; layers split over ranks, all-reduced."""
+    """(layers, 2k) float64 ΔL, then with kept columns, times ``share``; sharded, all-reduced."""
     names, k = list(params), len(candidates)
     table = torch.zeros(len(names), 2 * k, dtype=torch.float64, device=device)
     for i in dist.shard(len(names)):

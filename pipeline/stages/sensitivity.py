@@ -44,8 +44,7 @@ class SensitivityConfig:
     # fisher, gptq_proxy: segments from the shards (bigger than memory); null: from 6 B
     # parameters on (pipeline.modelshape), where the loaded estimate outgrows a node
     stream: bool | None = None
-    # Whose error ΔL weighs: rtn, or rtn's scaled by the share of its output error GPTQ leaves
-    # (loaded, single estimator); null: gptq where quant.method=gptq allows it, else rtn
+    # ΔL of RTN's δ, or (gptq, loaded) scaled to the error GPTQ leaves; null: gptq where it can
     delta: Literal["rtn", "gptq"] | None = None
 
     REMOVED: ClassVar[dict[str, str]] = REMOVED_DEVICE
@@ -74,8 +73,7 @@ class SensitivityConfig:
             )
 
     def scaled(self, run: RunConfig) -> SensitivityConfig:
-        """A null `stream` decided by the target's size (loaded where only that path works),
-        then a null `delta` by the quantizer and the path."""
+        """A null `stream` by the target's size (loaded where only it works), then `delta`."""
         stream = self.stream
         if stream is None:
             loaded_only = self.method in ("hutchinson", "gradient") or self.importance == "combined"
@@ -148,8 +146,7 @@ def run(cfg: SensitivityConfig, run: RunConfig, io: StageIO) -> dict:
     return _metrics(report, seconds)
 
 
-def _gptq(q) -> QuantOptions:
-    """GPTQ as quantize runs it (the method, outside this stage's view, is gptq: `scaled`)."""
+def _gptq(q) -> QuantOptions:  # the method is outside this stage's view: gptq (`scaled`)
     return QuantOptions("gptq", q.block_size, q.damp, q.act_order)
 
 
