@@ -43,13 +43,13 @@ def gptq_share(
     moves error to input directions the layer rarely sees, unseen by a per-weight estimate."""
     w = w.detach().float()
     H = H.to(device=w.device, dtype=torch.float32)
+    output_error = hessian_weigh(H)
     out = {}
     for f in formats:
-        rtn = quant_error(w, f)
+        ref = float(output_error(quant_error(w, f)))
         qt, _ = gptq_quantize(w, H, f, opts.block_size, opts.damp, opts.act_order)
         gptq = qt.dequantize(torch.float32).to(w.device) - w
-        ref = float(((rtn @ H) * rtn).sum())
-        out[f] = float(((gptq @ H) * gptq).sum()) / ref if ref > 0 else 1.0
+        out[f] = float(output_error(gptq)) / ref if ref > 0 else 1.0
     return out
 
 
