@@ -13,12 +13,11 @@ from pipeline.quant.plan import BitPlan
 from tests.conftest import make_cfg
 from tests.stages.conftest import boot_cfg
 
-# Formats in order of falling error: the candidates ΔL must follow.
-PRECISION_CHAINS = [
-    ["int2g64", "int3g128", "int4g128", "int8"],
-    ["int2g128", "int2g64", "int2g32"],
-    ["int3g128", "int3g64"],
-]
+# Formats in order of falling error: the candidates ΔL must follow, in every layer for more bits,
+# in the sum over layers for finer groups. In one layer min-max RTN in finer groups can land
+# farther (int3g64 7% above int3g128 in one layer of a bf16-trained smoke bootstrap).
+BIT_CHAIN = ["int2g64", "int3g128", "int4g128", "int8"]
+GROUP_CHAINS = [["int2g128", "int2g64", "int2g32"], ["int3g128", "int3g64"]]
 
 
 def test_workflow_writes_sensitivity_and_bitplan(boot, tmp_path):
@@ -34,16 +33,19 @@ def test_workflow_writes_sensitivity_and_bitplan(boot, tmp_path):
     for layer in report["layers"]:
         assert layer["params"] == layer["shape"][0] * layer["shape"][1]
         assert layer["weight_kurtosis"] > 1  # Pearson: 3 for a Gaussian, >= 1 always
-        # more bits, or the same bits in finer groups, cost less (exponential codes sit apart)
-        for chain in PRECISION_CHAINS:
-            dl = [layer["dloss"][f] for f in chain if f in cands]
-            assert all(v >= 0 for v in dl) and dl == sorted(dl, reverse=True), layer["name"]
+        # more bits cost less (exponential codes sit apart)
+        assert all(v >= 0 for v in layer["dloss"].values()), layer["name"]
+        dl = [layer["dloss"][f] for f in BIT_CHAIN if f in cands]
+        assert dl == sorted(dl, reverse=True), layer["name"]
         keys = {"share", "kurtosis", "max_over_median", "act8_error", "columns"}
         assert set(layer["outliers"]) == keys
         if layer["name"] != "model.embed_tokens":
             assert 0 <= layer["outliers"]["share"] < 0.5 and layer["outliers"]["kurtosis"] > 1
             # inputs in blocks of 32: what int8 activations cost them, measured
             assert 0 < layer["outliers"]["act8_error"] < 0.1
+    for chain in GROUP_CHAINS:  # the same bits in finer groups cost less over the model
+        total = [sum(x["dloss"][f] for x in report["layers"]) for f in chain if f in cands]
+        assert total == sorted(total, reverse=True), chain
     for png in ("sensitivity_heatmap.png", "sensitivity_bars.png", "outliers.png"):
         assert (run / "sensitivity" / png).stat().st_size > 1000
 
