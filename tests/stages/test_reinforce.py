@@ -189,7 +189,7 @@ def test_quantized_target_and_draft(boot, tmp_path):
     q_old = old.model.layers[0].self_attn.q_proj
     assert isinstance(q_new, FakeQuantLinear) and torch.equal(q_new.codes, q_old.codes)
     # The trained step sizes are handed on, or, where 4 steps did not beat the input beyond the
-    # validation noise (so on a bf16-trained bootstrap), the input whole.
+    # validation noise (as on a bf16-trained smoke bootstrap), the input whole.
     trained = not torch.equal(q_new.scale, q_old.scale)
     assert trained != bool(metrics["kept_input"])
     assert torch.equal(new.model.embed_tokens.weight, old.model.embed_tokens.weight)
