@@ -22,13 +22,15 @@ runtime falls back to without lowbit's CPU kernels; ``x torch`` divides a row's 
 names it and the CPU.
 
 Per row: decode tokens/s (greedy ``plain_generate``, on ``pipeline.models.lean``'s forward as the
-runtime decodes, prompt excluded: (n - 1) / (t(n) - t(1)),
-medians of ``--repeats`` runs after a warm-up), the kernels the layers run, the bytes one
-decode step reads (every parameter and buffer of the forward, one embedding row, and the KV
-cache at the mean context of the timed steps), and the bandwidth limit: copy bandwidth / bytes
-per token, with the copy bandwidth measured in the same run (STREAM-like ``dst.copy_(src)``,
-which reads and writes: 2 x bytes / time, best of 5). ``of limit`` is how close a format
-comes to what memory bandwidth allows.
+runtime decodes, prompt excluded: (n - 1) / (t(n) - t(1)), after a warm-up; the rows are
+measured in turn ``--rounds`` times, and a row's tokens/s is its median over the rounds, its
+``x`` columns the medians of the rounds' ratios, so that a slow spell of a shared machine
+(which moved single-pass ratios by 30%) falls on every row alike), the kernels the layers run,
+the bytes one decode step reads (every parameter and buffer of the forward, one embedding row,
+and the KV cache at the mean context of the timed steps), and the bandwidth limit: copy
+bandwidth / bytes per token, with the copy bandwidth measured in the same run (STREAM-like
+``dst.copy_(src)``, which reads and writes: 2 x bytes / time, best of 5). ``of limit`` is how
+close a format comes to what memory bandwidth allows.
 
 Crossover: FP32 against W4g128 at the ``--crossover-widths`` (``--crossover-layers`` layers,
 intermediate 3 x width and the ``--crossover-vocab`` of the embedded default model): on tiny
@@ -43,8 +45,8 @@ stream scaled by ``--tail-scale`` (their o_proj and down_proj; values only, thei
 unchanged; 0.01 gave alpha ~0.8 on 22-layer models, 0 gives ~0.93, what the int8 head and bf16
 activations leave). Reported, as ``pipeline.runtime.speed.decode_speed`` times a run's pairs:
 alpha, tau, the measured cost ratio c, the measured speed-up (speculative / plain tokens/s of
-the target, medians of ``--repeats`` decodes, prompt included), the theoretical one
-tau / (gamma c + 1); and ``v``: what one verification (a gamma + 1 token forward of the target)
+the target, medians of ``--rounds`` x ``--repeats`` decodes, prompt included), the theoretical
+one tau / (gamma c + 1); and ``v``: what one verification (a gamma + 1 token forward of the target)
 costs in single-token steps. The theory takes v = 1, as on memory-bound hardware; where
 v > 1 (CPU kernels whose time grows with the tokens) ``theory at v`` = tau / (gamma c + v)
 is the speed-up to expect.
@@ -67,8 +69,8 @@ Usage:
   LOWBIT_CPU_ISA=avx2 python -m bench.decode_speed --threads 2 --head int8 --crossover-widths '' \\
       --gammas '' --rows W4g128,W3,W2 --skip-goal FP32 --skip-goal W8 --skip-goal exp4 \\
       --skip-goal speculative --skip-goal v: --skip-goal @torch       # the lm_head in int8 too
-  [--rows FP32,W4g128,...] [--threads N] [--repeats 3] [--gammas 2,3,4,5] [--temperature 0]
-  [--out bench-out/decode_speed] [--mlflow URI] [--skip-goal TEXT ...]
+  [--rows FP32,W4g128,...] [--threads N] [--rounds 3] [--repeats 1] [--gammas 2,3,4,5]
+  [--temperature 0] [--out bench-out/decode_speed] [--mlflow URI] [--skip-goal TEXT ...]
 """
 
 from __future__ import annotations
@@ -275,37 +277,49 @@ def decode_rate(model: nn.Module, prompt: torch.Tensor, n: int, repeats: int) ->
 def measure_rows(
     model: nn.Module, args: argparse.Namespace, prompt: torch.Tensor, bandwidth: float
 ) -> tuple[list[dict], dict | None]:
-    """One row per ``--rows`` entry, and a speculative row per ``--gammas`` entry (while the
-    W4g128 model exists)."""
+    """One row per ``--rows`` entry, each measured once per ``--rounds`` round (rows in turn, so
+    that a slow spell of a shared machine falls on every row alike), and a speculative row per
+    ``--gammas`` entry (in the first round, while the W4g128 model exists)."""
     from pipeline.runtime.backends import kernel_summary
 
-    rows, spec = [], []
+    names, spec = args.rows.split(","), []
+    rates: dict[str, list[float]] = {row: [] for row in names}
     context = args.prompt_len + args.new_tokens / 2
-    for row in args.rows.split(","):
-        t0 = time.perf_counter()
-        with run_as(model, row, args.head) as m:
-            built = time.perf_counter() - t0
-            rate = decode_rate(m, prompt, args.new_tokens, args.repeats)
-            nbytes = bytes_per_token(m, context)
-            limit = bandwidth / nbytes
-            rows.append({
-                "row": row, "isa": cpu_ext.isa() or "torch",
-                "kernels": kernel_summary(m) or str(m.dtype).removeprefix("torch."),
-                "MB/token": nbytes / 1e6, "tok/s": rate, "limit tok/s": limit,
-                "of limit": rate / limit, "build s": built,
-            })  # fmt: skip
-            print(rows[-1], flush=True)
-            if row == SPEC_TARGET and args.gammas:
-                spec = [speculative_row(m, args, prompt, g) for g in args.gammas]
-                for r in spec:
-                    print(r, flush=True)
-    rate = {r["row"]: r["tok/s"] for r in rows}
-    for r in rows:
-        r["x FP32"] = r["tok/s"] / rate["FP32"] if "FP32" in rate else None
-        r["x W4g128"] = r["tok/s"] / rate["W4g128"] if "W4g128" in rate else None
-        torch_rate = rate.get(r["row"] + TORCH)
-        r["x torch"] = r["tok/s"] / torch_rate if torch_rate else None
-    return rows, spec
+    rows = {}
+    for round_ in range(args.rounds):
+        for row in names:
+            t0 = time.perf_counter()
+            with run_as(model, row, args.head) as m:
+                built = time.perf_counter() - t0
+                rates[row].append(decode_rate(m, prompt, args.new_tokens, args.repeats))
+                print(
+                    f"round {round_ + 1}/{args.rounds} {row}: {rates[row][-1]:.3f} tok/s",
+                    flush=True,
+                )
+                if round_ == 0:
+                    nbytes = bytes_per_token(m, context)
+                    rows[row] = {
+                        "row": row, "isa": cpu_ext.isa() or "torch",
+                        "kernels": kernel_summary(m) or str(m.dtype).removeprefix("torch."),
+                        "MB/token": nbytes / 1e6, "build s": built,
+                    }  # fmt: skip
+                if round_ == 0 and row == SPEC_TARGET and args.gammas:
+                    spec = [speculative_row(m, args, prompt, g) for g in args.gammas]
+                    for r in spec:
+                        print(r, flush=True)
+
+    def ratio(row: str, to: str) -> float | None:  # median over rounds of the rounds' ratios
+        return (
+            statistics.median(a / b for a, b in zip(rates[row], rates[to])) if to in rates else None
+        )
+
+    for row, r in rows.items():
+        limit = bandwidth / (r["MB/token"] * 1e6)
+        r["tok/s"] = statistics.median(rates[row])
+        r.update({"limit tok/s": limit, "of limit": r["tok/s"] / limit})
+        r["x FP32"], r["x W4g128"] = ratio(row, "FP32"), ratio(row, "W4g128")
+        r["x torch"] = ratio(row, row + TORCH)
+    return list(rows.values()), spec
 
 
 def damp_tail(model: nn.Module, first: int, scale: float) -> None:
@@ -337,6 +351,11 @@ def shallow_draft(target: nn.Module, args: argparse.Namespace) -> nn.Module:
     return draft.eval()
 
 
+def samples(args: argparse.Namespace) -> int:
+    """Decodes a measurement outside the rows' rounds takes its median of."""
+    return args.repeats * args.rounds
+
+
 def speculative_row(
     target: nn.Module, args: argparse.Namespace, prompt: torch.Tensor, gamma: int
 ) -> dict:
@@ -347,7 +366,7 @@ def speculative_row(
     speed = decode_speed(
         {"target": target, "draft": draft}, [("draft", "target")], [prompt],
         new_tokens=args.new_tokens, gamma=gamma, temperature=args.temperature,
-        repeats=args.repeats,
+        repeats=samples(args),
     )  # fmt: skip
     (pair,) = speed["speculative"].values()
     return {
@@ -371,9 +390,9 @@ def crossover(args: argparse.Namespace) -> list[dict]:
                       args.kv_heads)  # fmt: skip
         float_rows.convert(model)
         prompt = random_prompt(args.crossover_vocab, args.prompt_len)
-        fp = decode_rate(model, prompt, args.new_tokens, args.repeats)
+        fp = decode_rate(model, prompt, args.new_tokens, samples(args))
         with run_as(model, "W4g128") as m:
-            w4 = decode_rate(m, prompt, args.new_tokens, args.repeats)
+            w4 = decode_rate(m, prompt, args.new_tokens, samples(args))
             kernels = kernel_summary(m)
         rows.append({
             "width": width, "params M": sum(p.numel() for p in model.parameters()) / 1e6,
@@ -465,7 +484,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--kv-heads", type=int, default=4, help="cut to a divisor of hidden / 64")
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--new-tokens", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=1, help="decodes per row and round (median)")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="rows measured in turn this many times; medians over rounds",
+    )
     rows_help = (f"a subset of {','.join(ROWS)} and {TORCH} rows of {','.join(TORCH_ROWS)} "
                  f"(default: all {len(ROWS)}; on AVX2 also FP32, W8, W4g128{TORCH})")  # fmt: skip
     p.add_argument("--rows", default=None, help=rows_help)
@@ -512,7 +537,8 @@ def report(
         f"{info['threads']}; copy bandwidth {info['bandwidth_bytes_s'] / 1e9:.1f} GB/s; "
         f"peak RSS {info['peak_rss_mib']:.0f} MiB\n"
         f"model: {info['params'] / 1e9:.3f}B params, prompt {args.prompt_len}, "
-        f"{args.new_tokens} new tokens, median of {args.repeats}",
+        f"{args.new_tokens} new tokens; rows: medians over {args.rounds} rounds of "
+        f"{args.repeats}, the rest: of {samples(args)}",
         markdown_table(rows, COLUMNS),
     ]
     width = crossover_width(cross)

@@ -1,17 +1,22 @@
 // 4-bit LUT codes (exponential codes) times float32 activations for a few rows: y = x @ W.T,
 // W[r, c] = base[r, g] * table[ridx[r, g]][u[r, c]], g = c / group_len. The codes stay 4 bits a
-// weight in memory and are decoded in registers by a 16-entry table lookup (AVX-512: vpermps on
-// the float table; AVX2: vpshufb on an int16 copy, see there), instead of a bf16 copy of W that
-// reads four times the bytes. One build holds an AVX-512 and an AVX2
-// version (see w4a8.cpp for why each sits between its target pragmas).
+// weight in memory and are decoded in registers by a 16-entry table lookup on an int16 copy of
+// the table, times activations rounded to int16 per group (AVX-512: vpermw and vpmaddwd, 64
+// weights a step; AVX2: two vpshufb and vpmaddwd, see there), instead of a bf16 copy of W that
+// reads four times the bytes. AVX-512 groups of 32 columns, too short for a 64-weight step, take
+// vpermps on the float table. One build holds an AVX-512 and an AVX2 version (see w4a8.cpp for
+// why each sits between its target pragmas).
 //
 // Layout (pipeline/runtime/cpu_lut16.py): each weight row's codes in order, 16 bytes per 32
 // columns; byte i of a block holds column i in its low nibble and column 16 + i in its high
-// nibble, so one vpmovzxbd of 16 bytes gives the indices of 16 consecutive columns in its low
-// nibbles and of the next 16 above them (vpermps reads only an index's low bits), and one
-// broadcast, shift and mask gives AVX2's vpshufb all 32 indices. The tables
-// are a layer's distinct normalised LUTs (an exponential group's levels divided by its base:
-// one per ratio), so a group's table is one 64-byte load and its base one multiply at the end.
+// nibble. The tables are a layer's distinct normalised LUTs (an exponential group's levels
+// divided by its base: one per ratio), so a group's table is one load and its base one multiply
+// at the end.
+//
+// int16 products: a group's int32 sum must not overflow. A lane adds group_len / 8 products
+// (AVX2; AVX-512 adds group_len / 16) of |entry| <= 32767 and |x| < 2^19 / group_len (12 bits at
+// 128, 14 at 32), which costs <= 2.1e-4 relative error against float products (bf16
+// activations: 4e-3).
 //
 // Lanes are columns, so a row's dot product ends in one horizontal sum; each row of codes is
 // read once per kMaxRows activation rows (a row of codes is k / 2 bytes: later passes hit L1).
@@ -30,6 +35,25 @@ int isa_index(const std::string& isa);  // bindings.cpp: 0 avx2, 1 avx512, or an
 namespace {
 
 constexpr int kBlock = 32;  // columns per 16 packed bytes
+// Bytes ahead in a thread's stream of codes, prefetched into L2 (as w4a8.h's kPrefetch): rows
+// of codes are short (k / 2 bytes), so without it each row's first lines wait on memory.
+constexpr int64_t kPrefetch = 8192;
+
+// The most |x| rounds to in a group of group_len columns (see the top): a group's sum in int32
+float x_max(int64_t group_len) { return static_cast<float>((int64_t{1} << 19) / group_len - 1); }
+
+// A layer's tables as int16 (32767 at each table's largest |entry|) and each one's scale
+void int16_tables(const float* tables, int64_t count, int16_t* entries, float* scale) {
+  for (int64_t t = 0; t < count; ++t) {
+    float top = 0.0f;
+    for (int j = 0; j < 16; ++j) top = std::max(top, std::fabs(tables[16 * t + j]));
+    scale[t] = top / 32767.0f;
+    for (int j = 0; j < 16; ++j) {
+      const float v = top > 0.0f ? tables[16 * t + j] * 32767.0f / top : 0.0f;
+      entries[16 * t + j] = static_cast<int16_t>(std::lrint(v));
+    }
+  }
+}
 
 }  // namespace
 
@@ -40,6 +64,75 @@ namespace {
 namespace avx512 {
 
 constexpr int kMaxRows = 8;  // 2 accumulators and a total per row, beside the table and codes
+constexpr int kStep = 64;    // columns per int16 step: two blocks, 32 bytes of codes
+
+// One row of x to int16, a scale per group (xs[g]), each 64 columns stored in the order of the
+// kernel's lookups: columns 0-15, 32-47 (the low nibbles), then 16-31, 48-63 (the high ones).
+void quantize_row16(const float* x, int64_t k, int64_t group_len, int16_t* xq, float* xs) {
+  for (int64_t g = 0; g < k / group_len; ++g) {
+    const float* p = x + g * group_len;
+    __m512 m = _mm512_setzero_ps();
+    for (int64_t c = 0; c < group_len; c += 16) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(p + c)));
+    const float top = _mm512_reduce_max_ps(m), most = x_max(group_len);
+    xs[g] = top / most;
+    const __m512 inv = _mm512_set1_ps(top > 0.0f ? most / top : 0.0f);
+    for (int64_t c = 0; c < group_len; c += kStep) {
+      int16_t* q = xq + g * group_len + c;
+      for (int part = 0; part < 4; ++part) {  // part p stores source columns 16 * (0, 2, 1, 3)[p]
+        const int64_t from = c + 16 * ((part & 1) * 2 + (part >> 1));
+        const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(p + from), inv));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 16 * part), _mm512_cvtepi32_epi16(v));
+      }
+    }
+  }
+}
+
+// One weight row times R int16 activation rows (xq stride k, xs stride k / group_len); words
+// holds each table twice (32 int16), so vpermw's 5-bit index needs no mask: a byte's low five
+// bits are its low nibble plus 16 times a bit the copy ignores.
+template <int R>
+void row_lut16(const uint8_t* w, const uint16_t* base, const uint8_t* ridx, const int16_t* words,
+               const float* tscale, const int16_t* xq, const float* xs, int64_t k,
+               int64_t group_len, float* out, int64_t n) {
+  const int64_t groups = k / group_len;
+  __m512 total[R];
+  for (int m = 0; m < R; ++m) total[m] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t first = g * group_len;
+    for (int64_t line = 0; line < group_len / 2; line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(w + first / 2 + kPrefetch + line), _MM_HINT_T1);
+    const __m512i table = _mm512_loadu_si512(words + 32 * ridx[g]);
+    __m512i acc[R];
+    for (int m = 0; m < R; ++m) acc[m] = _mm512_setzero_si512();
+    for (int64_t c = first; c < first + group_len; c += kStep) {
+      // word i: byte i of the two blocks, i.e. columns i (low nibble) and 16 + i (high), i < 16,
+      // and columns 16 + i and 32 + i of the second block for i >= 16
+      const __m512i v =
+          _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c / 2)));
+      const __m512i w0 = _mm512_permutexvar_epi16(v, table);
+      const __m512i w1 = _mm512_permutexvar_epi16(_mm512_srli_epi16(v, 4), table);
+      for (int m = 0; m < R; ++m) {
+        const int16_t* xm = xq + m * k + c;
+        const __m512i s0 = _mm512_madd_epi16(w0, _mm512_loadu_si512(xm));
+        const __m512i s1 = _mm512_madd_epi16(w1, _mm512_loadu_si512(xm + 32));
+        acc[m] = _mm512_add_epi32(acc[m], _mm512_add_epi32(s0, s1));
+      }
+    }
+    const float f = _cvtsh_ss(base[g]) * tscale[ridx[g]];
+    for (int m = 0; m < R; ++m) {
+      const __m512 scale = _mm512_set1_ps(f * xs[m * groups + g]);
+      total[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[m]), scale, total[m]);
+    }
+  }
+  for (int m = 0; m < R; ++m) out[m * n] = _mm512_reduce_add_ps(total[m]);
+}
+
+using Row16Fn = void (*)(const uint8_t*, const uint16_t*, const uint8_t*, const int16_t*,
+                         const float*, const int16_t*, const float*, int64_t, int64_t, float*,
+                         int64_t);
+constexpr Row16Fn kRow16Fns[kMaxRows + 1] = {
+    nullptr,        row_lut16<1>, row_lut16<2>, row_lut16<3>, row_lut16<4>,
+    row_lut16<5>,   row_lut16<6>, row_lut16<7>, row_lut16<8>};
 
 template <int R>
 void row_lut(const uint8_t* w, const uint16_t* base, const uint8_t* ridx, const float* tables,
@@ -80,17 +173,13 @@ constexpr RowFn kRowFns[kMaxRows + 1] = {nullptr,     row_lut<1>, row_lut<2>, ro
 // at a seventh of the 4-bit kernel's speed). So the codes index an int16 copy of the table with
 // two vpshufb (its low and its high bytes), and vpmaddwd multiplies them with the activations
 // quantized to int16 per group: ~12 instructions per 32 weights, and one conversion to float per
-// group. The activations' range is the most that keeps a group's sum in int32: a lane adds
-// group_len / 8 products of |entry| <= 32767 and |x| < 2^19 / group_len (12 bits at 128, 14 at
-// 32), which costs <= 2.1e-4 relative error against float products (bf16 activations: 4e-3).
+// group (the range: see the top).
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
 namespace {
 namespace avx2 {
 
 constexpr int kMaxRows = 4;  // an accumulator and a total per row beside the tables and codes
-
-float x_max(int64_t group_len) { return static_cast<float>((int64_t{1} << 19) / group_len - 1); }
 
 // One row of x to int16, a scale per group (xs[g]), each 32-column block stored in the order
 // the kernel's unpacks give its weights: columns 0-7, 16-23, then 8-15, 24-31.
@@ -123,21 +212,6 @@ void quantize_row(const float* x, int64_t k, int64_t group_len, int16_t* xq, flo
 
 inline __m256i both_lanes(const uint8_t* p) {  // 16 bytes in each 128-bit lane
   return _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
-
-// A layer's tables as int16: per table its 16 low bytes, its 16 high bytes, and its scale.
-void quantize_tables(const float* tables, int64_t count, uint8_t* bytes, float* scale) {
-  for (int64_t t = 0; t < count; ++t) {
-    float top = 0.0f;
-    for (int j = 0; j < 16; ++j) top = std::max(top, std::fabs(tables[16 * t + j]));
-    scale[t] = top / 32767.0f;
-    for (int j = 0; j < 16; ++j) {
-      const float v = top > 0.0f ? tables[16 * t + j] * 32767.0f / top : 0.0f;
-      const int16_t e = static_cast<int16_t>(std::lrint(v));
-      bytes[32 * t + j] = static_cast<uint8_t>(e & 0xFF);
-      bytes[32 * t + 16 + j] = static_cast<uint8_t>((e >> 8) & 0xFF);
-    }
-  }
 }
 
 // One weight row times R quantized activation rows (xq stride k, xs stride k / group_len); PB
@@ -209,7 +283,7 @@ const RowFn* row_fns(int64_t group_len) {
 // tables (T, 16) float32 -> (M, n) float32.
 at::Tensor lut16_mm(at::Tensor x, at::Tensor packed, at::Tensor base, at::Tensor ridx,
                     at::Tensor tables, int64_t group_len, const std::string& isa) {
-  const bool avx512 = isa_index(isa) == 1;  // AVX-512: float products; AVX2: int16 (above)
+  const bool avx512 = isa_index(isa) == 1;
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous());
   const int64_t rows = x.size(0), k = x.size(1), n = packed.size(0), groups = k / group_len;
   TORCH_CHECK(k % kBlock == 0 && group_len % kBlock == 0 && k % group_len == 0);
@@ -237,7 +311,7 @@ at::Tensor lut16_mm(at::Tensor x, at::Tensor packed, at::Tensor base, at::Tensor
       }
     });
   };
-  if (avx512) {
+  if (avx512 && group_len % avx512::kStep != 0) {  // g32: the float lookup
     each_row(avx512::kMaxRows, [&](int64_t i, int64_t m0, int r) {
       avx512::kRowFns[r](wp + i * (k / 2), bp + i * groups, rp + i * groups, tp, xp + m0 * k, k,
                          group_len, op + m0 * n + i, n);
@@ -245,12 +319,29 @@ at::Tensor lut16_mm(at::Tensor x, at::Tensor packed, at::Tensor base, at::Tensor
     return out;
   }
   // a group's int32 sum leaves the activations 2^19 / group_len - 1 levels: 63 at 8192
-  TORCH_CHECK(group_len <= 8192, "exp4lut on avx2 takes groups of at most 8192 columns");
+  TORCH_CHECK(group_len <= 8192, "exp4lut takes groups of at most 8192 columns");
   const int64_t count = tables.size(0);
-  std::vector<uint8_t> tbytes(32 * count);
+  std::vector<int16_t> entries(16 * count), xq(rows * k);
   std::vector<float> tscale(count), xs(rows * groups);
-  std::vector<int16_t> xq(rows * k);
-  avx2::quantize_tables(tp, count, tbytes.data(), tscale.data());
+  int16_tables(tp, count, entries.data(), tscale.data());
+  if (avx512) {
+    std::vector<int16_t> words(32 * count);  // each table twice: see row_lut16
+    for (int64_t j = 0; j < 16 * count; ++j) words[j + j / 16 * 16] = words[j + j / 16 * 16 + 16] = entries[j];
+    for (int64_t m = 0; m < rows; ++m) {
+      avx512::quantize_row16(xp + m * k, k, group_len, xq.data() + m * k, xs.data() + m * groups);
+    }
+    each_row(avx512::kMaxRows, [&](int64_t i, int64_t m0, int r) {
+      avx512::kRow16Fns[r](wp + i * (k / 2), bp + i * groups, rp + i * groups, words.data(),
+                           tscale.data(), xq.data() + m0 * k, xs.data() + m0 * groups, k,
+                           group_len, op + m0 * n + i, n);
+    });
+    return out;
+  }
+  std::vector<uint8_t> tbytes(32 * count);  // AVX2: per table its 16 low bytes, then 16 high
+  for (int64_t j = 0; j < 16 * count; ++j) {
+    tbytes[j + j / 16 * 16] = static_cast<uint8_t>(entries[j] & 0xFF);
+    tbytes[j + j / 16 * 16 + 16] = static_cast<uint8_t>((entries[j] >> 8) & 0xFF);
+  }
   for (int64_t m = 0; m < rows; ++m) {
     avx2::quantize_row(xp + m * k, k, group_len, xq.data() + m * k, xs.data() + m * groups);
   }
