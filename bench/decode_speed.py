@@ -22,15 +22,16 @@ runtime falls back to without lowbit's CPU kernels; ``x torch`` divides a row's 
 names it and the CPU.
 
 Per row: decode tokens/s (greedy ``plain_generate``, on ``pipeline.models.lean``'s forward as the
-runtime decodes, prompt excluded: (n - 1) / (t(n) - t(1)), after a warm-up; the rows are
-measured in turn ``--rounds`` times, and a row's tokens/s is its median over the rounds, its
-``x`` columns the medians of the rounds' ratios, so that a slow spell of a shared machine
-(which moved single-pass ratios by 30%) falls on every row alike), the kernels the layers run,
-the bytes one decode step reads (every parameter and buffer of the forward, one embedding row,
-and the KV cache at the mean context of the timed steps), and the bandwidth limit: copy
-bandwidth / bytes per token, with the copy bandwidth measured in the same run (STREAM-like
-``dst.copy_(src)``, which reads and writes: 2 x bytes / time, best of 5 at each round's start,
-and of the rounds). ``of limit`` is how close a format comes to what memory bandwidth allows.
+runtime decodes, prompt excluded: the n - 1 steps after the prompt's forward, timed within each
+pass; the rows are measured in turn ``--rounds`` times, and a row's tokens/s is its median over
+the rounds, its ``x`` columns the medians of the rounds' ratios, so that a slow spell of a
+shared machine (which moved single-pass ratios by 30%) falls on every row alike), the kernels
+the layers run, the bytes one decode step reads (every parameter and buffer of the forward, one
+embedding row, and the KV cache at the mean context of the timed steps), and the bandwidth
+limit: copy bandwidth / bytes per token, with the copy bandwidth measured in the same run
+(STREAM-like ``dst.copy_(src)``, which reads and writes: 2 x bytes / time, best of 5 at each
+round's start, and of the rounds). ``of limit`` is how close a format comes to what memory
+bandwidth allows.
 
 Crossover: FP32 against W4g128 at the ``--crossover-widths`` (``--crossover-layers`` layers,
 intermediate 3 x width and the ``--crossover-vocab`` of the embedded default model): on tiny
@@ -69,7 +70,7 @@ Usage:
   LOWBIT_CPU_ISA=avx2 python -m bench.decode_speed --threads 2 --head int8 --crossover-widths '' \\
       --gammas '' --rows W4g128,W3,W2 --skip-goal FP32 --skip-goal W8 --skip-goal exp4 \\
       --skip-goal speculative --skip-goal v: --skip-goal @torch       # the lm_head in int8 too
-  [--rows FP32,W4g128,...] [--threads N] [--rounds 3] [--repeats 1] [--gammas 2,3,4,5]
+  [--rows FP32,W4g128,...] [--threads N] [--rounds 5] [--repeats 1] [--gammas 2,3,4,5]
   [--temperature 0] [--out bench-out/decode_speed] [--mlflow URI] [--skip-goal TEXT ...]
 """
 
@@ -181,7 +182,6 @@ def run_as(model: nn.Module, row: str, head: str = "float") -> Iterator[nn.Modul
         with torch_kernels(model), run_as(model, row.removesuffix(TORCH), head) as m:
             yield m
         return
-    fmt = ROWS[row]
     if row == "BF16":
         # An in-place cast: no second copy of the model. Casting back leaves the weights
         # rounded to bf16, which no later row's speed depends on.
@@ -191,18 +191,31 @@ def run_as(model: nn.Module, row: str, head: str = "float") -> Iterator[nn.Modul
         finally:
             model.float()
         return
-    if fmt is None:
-        yield model
-        return
-    with quantized_linears(model, lambda name: fmt, None if head == "float" else head) as m:
+    with swapped(model, row_layers(model, row, head)) as m:
         yield m
+
+
+def row_layers(model: nn.Module, row: str, head: str = "float") -> dict[str, nn.Module] | None:
+    """The runtime layers ``row`` swaps into ``model`` ({} for FP32), or None where the row is
+    not a swap of layers (BF16 casts the model, ``@torch`` rows rebuild theirs)."""
+    if row.endswith(TORCH) or row == "BF16":
+        return None
+    fmt = ROWS[row]
+    if fmt is None:
+        return {}
+    return built_linears(model, lambda name: fmt, None if head == "float" else head)
 
 
 @contextlib.contextmanager
 def quantized_linears(model: nn.Module, fmt_of, head: str | None = None) -> Iterator[nn.Module]:
-    """``model`` with each decoder-layer linear ``name`` quantized by RTN to ``fmt_of(name)``
-    (None: kept) and the lm_head to ``head`` (None: kept), as the runtime's layers; the float
-    layers are put back on exit."""
+    """``model`` with :func:`built_linears` swapped in; the float layers are put back on exit."""
+    with swapped(model, built_linears(model, fmt_of, head)) as m:
+        yield m
+
+
+def built_linears(model: nn.Module, fmt_of, head: str | None = None) -> dict[str, nn.Module]:
+    """Each decoder-layer linear ``name`` of ``model`` quantized by RTN to ``fmt_of(name)``
+    (None: left out) and the lm_head to ``head`` (None: left out), as the runtime's layers."""
     from pipeline.models.adapters import linear_names
     from pipeline.quant.formats import parse_format
     from pipeline.quant.rtn import quantize_rtn
@@ -212,23 +225,31 @@ def quantized_linears(model: nn.Module, fmt_of, head: str | None = None) -> Iter
     # the codes' values, so exp codes are fitted once per weight shape (each layer still gets
     # its own packed copy, read from memory like any other).
     fitted = {}  # (weight shape, format) -> its codes (exp formats only)
-    saved: dict[str, nn.Module] = {}  # the float layers, put back on exit
+    layers = {}
+    for name in [*linear_names(model.config, include_lm_head=False), "lm_head"]:
+        fmt = fmt_of(name) if name != "lm_head" else head
+        if fmt is None:
+            continue
+        lin = model.get_submodule(name)
+        key = (tuple(lin.weight.shape), fmt)
+        qt = fitted[key] if key in fitted else quantize_rtn(lin.weight, fmt)
+        if parse_format(fmt).kind == "exp":
+            fitted[key] = qt
+        layers[name] = runtime_linear(name, qt, lin.bias)
+    return layers
+
+
+@contextlib.contextmanager
+def swapped(model: nn.Module, layers: dict[str, nn.Module]) -> Iterator[nn.Module]:
+    """``model`` with ``layers`` ({submodule name: layer}) in place; the old ones put back."""
+    saved = {name: model.get_submodule(name) for name in layers}
     try:
-        for name in [*linear_names(model.config, include_lm_head=False), "lm_head"]:
-            fmt = fmt_of(name) if name != "lm_head" else head
-            if fmt is None:
-                continue
-            lin = model.get_submodule(name)
-            key = (tuple(lin.weight.shape), fmt)
-            qt = fitted[key] if key in fitted else quantize_rtn(lin.weight, fmt)
-            if parse_format(fmt).kind == "exp":
-                fitted[key] = qt
-            saved[name] = lin
-            model.set_submodule(name, runtime_linear(name, qt, lin.bias))
+        for name, layer in layers.items():
+            model.set_submodule(name, layer)
         yield model
     finally:
-        for name, lin in saved.items():
-            model.set_submodule(name, lin)
+        for name, layer in saved.items():
+            model.set_submodule(name, layer)
 
 
 def copy_bandwidth(mib: int, repeats: int = 5) -> float:
@@ -259,19 +280,15 @@ def bytes_per_token(model: nn.Module, context: float) -> int:
     return int(total + kv_cache_bytes(model, context))
 
 
-def median_seconds(model: nn.Module, prompt: torch.Tensor, n: int, repeats: int) -> float:
-    """Median wall time of greedy ``plain_generate`` of ``n`` tokens (prompt included)."""
+def decode_rate(model: nn.Module, prompt: torch.Tensor, n: int, repeats: int) -> float:
+    """Decode tokens/s without the prompt: (n - 1) / (seconds - prefill_seconds) of a greedy
+    ``plain_generate`` pass (the n - 1 steps after the prompt's forward, timed within the pass),
+    the median of ``repeats`` passes after a warm-up."""
     from pipeline.speculative.decoding import plain_generate
 
+    plain_generate(model, prompt, n, temperature=0.0)  # warm-up: allocator, kernels' first calls
     runs = [plain_generate(model, prompt, n, temperature=0.0)[1] for _ in range(repeats)]
-    return statistics.median(s.seconds for s in runs)
-
-
-def decode_rate(model: nn.Module, prompt: torch.Tensor, n: int, repeats: int) -> float:
-    """Decode tokens/s without the prompt: (n - 1) / (t(n) - t(1)); t(1) is the prompt forward."""
-    median_seconds(model, prompt, n, 1)  # warm-up: allocator, kernels' first calls
-    decode = median_seconds(model, prompt, n, repeats) - median_seconds(model, prompt, 1, repeats)
-    return (n - 1) / max(decode, 1e-9)
+    return statistics.median((n - 1) / max(s.seconds - s.prefill_seconds, 1e-9) for s in runs)
 
 
 def measure_rows(
@@ -287,6 +304,14 @@ def measure_rows(
     names, spec = args.rows.split(","), []
     rates: dict[str, list[float]] = {row: [] for row in names}
     context = args.prompt_len + args.new_tokens / 2
+    # Every row's layers built once and held (the 1.1 B model's W8, W4g128, W3, W2 and exp4
+    # together: ~3 GB beside its 4.4 GB of float32), so a round swaps them in and its rows run
+    # seconds apart, not a build apart; a BF16 or @torch row is rebuilt each round.
+    layers, built = {}, {}
+    for row in names:
+        t0 = time.perf_counter()
+        layers[row] = row_layers(model, row, args.head)
+        built[row] = time.perf_counter() - t0
     rows = {}
     for round_ in range(args.rounds):
         bandwidth = copy_bandwidth(args.copy_mib)
@@ -294,8 +319,10 @@ def measure_rows(
         info["bandwidth_bytes_s"] = max(bandwidth, info.get("bandwidth_bytes_s", 0.0))
         for row in names:
             t0 = time.perf_counter()
-            with run_as(model, row, args.head) as m:
-                built = time.perf_counter() - t0
+            held = layers[row] is not None
+            with swapped(model, layers[row]) if held else run_as(model, row, args.head) as m:
+                if not held and round_ == 0:
+                    built[row] = time.perf_counter() - t0
                 rates[row].append(decode_rate(m, prompt, args.new_tokens, args.repeats))
                 print(
                     f"round {round_ + 1}/{args.rounds} {row}: {rates[row][-1]:.3f} tok/s",
@@ -306,7 +333,7 @@ def measure_rows(
                     rows[row] = {
                         "row": row, "isa": cpu_ext.isa() or "torch",
                         "kernels": kernel_summary(m) or str(m.dtype).removeprefix("torch."),
-                        "MB/token": nbytes / 1e6, "build s": built,
+                        "MB/token": nbytes / 1e6,
                     }  # fmt: skip
                 if round_ == 0 and row == SPEC_TARGET and args.gammas:
                     spec = [speculative_row(m, args, prompt, g) for g in args.gammas]
@@ -319,6 +346,7 @@ def measure_rows(
         )
 
     for row, r in rows.items():
+        r["build s"] = built[row]
         limit = info["bandwidth_bytes_s"] / (r["MB/token"] * 1e6)
         r["tok/s"] = statistics.median(rates[row])
         r.update({"limit tok/s": limit, "of limit": r["tok/s"] / limit})

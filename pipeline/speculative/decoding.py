@@ -199,6 +199,7 @@ def speculative_generate(
     start = time.perf_counter()
     if len(seq) > 1 and max_new_tokens > 0:
         tgt.forward(ids[:, :-1], keep=1)  # the draft reads the prompt when it first drafts
+    stats.prefill_seconds = time.perf_counter() - start
     vocab = vocab_size(target)
     produced, done = 0, False
     while produced < max_new_tokens and not done:
@@ -259,9 +260,11 @@ def plain_generate(
     stats = SpecStats()
     start = time.perf_counter()
     feed = ids
-    for _ in range(max_new_tokens):
+    for i in range(max_new_tokens):
         tok = _next_token(lm.forward(feed, keep=1)[:, -1], temperature, generator)
         seq.append(int(tok.item()))
+        if i == 0:
+            stats.prefill_seconds = time.perf_counter() - start
         stats.record_round(0, 0, 1, [])
         if seq[-1] in eos:
             break

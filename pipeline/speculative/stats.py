@@ -23,8 +23,10 @@ def pair_name(draft: str, target: str) -> str:
 class SpecStats:
     """Counters of one or more decoding runs (merge runs with :meth:`merge`).
 
-    ``target_calls`` excludes the prompt prefill; ``seconds`` includes it. ``beta_*`` sum beta
-    over tested positions; ``position_*`` count accepted / tested per draft position.
+    ``target_calls`` excludes the prompt prefill; ``seconds`` includes it, and
+    ``prefill_seconds`` is the target's forward of the prompt alone (plain decoding: with its
+    first token), so ``seconds - prefill_seconds`` times the decoding of one pass. ``beta_*`` sum
+    beta over tested positions; ``position_*`` count accepted / tested per draft position.
     """
 
     drafted: int = 0
@@ -33,6 +35,7 @@ class SpecStats:
     draft_calls: int = 0
     new_tokens: int = 0
     seconds: float = 0.0
+    prefill_seconds: float = 0.0
     beta_sum: float = 0.0
     beta_count: int = 0
     position_accepted: list[int] = field(default_factory=list)
@@ -93,6 +96,7 @@ class SpecStats:
                 for k in ("drafted", "accepted", "target_calls", "draft_calls", "new_tokens")
             },
             seconds=self.seconds + other.seconds,
+            prefill_seconds=self.prefill_seconds + other.prefill_seconds,
             beta_sum=self.beta_sum + other.beta_sum,
             beta_count=self.beta_count + other.beta_count,
             gammas=self.gammas + other.gammas,

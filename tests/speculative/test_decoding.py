@@ -19,6 +19,14 @@ def test_plain_greedy_with_cache_matches_full_recomputation(target, prompt):
             seq = torch.cat([seq, nxt], dim=1)
     assert torch.equal(out, seq)
     assert stats.new_tokens == stats.target_calls == 16 and stats.drafted == 0
+    # the prompt's forward is timed apart: a part of the pass, not all of it
+    assert 0 < stats.prefill_seconds < stats.seconds
+    assert stats.merge(stats).prefill_seconds == 2 * stats.prefill_seconds
+
+
+def test_speculative_times_the_prompt_forward_apart(target, near_draft, prompt):
+    _, stats = speculative_generate(target, near_draft, prompt, N_NEW, gamma=3, temperature=0)
+    assert 0 < stats.prefill_seconds < stats.seconds
 
 
 @pytest.mark.parametrize("gamma", [1, 3, 5])
