@@ -70,7 +70,7 @@ Usage:
   LOWBIT_CPU_ISA=avx2 python -m bench.decode_speed --threads 2 --head int8 --crossover-widths '' \\
       --gammas '' --rows W4g128,W3,W2 --skip-goal FP32 --skip-goal W8 --skip-goal exp4 \\
       --skip-goal speculative --skip-goal v: --skip-goal @torch       # the lm_head in int8 too
-  [--rows FP32,W4g128,...] [--threads N] [--rounds 5] [--repeats 1] [--gammas 2,3,4,5]
+  [--rows FP32,W4g128,...] [--threads N] [--rounds 9] [--repeats 1] [--gammas 2,3,4,5]
   [--temperature 0] [--out bench-out/decode_speed] [--mlflow URI] [--skip-goal TEXT ...]
 """
 
@@ -280,13 +280,16 @@ def bytes_per_token(model: nn.Module, context: float) -> int:
     return int(total + kv_cache_bytes(model, context))
 
 
-def decode_rate(model: nn.Module, prompt: torch.Tensor, n: int, repeats: int) -> float:
+def decode_rate(
+    model: nn.Module, prompt: torch.Tensor, n: int, repeats: int, warm_up: bool = True
+) -> float:
     """Decode tokens/s without the prompt: (n - 1) / (seconds - prefill_seconds) of a greedy
     ``plain_generate`` pass (the n - 1 steps after the prompt's forward, timed within the pass),
-    the median of ``repeats`` passes after a warm-up."""
+    the median of ``repeats`` passes, after an untimed one if ``warm_up``."""
     from pipeline.speculative.decoding import plain_generate
 
-    plain_generate(model, prompt, n, temperature=0.0)  # warm-up: allocator, kernels' first calls
+    if warm_up:  # the allocator, the kernels' first calls
+        plain_generate(model, prompt, n, temperature=0.0)
     runs = [plain_generate(model, prompt, n, temperature=0.0)[1] for _ in range(repeats)]
     return statistics.median((n - 1) / max(s.seconds - s.prefill_seconds, 1e-9) for s in runs)
 
@@ -323,7 +326,9 @@ def measure_rows(
             with swapped(model, layers[row]) if held else run_as(model, row, args.head) as m:
                 if not held and round_ == 0:
                     built[row] = time.perf_counter() - t0
-                rates[row].append(decode_rate(m, prompt, args.new_tokens, args.repeats))
+                # held layers stay warm from one round to the next
+                warm_up = round_ == 0 or not held
+                rates[row].append(decode_rate(m, prompt, args.new_tokens, args.repeats, warm_up))
                 print(
                     f"round {round_ + 1}/{args.rounds} {row}: {rates[row][-1]:.3f} tok/s",
                     flush=True,
@@ -521,7 +526,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument(
         "--rounds",
         type=int,
-        default=3,
+        default=9,
         help="rows measured in turn this many times; medians over rounds",
     )
     rows_help = (f"a subset of {','.join(ROWS)} and {TORCH} rows of {','.join(TORCH_ROWS)} "
