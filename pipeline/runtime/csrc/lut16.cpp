@@ -72,7 +72,8 @@ void quantize_row16(const float* x, int64_t k, int64_t group_len, int16_t* xq, f
   for (int64_t g = 0; g < k / group_len; ++g) {
     const float* p = x + g * group_len;
     __m512 m = _mm512_setzero_ps();
-    for (int64_t c = 0; c < group_len; c += 16) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(p + c)));
+    for (int64_t c = 0; c < group_len; c += 16)
+      m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(p + c)));
     const float top = _mm512_reduce_max_ps(m), most = x_max(group_len);
     xs[g] = top / most;
     const __m512 inv = _mm512_set1_ps(top > 0.0f ? most / top : 0.0f);
@@ -105,8 +106,8 @@ void row_lut16(const uint8_t* w, const uint16_t* base, const uint8_t* ridx, cons
     __m512i acc[R];
     for (int m = 0; m < R; ++m) acc[m] = _mm512_setzero_si512();
     for (int64_t c = first; c < first + group_len; c += kStep) {
-      // word i: byte i of the two blocks, i.e. columns i (low nibble) and 16 + i (high), i < 16,
-      // and columns 16 + i and 32 + i of the second block for i >= 16
+      // word i < 16: byte i of the first block, columns i (low nibble) and 16 + i (high); word
+      // 16 + i: byte i of the second, columns 32 + i and 48 + i
       const __m512i v =
           _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c / 2)));
       const __m512i w0 = _mm512_permutexvar_epi16(v, table);
@@ -326,7 +327,9 @@ at::Tensor lut16_mm(at::Tensor x, at::Tensor packed, at::Tensor base, at::Tensor
   int16_tables(tp, count, entries.data(), tscale.data());
   if (avx512) {
     std::vector<int16_t> words(32 * count);  // each table twice: see row_lut16
-    for (int64_t j = 0; j < 16 * count; ++j) words[j + j / 16 * 16] = words[j + j / 16 * 16 + 16] = entries[j];
+    for (int64_t j = 0; j < 16 * count; ++j) {
+      words[j + j / 16 * 16] = words[j + j / 16 * 16 + 16] = entries[j];
+    }
     for (int64_t m = 0; m < rows; ++m) {
       avx512::quantize_row16(xp + m * k, k, group_len, xq.data() + m * k, xs.data() + m * groups);
     }
