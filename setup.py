@@ -7,9 +7,9 @@ from setuptools import find_packages, setup
 setup(
     packages=[*find_packages(include=["pipeline", "pipeline.*"]), "pipeline.conf"],
     package_dir={"pipeline.conf": "conf"},
-    # the CPU kernels' sources, compiled at first use (pipeline/runtime/cpu_ext.py)
+    # the CPU kernels' sources, compiled at first use (pipeline/cpu_ext.py)
     package_data={
         "pipeline.conf": ["*.yaml", "*/*.yaml", "*/*.json"],
-        "pipeline.runtime": ["csrc/*.cpp", "csrc/*.h"],
+        "pipeline": ["csrc/*.cpp", "csrc/*.h"],
     },
 )

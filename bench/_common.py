@@ -230,7 +230,7 @@ def machine() -> str:
 def cpu_kernels() -> str:
     """The ISA lowbit's CPU kernels run in and why (auto or ``LOWBIT_CPU_ISA``), e.g. "avx2
     (LOWBIT_CPU_ISA=avx2)"; "none" where torch's kernels serve."""
-    from pipeline.runtime import cpu_ext
+    from pipeline import cpu_ext
 
     asked = os.environ.get(cpu_ext.ENV)
     return f"{cpu_ext.isa() or 'none'} ({f'{cpu_ext.ENV}={asked}' if asked else 'auto'})"

@@ -18,7 +18,7 @@ weights' values) is built in memory, and each row runs it one way, one row at a 
 float linears on ``F.linear`` (MKL) and int layers on ``int4pack`` / ``int8pack``, what the
 runtime falls back to without lowbit's CPU kernels; ``x torch`` divides a row's tokens/s by its
 ``@torch`` row's, measured side by side in the same run. lowbit's kernels run on the ISA
-``pipeline.runtime.cpu_ext`` picks (``LOWBIT_CPU_ISA``: auto, avx512, avx2, none); every output
+``pipeline.cpu_ext`` picks (``LOWBIT_CPU_ISA``: auto, avx512, avx2, none); every output
 names it and the CPU.
 
 Per row: decode tokens/s (greedy ``plain_generate``, on ``pipeline.models.lean``'s forward as the
@@ -103,7 +103,8 @@ from bench._common import (
     write_csv,
     write_result,
 )
-from pipeline.runtime import cpu_ext, float_rows
+from pipeline import cpu_ext
+from pipeline.runtime import float_rows
 
 ROWS = {  # row: the decoder linears' format (None: float, in the dtype the row casts to)
     "FP32": None,

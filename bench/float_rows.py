@@ -7,7 +7,7 @@ Each cell is the best of ``--repeats`` calls in milliseconds, the two paths inte
 round so that drifts of the machine hit both; ``v`` is t(rows) / t(1 row of F.linear), what a
 verification of that many rows costs in single-token steps.
 
-f32rows runs on the ISA ``pipeline.runtime.cpu_ext`` picks (``LOWBIT_CPU_ISA``: auto, avx512,
+f32rows runs on the ISA ``pipeline.cpu_ext`` picks (``LOWBIT_CPU_ISA``: auto, avx512,
 avx2); the output names it and the CPU.
 
 Goal (exit 1 when missed, or when no measured row count lets it be checked): f32rows at most
@@ -41,7 +41,8 @@ from bench._common import (
     write_csv,
     write_result,
 )
-from pipeline.runtime import cpu_ext, float_rows
+from pipeline import cpu_ext
+from pipeline.runtime import float_rows
 
 GOAL = f"F.linear / f32rows at {float_rows.MIN_ROWS}-{float_rows.MAX_ROWS} rows"
 COLUMNS = ("rows", "F.linear ms", "f32rows ms", "F.linear / f32rows", "v F.linear", "v f32rows")

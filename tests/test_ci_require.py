@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from pipeline.runtime import cpu_ext
+from pipeline import cpu_ext
 from tests import _require
 from tests.conftest import REPO
 

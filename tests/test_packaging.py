@@ -56,9 +56,9 @@ def test_the_wheel_carries_the_whole_config_tree(wheel):
     }
     assert "pipeline/conf/config.yaml" in expected
     # the CPU kernels' sources and headers, compiled at first use
-    csrc = REPO / "pipeline" / "runtime" / "csrc"
-    expected |= {f"pipeline/runtime/csrc/{p.name}" for p in csrc.iterdir()}
-    assert "pipeline/runtime/csrc/w4a8.h" in expected
+    csrc = REPO / "pipeline" / "csrc"
+    expected |= {f"pipeline/csrc/{p.name}" for p in csrc.iterdir()}
+    assert "pipeline/csrc/w4a8.h" in expected
     assert expected <= names, sorted(expected - names)
     assert not any(n.startswith(("conf/", "tests/")) for n in names)  # nothing outside the package
 
@@ -71,7 +71,7 @@ def test_the_wheel_declares_its_license_and_the_kernel_build_tool(wheel):
     assert "License-File: LICENSE" in fields
     assert metadata.replace("METADATA", "licenses/LICENSE") in z.namelist()
     requires = [Requirement(f.split(": ", 1)[1]) for f in fields if f.startswith("Requires-Dist:")]
-    # the runtime's CPU kernels are compiled at first use, with ninja (pipeline/runtime/cpu_ext.py)
+    # the runtime's CPU kernels are compiled at first use, with ninja (pipeline/cpu_ext.py)
     assert any(r.name == "ninja" and r.marker is None for r in requires)
 
 

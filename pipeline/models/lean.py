@@ -5,13 +5,17 @@ It speaks ``CachedLM``'s protocol; :func:`lean` wraps only models whose forward 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from pipeline import cpu_ext
+
 TYPES = ("llama", "mistral", "qwen2")  # model types whose decoder layer is this forward
+FUSED_ROWS = 12  # rows up to which a CPU forward runs the extension's decode ops (decode, verify)
 
 
 class LeanCache:
@@ -29,21 +33,28 @@ class LeanCache:
     def crop(self, n: int) -> None:
         self.length = max(0, self.length + n if n < 0 else min(n, self.length))
 
-    def update(self, i: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Store (B, kv, n, d) at the cache's end; the layer's keys and values so far (views)."""
-        end = self.length + k.shape[2]
+    def room(self, i: int, like: Tensor, n: int) -> tuple[Tensor, Tensor]:
+        """Layer ``i``'s whole key and value buffers, grown to hold ``n`` more positions of
+        ``like``'s (B, kv, *, d) shape, dtype and device (the held ones copied over)."""
+        end = self.length + n
         held = self.k[i]
-        if held is None or held.shape[2] < end or held.shape[0] != k.shape[0]:
+        if held is None or held.shape[2] < end or held.shape[0] != like.shape[0]:
             cap = max(64, 2 * end)
-            grown_k = k.new_empty(*k.shape[:2], cap, k.shape[3])
-            grown_v = v.new_empty(*v.shape[:2], cap, v.shape[3])
-            if held is not None and held.shape[0] == k.shape[0]:
+            grown_k = like.new_empty(*like.shape[:2], cap, like.shape[3])
+            grown_v = torch.empty_like(grown_k)
+            if held is not None and held.shape[0] == like.shape[0]:
                 grown_k[:, :, : self.length] = held[:, :, : self.length]
                 grown_v[:, :, : self.length] = self.v[i][:, :, : self.length]
             self.k[i], self.v[i] = grown_k, grown_v
-        self.k[i][:, :, self.length : end] = k
-        self.v[i][:, :, self.length : end] = v
-        return self.k[i][:, :, :end], self.v[i][:, :, :end]
+        return self.k[i], self.v[i]
+
+    def update(self, i: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Store (B, kv, n, d) at the cache's end; the layer's keys and values so far (views)."""
+        end = self.length + k.shape[2]
+        keys, values = self.room(i, k, k.shape[2])
+        keys[:, :, self.length : end] = k
+        values[:, :, self.length : end] = v
+        return keys[:, :, :end], values[:, :, :end]
 
 
 @dataclass
@@ -91,6 +102,18 @@ class LeanLM(nn.Module):
         self.gate_up = [
             _joined(layer.mlp, ("gate_proj", "up_proj")) for layer in model.model.layers
         ]
+        self.ops = _decode_ops(model, self.head_dim)
+        if self.ops is not None:  # each layer's (qkv, o, gate_up, down) as (rows, in) functions
+            self.rows = [
+                (
+                    _side_by_side(self.qkv[i], layer.self_attn, ("q_proj", "k_proj", "v_proj")),
+                    _rows_fn(layer.self_attn.o_proj),
+                    _side_by_side(self.gate_up[i], layer.mlp, ("gate_proj", "up_proj")),
+                    _rows_fn(layer.mlp.down_proj),
+                )
+                for i, layer in enumerate(model.model.layers)
+            ]
+            self.head = _rows_fn(model.lm_head)
 
     def get_output_embeddings(self) -> nn.Module:
         return self.hf.get_output_embeddings()
@@ -112,10 +135,15 @@ class LeanLM(nn.Module):
             position_ids = torch.arange(past, past + n, device=input_ids.device)[None]
         x = inner.embed_tokens(input_ids)
         cos, sin = inner.rotary_emb(x, position_ids)  # (1 | B, n, d)
-        cos = cos[:, None]
         half = self.head_dim // 2
         # rotate_half(t) = cat(-t2, t1) = roll(t, d/2) with the first half negated
-        sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)[:, None]
+        sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+        if self.ops is not None and b == 1 and n <= FUSED_ROWS and x.dtype == torch.float32:
+            x = self._fused(x[0].clone(), cos[0], sin[0], cache, past)
+            cache.length = past + n
+            h = _kept(x[None], logits_to_keep)[0]  # (kept, hidden)
+            return LeanOutput(self.head(h.contiguous())[None], cache)
+        cos, sin = cos[:, None], sin[:, None]
         # row i sees the cache and rows 0..i; a single row sees everything (no mask)
         mask = None
         if n > 1:
@@ -137,11 +165,61 @@ class LeanLM(nn.Module):
             gate, up = _outputs(self.gate_up[i], mlp, ("gate_proj", "up_proj"), h)
             x = x + mlp.down_proj(mlp.act_fn(gate) * up)
         cache.length = past + n
-        if isinstance(logits_to_keep, int):
-            x = x[:, -logits_to_keep:] if logits_to_keep else x
-        else:
-            x = x[:, logits_to_keep]
-        return LeanOutput(self.hf.lm_head(_norm(inner.norm, x)), cache)
+        return LeanOutput(self.hf.lm_head(_norm(inner.norm, _kept(x, logits_to_keep))), cache)
+
+    def _fused(self, x: Tensor, cos: Tensor, sin: Tensor, cache: LeanCache, past: int) -> Tensor:
+        """The layers on (n, hidden) rows of one sequence, the extension's decode ops between
+        the linears' row functions; the final norm's output (n, hidden)."""
+        ops, isa = self.ops
+        n = x.shape[0]
+        delta = None  # the last linear's output, added to the residual stream by the next norm
+        like = x.new_empty(1, self.kv_heads, 0, self.head_dim)
+        for i, layer in enumerate(self.hf.model.layers):
+            qkv, o_proj, gate_up, down = self.rows[i]
+            h = ops.add_rms_norm(x, delta, *_weight_eps(layer.input_layernorm), isa)
+            keys, values = cache.room(i, like, n)
+            o = ops.rope_attention(
+                qkv(h), cos, sin, keys[0], values[0], past, self.heads, layer.self_attn.scaling, isa
+            )
+            h = ops.add_rms_norm(x, o_proj(o), *_weight_eps(layer.post_attention_layernorm), isa)
+            delta = down(ops.silu_mul(gate_up(h), isa))
+        return ops.add_rms_norm(x, delta, *_weight_eps(self.hf.model.norm), isa)
+
+
+def _kept(x: Tensor, keep: int | Tensor) -> Tensor:
+    """The (B, n, C) rows whose logits are kept: the last ``keep`` (0: all), or those indexed."""
+    if isinstance(keep, int):
+        return x[:, -keep:] if keep else x
+    return x[:, keep]
+
+
+def _rows_fn(linear: nn.Module) -> Callable[[Tensor], Tensor]:
+    """``linear`` on (rows, in) rows: its ``rows_fn`` where it offers one, else the module."""
+    fn = getattr(linear, "rows_fn", None)
+    return (fn() if fn is not None else None) or linear
+
+
+def _side_by_side(joined: nn.Module | None, parent: nn.Module, names: tuple[str, ...]):
+    """A function of rows giving the linears ``names``' outputs side by side (rows, sum out)."""
+    if joined is not None:
+        return _rows_fn(joined)
+    fns = [_rows_fn(getattr(parent, name)) for name in names]
+    return lambda h: torch.cat([fn(h) for fn in fns], dim=-1)
+
+
+def _weight_eps(norm: nn.Module) -> tuple[Tensor, float]:
+    return norm.weight, norm.variance_epsilon
+
+
+def _decode_ops(model: nn.Module, head_dim: int):
+    """(the CPU extension, its ISA) where its decode ops run ``model``'s layers, else None."""
+    param = next(model.parameters(), None)
+    if param is None or param.device.type != "cpu" or param.dtype != torch.float32:
+        return None
+    if head_dim % 16 or getattr(model.config, "hidden_act", None) not in ("silu", "swish"):
+        return None
+    ext = cpu_ext.extension()  # built at its first use
+    return None if ext is None else (ext, cpu_ext.isa())
 
 
 def _joined(parent: nn.Module, names: tuple[str, ...]) -> nn.Module | None:

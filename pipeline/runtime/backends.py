@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 from collections import Counter
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -98,6 +99,12 @@ class TorchQuantLinear(nn.Module):
         y = y.view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
+    def rows_fn(self) -> Callable[[Tensor], Tensor] | None:
+        """The kernel's ``rows_fn``, or None where the layer adds to it (bias, side columns)."""
+        if self.bias is not None or self.side is not None or self.dynamic_act:
+            return None
+        return self.impl.rows_fn()
+
     def extra_repr(self) -> str:
         return (
             f"{self.in_features}, {self.out_features}, type={self.kind}, group={self.group}, "
@@ -140,6 +147,9 @@ class JoinedLinear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         y = self.impl(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], -1)
         return y if self.bias is None else y + self.bias.to(y.dtype)
+
+    def rows_fn(self) -> Callable[[Tensor], Tensor] | None:
+        return None if self.bias is not None else self.impl.rows_fn()
 
 
 class NpuQuantLinear(nn.Module):

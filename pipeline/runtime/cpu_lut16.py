@@ -15,9 +15,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from pipeline import cpu_ext
 from pipeline.artifact.lowbit_format import LinearCodes
 from pipeline.quant.codec.exponential import exp_lut
-from pipeline.runtime import cpu_ext
 
 BLOCK = 32  # columns per 16 packed bytes
 MAX_TABLES = 256  # distinct ratios per layer: a byte indexes them

@@ -14,8 +14,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from pipeline import cpu_ext
 from pipeline.artifact.lowbit_format import LinearCodes
-from pipeline.runtime import cpu_ext
 
 BLOCK = 32  # columns per activation scale and per packed weight block
 TILE = 16  # output rows per packed tile: the int32 lanes of one AVX-512 register (two AVX2)

@@ -7,11 +7,13 @@ shared); calls outside ``MIN_ROWS..MAX_ROWS`` rows stay on ``F.linear``. docs/ke
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from pipeline.runtime import cpu_ext
+from pipeline import cpu_ext
 
 NAME = "f32rows"  # the kernel name ``kernel_summary`` reports
 MIN_ROWS, MAX_ROWS = 1, 12  # the token rows where it beats sgemm (`bench/float_rows.py`)
@@ -55,6 +57,13 @@ class FloatRowsLinear(nn.Linear):
         if self.bias is not None:
             y += self.bias
         return y.view(*x.shape[:-1], self.out_features)
+
+    def rows_fn(self) -> Callable[[Tensor], Tensor] | None:
+        """The kernel as a plain function of (rows, in) float32 rows (no bias), or None."""
+        if self.kernel is None or self.bias is not None:
+            return None
+        mm, weight, isa = cpu_ext.loaded().f32_rows_mm, self.weight, self.isa
+        return lambda x: mm(x, weight, isa)
 
 
 def _takes(weight: Tensor) -> bool:

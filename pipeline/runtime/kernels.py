@@ -7,15 +7,17 @@ each chosen kernel against the reference at load and falls back when it disagree
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from pipeline import cpu_ext
 from pipeline.artifact.lowbit_format import LinearCodes
 from pipeline.quant import act8
 from pipeline.quant.codec import expand_groups
-from pipeline.runtime import cpu_ext, cpu_lut16, cpu_w4a8
+from pipeline.runtime import cpu_lut16, cpu_w4a8
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +32,10 @@ class Kernel(nn.Module):
     """One layer's packed weight and its matmul: (tokens, k) -> (tokens, n), caller's dtype."""
 
     name = "reference"
+
+    def rows_fn(self) -> Callable[[Tensor], Tensor] | None:
+        """The matmul as a function of (rows, k) contiguous float32, no module call, or None."""
+        return None
 
 
 class Reference(Kernel):
@@ -155,6 +161,10 @@ class W4A8(Kernel):
         y = cpu_w4a8.matmul(x, self.packed, self.scale, self.zero, self.group, self.isa)
         return y if y.dtype == x.dtype else y.to(x.dtype)
 
+    def rows_fn(self) -> Callable[[Tensor], Tensor]:
+        mm, args = cpu_ext.runnable(self.isa)[0].w4a8_mm, (self.packed, self.scale, self.zero)
+        return lambda x: mm(x, *args, self.group, self.isa)
+
     def extra_repr(self) -> str:
         return f"isa={self.isa}"
 
@@ -251,6 +261,10 @@ class Lut16(Kernel):
         args = (self.packed, self.base, self.ridx, self.tables, self.group, self.isa)
         y = cpu_lut16.matmul(x, *args)
         return y.to(x.dtype)
+
+    def rows_fn(self) -> Callable[[Tensor], Tensor]:
+        mm, args = cpu_ext.runnable(self.isa)[0].lut16_mm, (self.packed, self.base, self.ridx)
+        return lambda x: mm(x, *args, self.tables, self.group, self.isa)
 
     def extra_repr(self) -> str:
         return f"isa={self.isa}"

@@ -1,14 +1,20 @@
 """The lean inference forward: the same logits as transformers' forward on every supported
-family, through prefill, single steps, multi-row verification, rollback and batches."""
+family, through prefill, single steps, multi-row verification, rollback and batches; on the
+CPU extension's decode ops (one sequence, few rows) as on torch's, with the runtime's kernels."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from pipeline.models.lean import LeanCache, LeanLM, fits, lean
+from pipeline.models.lean import FUSED_ROWS, LeanCache, LeanLM, fits, lean
 from pipeline.models.synthetic import synthetic_config
+from pipeline.quant.rtn import quantize_rtn
+from pipeline.runtime.float_rows import FloatRowsLinear
+from pipeline.runtime.inmemory import runtime_linear
+from pipeline.runtime.kernels import relative_error
 from pipeline.speculative.decoding import CachedLM, plain_generate
+from tests.runtime.test_kernels import needs_kernels
 
 SHAPE = dict(hidden=64, layers=3, intermediate=96, heads=4, kv_heads=2, vocab=97)
 
@@ -61,9 +67,57 @@ def test_lean_logits_match_transformers_through_steps_and_rollback(arch, overrid
 def test_greedy_decoding_with_the_lean_forward_matches_transformers_generate():
     model = _model()
     prompt = torch.randint(0, SHAPE["vocab"], (1, 5), generator=torch.Generator().manual_seed(2))
-    seq, _ = plain_generate(model, prompt, 20, temperature=0.0)
-    want = model.generate(prompt, max_new_tokens=20, do_sample=False, min_new_tokens=20)
+    # 70 steps: past the cache's first capacity (64), on the decode ops where they run
+    seq, _ = plain_generate(model, prompt, 70, temperature=0.0)
+    want = model.generate(prompt, max_new_tokens=70, do_sample=False, min_new_tokens=70)
     assert seq.tolist() == want.tolist()
+
+
+@needs_kernels
+@pytest.mark.parametrize(("arch", "overrides"), CASES)
+@torch.no_grad()
+def test_one_sequence_runs_the_decode_ops_with_transformers_logits(arch, overrides):
+    model = _model(arch, **overrides)
+    ids = torch.randint(0, SHAPE["vocab"], (1, 24), generator=torch.Generator().manual_seed(3))
+    hf, ln = CachedLM(model), CachedLM(model)
+    hf.model = model
+    assert ln.model.ops is not None  # float32 on the CPU, SiLU, head_dim 16
+    # a prompt past FUSED_ROWS (torch's ops), then steps and verification blocks on one cache
+    n = FUSED_ROWS + 2
+    for lo, hi, keep in ((0, n, None), (n, n + 1, 1), (n + 1, n + 5, None)):
+        torch.testing.assert_close(
+            ln.forward(ids[:, lo:hi], keep), hf.forward(ids[:, lo:hi], keep), rtol=1e-5, atol=1e-5
+        )
+    hf.rollback(n + 2)
+    ln.rollback(n + 2)
+    keep = torch.tensor([0, 2])
+    torch.testing.assert_close(
+        ln.forward(ids[:, n + 2 : n + 6], keep), hf.forward(ids[:, n + 2 : n + 6], keep)
+    )
+
+
+@needs_kernels
+@torch.no_grad()
+def test_decode_ops_call_the_runtime_kernels_as_functions_with_their_output():
+    model = _model(intermediate=128)
+    formats = {"q_proj": "int4g32", "k_proj": "int4g32", "v_proj": "int4g32", "o_proj": "int2g32",
+               "gate_proj": "int3g32", "up_proj": "int3g32", "down_proj": "exp4g32"}  # fmt: skip
+    for name, mod in list(model.named_modules()):
+        if name.rpartition(".")[2] in formats:
+            qt = quantize_rtn(mod.weight, formats[name.rpartition(".")[2]])
+            model.set_submodule(name, runtime_linear(name, qt, mod.bias))
+    model.lm_head = FloatRowsLinear.of(model.lm_head)
+    fused, plain = LeanLM(model), LeanLM(model)
+    plain.ops = None
+    qkv, o_proj, gate_up, down = fused.rows[0]
+    assert fused.qkv[0] is not None and fused.gate_up[0] is not None  # joined: one call each
+    assert not any(isinstance(fn, torch.nn.Module) for fn in (*fused.rows[0], fused.head))
+    ids = torch.randint(0, SHAPE["vocab"], (1, 12), generator=torch.Generator().manual_seed(4))
+    caches = LeanCache(SHAPE["layers"]), LeanCache(SHAPE["layers"])
+    for lo, hi in ((0, 9), (9, 10), (10, 12)):
+        got, want = (lm(ids[:, lo:hi], cache=c).logits for lm, c in zip((fused, plain), caches))
+        # the same kernels on inputs that differ by float rounding: int8 activations may flip
+        assert relative_error(got, want) < 1e-3
 
 
 def test_lean_wraps_only_what_it_reproduces_and_only_for_inference():

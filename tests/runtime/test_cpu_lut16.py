@@ -8,9 +8,10 @@ import dataclasses
 import pytest
 import torch
 
+from pipeline import cpu_ext
 from pipeline.artifact.lowbit_format import pack_linear, plan_layer, unpack_linear
 from pipeline.quant.rtn import quantize_rtn
-from pipeline.runtime import cpu_ext, cpu_lut16, kernels
+from pipeline.runtime import cpu_lut16, kernels
 from pipeline.runtime.kernels import build, exp_kernel_name, relative_error
 from tests.runtime.test_kernels import ISAS, _codes, needs_kernels
 

@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipeline.runtime import cpu_ext, float_rows
+from pipeline import cpu_ext
+from pipeline.runtime import float_rows
 from pipeline.runtime.backends import kernel_summary
 from pipeline.runtime.float_rows import FloatRowsLinear
 from pipeline.runtime.inmemory import to_runtime

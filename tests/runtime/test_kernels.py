@@ -10,9 +10,10 @@ import sys
 import pytest
 import torch
 
+from pipeline import cpu_ext
 from pipeline.artifact.lowbit_format import pack_linear, plan_layer, unpack_linear
 from pipeline.quant.rtn import quantize_rtn
-from pipeline.runtime import cpu_ext, cpu_w4a8, kernels
+from pipeline.runtime import cpu_w4a8, kernels
 from pipeline.runtime.backends import TorchQuantLinear, kernel_summary
 from pipeline.runtime.inmemory import runtime_linear, to_runtime
 from pipeline.runtime.kernels import (
@@ -282,7 +283,8 @@ def _run(script: str, **env: str) -> subprocess.CompletedProcess:
 def test_lowbit_cpu_isa_picks_the_path(env, want):
     script = (
         "import torch\n"
-        "from pipeline.runtime import cpu_ext, float_rows\n"
+        "from pipeline import cpu_ext\n"
+        "from pipeline.runtime import float_rows\n"
         "from pipeline.quant.rtn import quantize_rtn\n"
         "from pipeline.runtime.inmemory import linear_codes\n"
         "from pipeline.runtime.kernels import build, int_kernel_name\n"
@@ -314,7 +316,8 @@ def test_without_a_compiler_int_layers_keep_int4pack_and_float_ones_f_linear(tmp
     script = (
         "import logging, torch\n"
         "logging.basicConfig()\n"
-        "from pipeline.runtime import cpu_ext, float_rows\n"
+        "from pipeline import cpu_ext\n"
+        "from pipeline.runtime import float_rows\n"
         "from pipeline.runtime.kernels import int_kernel_name\n"
         "lm = torch.nn.Sequential(torch.nn.Linear(1024, 1024))\n"
         "float_rows.convert(lm)\n"
@@ -340,7 +343,7 @@ def test_a_lock_left_by_a_killed_build_does_not_stall_the_next_load(tmp_path):
     script = (
         "import logging\n"
         "logging.basicConfig()\n"
-        "from pipeline.runtime import cpu_ext\n"
+        "from pipeline import cpu_ext\n"
         "print(cpu_ext.loaded() is not None)\n"
     )
     proc = _run(script, TORCH_EXTENSIONS_DIR=str(tmp_path))

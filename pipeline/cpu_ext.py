@@ -1,5 +1,6 @@
-"""lowbit's CPU kernels as one compiled extension: W2-W8 x A8 (``cpu_w4a8``), 4-bit LUT codes
-(``cpu_lut16``) and few-row float32 (``float_rows``).
+"""lowbit's CPU kernels as one compiled extension: the runtime's W2-W8 x A8
+(``runtime.cpu_w4a8``), 4-bit LUT codes (``runtime.cpu_lut16``) and few-row float32
+(``runtime.float_rows``), and the decode forward's ops between the matmuls (``models.lean``).
 
 Each kernel is compiled for AVX-512 VNNI and AVX2 under per-ISA target pragmas, so one build
 serves any x86-64 CPU; :func:`isa` picks the ISA (``LOWBIT_CPU_ISA``, see docs/kernels.md). The
@@ -31,6 +32,7 @@ SOURCES = (
     "w4a8_avx2.cpp",
     "lut16.cpp",
     "f32_rows.cpp",
+    "decode_ops.cpp",
 )
 ENV = "LOWBIT_CPU_ISA"
 ISAS = ("avx512", "avx2")  # best first

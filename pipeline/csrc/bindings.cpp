@@ -1,6 +1,7 @@
-// The Python module of lowbit's CPU kernels (pipeline/runtime/cpu_ext.py builds it).
+// The Python module of lowbit's CPU kernels (pipeline/cpu_ext.py builds it).
 #include <torch/extension.h>
 
+#include <optional>
 #include <string>
 
 torch::Tensor w4a8_mm(torch::Tensor x, torch::Tensor packed, torch::Tensor scale,
@@ -9,6 +10,12 @@ torch::Tensor lut16_mm(torch::Tensor x, torch::Tensor packed, torch::Tensor base
                        torch::Tensor ridx, torch::Tensor tables, int64_t group_len,
                        const std::string& isa);
 torch::Tensor f32_rows_mm(torch::Tensor x, torch::Tensor weight, const std::string& isa);
+torch::Tensor add_rms_norm(torch::Tensor x, std::optional<torch::Tensor> delta,
+                           torch::Tensor weight, double eps, const std::string& isa);
+torch::Tensor rope_attention(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin,
+                             torch::Tensor k_cache, torch::Tensor v_cache, int64_t past,
+                             int64_t heads, double scaling, const std::string& isa);
+torch::Tensor silu_mul(torch::Tensor gate_up, const std::string& isa);
 
 // The kernels' index of an ISA: 0 "avx2", 1 "avx512". A CPU that lacks the ISA gets an error
 // here rather than an illegal instruction inside the kernel (cpu_ext.isa() picks one it runs).
@@ -36,4 +43,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("group_len"), py::arg("isa"));
   m.def("f32_rows_mm", &f32_rows_mm, "float32 matmul, few rows, weight read once (f32_rows.cpp)",
         py::arg("x"), py::arg("weight"), py::arg("isa"));
+  m.def("add_rms_norm", &add_rms_norm, "x += delta in place, then RMSNorm(x) * weight (decode_ops.cpp)",
+        py::arg("x"), py::arg("delta"), py::arg("weight"), py::arg("eps"), py::arg("isa"));
+  m.def("rope_attention", &rope_attention,
+        "rotary embedding, KV-cache write and attention for a few rows (decode_ops.cpp)",
+        py::arg("qkv"), py::arg("cos"), py::arg("sin"),
+        py::arg("k_cache"), py::arg("v_cache"), py::arg("past"), py::arg("heads"),
+        py::arg("scaling"), py::arg("isa"));
+  m.def("silu_mul", &silu_mul, "SiLU(gate) * up of [gate | up] rows (decode_ops.cpp)",
+        py::arg("gate_up"), py::arg("isa"));
 }
