@@ -375,7 +375,8 @@ def damp_tail(model: nn.Module, first: int, scale: float) -> None:
 
 def shallow_draft(target: nn.Module, args: argparse.Namespace) -> nn.Module:
     """The target's embedding, first ``--draft-layers`` layers and norm (shared, not copied),
-    and an ``--draft-head`` copy of its lm_head: a self-draft costing a fraction of a step."""
+    and an ``--draft-head`` copy of its float lm_head (a quantized one, ``--head``, is shared
+    too): a self-draft costing a fraction of a step."""
     from pipeline.quant.rtn import quantize_rtn
     from pipeline.runtime.inmemory import runtime_linear
 
@@ -385,8 +386,10 @@ def shallow_draft(target: nn.Module, args: argparse.Namespace) -> nn.Module:
     for name in ("embed_tokens", "norm", "rotary_emb"):
         setattr(draft.model, name, getattr(target.model, name))
     draft.model.layers = nn.ModuleList(target.model.layers[: args.draft_layers])
-    head = target.get_output_embeddings().weight.float()
-    draft.lm_head = runtime_linear("lm_head", quantize_rtn(head, args.draft_head))
+    head = target.get_output_embeddings()
+    if isinstance(head, nn.Linear):
+        head = runtime_linear("lm_head", quantize_rtn(head.weight.float(), args.draft_head))
+    draft.lm_head = head
     return draft.eval()
 
 
