@@ -59,11 +59,11 @@ class FloatRowsLinear(nn.Linear):
         return y.view(*x.shape[:-1], self.out_features)
 
     def rows_fn(self) -> Callable[[Tensor], Tensor] | None:
-        """The kernel as a plain function of (rows, in) float32 rows (no bias), or None."""
+        """:meth:`forward` as a plain function of (rows, in) float32 rows (no bias), or None."""
         if self.kernel is None or self.bias is not None:
             return None
         mm, weight, isa = cpu_ext.loaded().f32_rows_mm, self.weight, self.isa
-        return lambda x: mm(x, weight, isa)
+        return lambda x: mm(x, weight, isa) if x.shape[0] <= MAX_ROWS else F.linear(x, weight)
 
 
 def _takes(weight: Tensor) -> bool:

@@ -47,6 +47,12 @@ def test_layer_dispatch_bias_shapes_and_grad(isa):
         for rows in (float_rows.MAX_ROWS + 1, 40):  # more rows than it takes: F.linear, exactly
             x = torch.randn(rows, 1040)
             assert torch.equal(layer(x), lin(x))
+        nobias = FloatRowsLinear.of(nn.Linear(1040, 1024, bias=False), isa)
+        rows_fn = nobias.rows_fn()  # the decode forward's call: the same routing, no module
+        assert layer.rows_fn() is None  # a bias: the module's call
+        for rows in (1, 5, float_rows.MAX_ROWS + 1):
+            x = torch.randn(rows, 1040)
+            assert torch.equal(rows_fn(x), nobias(x))
         xb = torch.randn(4, 1040, dtype=torch.bfloat16)  # other dtypes: F.linear
         assert torch.equal(layer.bfloat16()(xb), lin.bfloat16()(xb))
     layer.float()
