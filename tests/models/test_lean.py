@@ -109,7 +109,6 @@ def test_decode_ops_call_the_runtime_kernels_as_functions_with_their_output():
     model.lm_head = FloatRowsLinear.of(model.lm_head)
     fused, plain = LeanLM(model), LeanLM(model)
     plain.ops = None
-    qkv, o_proj, gate_up, down = fused.rows[0]
     assert fused.qkv[0] is not None and fused.gate_up[0] is not None  # joined: one call each
     assert not any(isinstance(fn, torch.nn.Module) for fn in (*fused.rows[0], fused.head))
     ids = torch.randint(0, SHAPE["vocab"], (1, 12), generator=torch.Generator().manual_seed(4))
