@@ -81,6 +81,8 @@ COLUMNS = ("level", "row", "ms/token", "tok/s", "min-max", "x FP plain", "weight
            "alpha", "tokens/call", "gamma")  # fmt: skip
 GAMMA_COLUMNS = ("gamma", "alpha", "tokens/call", "tok/s", "speed-up", "theory", "of theory")
 CAL_COLUMNS = ("row", "want alpha", "norm scale", "alpha")
+PAIRED_COLUMNS = ("level", "passes", "spec / plain", "spec min-max", "plain / plain",
+                  "plain min-max")  # fmt: skip
 ALPHA_GAMMA = 3  # the draft length every compared or calibrated alpha is measured at
 PAIRS = {  # speculative row: the key of the alpha it is calibrated to
     "FP spec": "fp",
@@ -156,13 +158,20 @@ class Pair:
     def runs(self, gamma: int | None, repeats: int | None = None) -> Passes:
         return decode_passes(self.decoder(gamma), self.prompts, 0, repeats or self.args.repeats)
 
-    def paired_speedup(self) -> float:
-        """Adaptive speculative / plain tokens/s, the median over passes that alternate the two
+    def paired(self, level: str) -> dict:
+        """Adaptive speculative / plain tokens/s over passes that alternate the two
         (``paired_passes``): the VM's drift between two separate series of passes (10-30%)
-        exceeds the few percent this ratio decides."""
-        passes = (self.decoder(None), self.plain_decoder(), self.prompts, 0, self.args.repeats)
-        _, spec, base = paired_passes(*passes)
-        return statistics.median(s / b for s, b in zip(spec, base))
+        exceeds the few percent this ratio decides. Beside it, plain against plain: what the
+        same procedure reads for two equal decoders, the ratio's noise on this machine."""
+        plain = self.plain_decoder()
+        _, spec, base = paired_passes(self.decoder(None), plain, self.prompts, 0, self.args.paired)
+        _, same, base2 = paired_passes(plain, plain, self.prompts, 0, self.args.paired)
+        ratios = [s / b for s, b in zip(spec, base)]
+        control = [s / b for s, b in zip(same, base2)]
+        return {"level": level, "passes": len(ratios), "spec / plain": statistics.median(ratios),
+                "spec min-max": f"{min(ratios):.3f}-{max(ratios):.3f}",
+                "plain / plain": statistics.median(control),
+                "plain min-max": f"{min(control):.3f}-{max(control):.3f}"}  # fmt: skip
 
     def alpha(self, repeats: int | None = None) -> float:
         """Alpha at the fixed gamma ALPHA_GAMMA: the pair's agreement, what calibration matches.
@@ -340,7 +349,7 @@ def trained(run_dir: Path, args: argparse.Namespace) -> dict:
         print(r, flush=True)
     plan = inputs.get("allocate")  # the allocate stage's folder: BitPlan.load reads its plan
     return {"rows": rows, "alphas": alphas, "fp_draft_on_lowbit": fp_draft_alpha, "plan": plan,
-            "paired_speedup": low.paired_speedup()}  # fmt: skip
+            "paired": low.paired(level)}  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------
@@ -353,7 +362,7 @@ def check_goals(runs: Sequence[dict], scale: dict | None, tol: float) -> list[di
     for t in runs:
         by = {r["row"]: r for r in t["rows"]}
         level = t["rows"][0]["level"]
-        ratio = t["paired_speedup"]
+        ratio = t["paired"]["spec / plain"]
         goals.append(goal(f"{level}: lowbit speculative / lowbit plain (paired passes)", ratio,
                           ">= 1.0", ratio >= 1.0))  # fmt: skip
         final, fp_d = t["alphas"]["lowbit"], t["fp_draft_on_lowbit"]
@@ -403,6 +412,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--new-tokens", type=int, default=48)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--paired", type=int, default=15, help="paired passes of the never-slower goal")
     p.add_argument("--gammas", default="2,3,4,5")
     p.add_argument("--alpha-tol", type=float, default=0.03)
     p.add_argument("--cal-steps", type=int, default=8)
@@ -435,8 +445,12 @@ def main() -> int:
         scale = at_scale(args, alphas, scaled_plan(plan, args.layers)) | {"alphas": alphas}
     rows = [r for t in runs for r in t["rows"]] + (scale["rows"] if scale else [])
     goals = check_goals(runs, scale, args.alpha_tol)
+    paired = [t["paired"] for t in runs]
     tables = [result_table("headline", rows, COLUMNS)]
     text = [info, markdown_table(rows, COLUMNS)]
+    if paired:
+        tables.append(result_table("trained: paired passes (never slower)", paired, PAIRED_COLUMNS))
+        text.append(markdown_table(paired, PAIRED_COLUMNS))
     if scale:
         tables += [result_table("at scale: every gamma on lowbit's pair", scale["sweep"],
                                 GAMMA_COLUMNS),

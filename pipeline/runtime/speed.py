@@ -52,15 +52,21 @@ def decode_passes(fn, prompts: Sequence[torch.Tensor], seed: int, repeats: int):
 
 
 def paired_passes(fn, base, prompts: Sequence[torch.Tensor], seed: int, repeats: int):
-    """:func:`decode_passes` of ``fn``, each pass right after one of ``base`` (None: none):
+    """:func:`decode_passes` of ``fn``, each pass next to one of ``base`` (None: none):
     (fn's merged counters, fn's tokens/s per pass, base's per pass). A speed-up taken pass by
     pass from alternating passes sees the machine alike on both sides: a VM's memory bandwidth
     drifts by tens of percent between runs seconds apart, which medians of two separate series
-    of passes turn into a speed-up that changes from one draft length to the next."""
+    of passes turn into a speed-up that changes from one draft length to the next. The order
+    swaps every repeat: the second of two passes ran ~3% slower here, which a fixed order puts
+    on one side (two plain decoders read 0.97)."""
     fns = [fn] if base is None else [base, fn]
     for f in fns:  # untimed: the allocator and the kernels' first calls
         f(prompts[0][:, :8], torch.Generator(device=prompts[0].device).manual_seed(seed))
-    runs = [[decode_prompts(f, list(prompts), seed) for f in fns] for _ in range(repeats)]
+    runs = []
+    for i in range(repeats):
+        order = range(len(fns)) if i % 2 == 0 else reversed(range(len(fns)))
+        timed = {k: decode_prompts(fns[k], list(prompts), seed) for k in order}
+        runs.append([timed[k] for k in range(len(fns))])
     total = runs[0][-1]
     for run in runs[1:]:
         total = total.merge(run[-1])

@@ -8,12 +8,14 @@ with measured c and v (``pipeline.speculative.cost``): no thresholds to tune.
 Gamma 0 is plain decoding (one target call, one token: speed-up 1 by definition). With
 ``allow_plain`` it is chosen when no gamma in [gamma_min, gamma_max] is expected to pay, so
 speculation is never expected to be slower than decoding without it. Plain steps test no draft
-token, so alpha would stay frozen at the value that switched speculation off; every
+token, so alpha would stay frozen at the value that switched speculation off; after
 ``probe_every`` plain tokens one round is therefore drafted at the best gamma to refresh the
-window. A probe costs about gamma c + v - 1 target steps more than a plain step, so probing
-every 16 tokens slows plain decoding by (gamma c + v - 1) / 16, a few percent for a cheap draft,
-while a draft that starts agreeing (another kind of text) is noticed within a few probes, as
-each accepted block outweighs many rejected first positions in the window.
+window. A probe costs about gamma c + v - 1 target steps more than a plain step (plus the
+draft's catch-up), which for a draft that costs near a target step took 10-15% off plain
+decoding at a 16-token gap: each probe that leaves decoding plain doubles the gap (up to
+``MAX_BACKOFF`` times), so a pair that never pays probes O(log n) times in n tokens; a draft
+that starts agreeing (another kind of text) is noticed within a few probes, as each accepted
+block outweighs many rejected first positions in the window, and speculating resets the gap.
 
 ``timed``: the decoder reports each round's wall time, and the expected speed-up of a gamma is
 priced with what its rounds really cost against a plain step, (gamma c + v) times the measured
@@ -34,14 +36,16 @@ from pipeline.speculative.metrics import theoretical_speedup
 
 __all__ = ["AdaptiveGamma"]
 
+MAX_BACKOFF = 16  # the longest gap between probes, in probe_every
+
 
 class AdaptiveGamma:
     """Chooses the draft length for the next round from the last ``window`` rounds' acceptance.
 
     ``cost_ratio`` c and ``verify_cost`` {gamma: v} (default 1) are measured
     (``pipeline.speculative.cost``); a guessed c picks the wrong gamma. ``gamma`` 0 (only with
-    ``allow_plain``) asks for a plain target step; ``probe_every`` plain steps are followed by
-    one speculative round at the best gamma.
+    ``allow_plain``) asks for a plain target step; after ``probe_every`` plain steps (more, as
+    probes find nothing new) one speculative round at the best gamma probes the draft.
     """
 
     def __init__(
@@ -75,10 +79,13 @@ class AdaptiveGamma:
         self.verify_cost = dict(verify_cost or {})
         self.allow_plain = allow_plain
         self.probe_every = probe_every
+        self._max_gap = MAX_BACKOFF * probe_every
         start = (gamma_min + gamma_max) // 2 if initial_gamma is None else initial_gamma
         self.gamma = min(max(start, gamma_min), gamma_max)
         self._rounds: deque[tuple[int, int]] = deque(maxlen=window)
         self._plain_run = 0  # plain steps since the last drafted round
+        self._gap = probe_every  # plain steps before the next probe (backs off, see above)
+        self._probing = False  # the current drafted round is a probe
         self.history: list[int] = []  # gamma used by each round (0: a plain step)
         self.timed, self.plain_samples = timed, plain_samples
         self._seconds: dict[int, deque[float]] = {}  # gamma (0: plain) -> recent round times
@@ -141,10 +148,12 @@ class AdaptiveGamma:
             if self._timing_plain:  # a one-off sample: back to the best choice
                 self._timing_plain = False
                 self.gamma = self._choose()
-            elif self.gamma == 0 and self._plain_run >= self.probe_every:
+            elif self.gamma == 0 and self._plain_run >= self._gap:
                 self.gamma = self.best_gamma()  # one probe round refreshes alpha
+                self._probing = True
             return self.gamma
         self._plain_run = 0
+        probe, self._probing = self._probing, False
         self._rounds.append((accepted, verified))
         self._drafted += 1
         # time a plain step now and then: the other side of every comparison
@@ -159,6 +168,8 @@ class AdaptiveGamma:
             self.gamma = 0
             return self.gamma
         self.gamma = self._choose()
+        back_off = probe and self.gamma == 0  # the probe changed nothing: wait longer
+        self._gap = min(2 * self._gap, self._max_gap) if back_off else self.probe_every
         return self.gamma
 
     def _choose(self) -> int:

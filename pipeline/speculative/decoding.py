@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from pipeline.models.lean import lean
+from pipeline.models.lean import LeanLM, lean
 from pipeline.speculative.adaptive import AdaptiveGamma
 from pipeline.speculative.sampling import (
     logits_to_probs,
@@ -58,13 +58,13 @@ class CachedLM:
     def forward(self, tokens: torch.Tensor, keep: int | torch.Tensor | None = None) -> torch.Tensor:
         """Feed (B, n) tokens after the cached ones; logits of the ``keep`` rows (None: all)."""
         n = tokens.shape[-1]
-        position_ids = torch.arange(self.length, self.length + n, device=self.device)[None]
         kwargs = {} if self.cache is None else {self._cache_kw: self.cache}
+        if not isinstance(self.model, LeanLM):  # the lean forward numbers the cache's next rows
+            positions = torch.arange(self.length, self.length + n, device=self.device)
+            kwargs["position_ids"] = positions[None]
         if keep is not None and self._keep_kw:
             kwargs["logits_to_keep"] = keep  # skip the vocabulary projection of unused rows
-        out = self.model(
-            input_ids=tokens.to(self.device), position_ids=position_ids, use_cache=True, **kwargs
-        )
+        out = self.model(input_ids=tokens.to(self.device), use_cache=True, **kwargs)
         cache = getattr(out, "cache", None)
         self.cache = cache if cache is not None else getattr(out, "past_key_values", None)
         if self.cache is None or not hasattr(self.cache, "crop"):
@@ -236,8 +236,12 @@ def speculative_generate(
         stats.record_round(g, n, len(new), ver.beta[0, :n_verified].tolist())
         tgt.rollback(len(seq) - 1)
         drf.rollback(min(drf.length, len(seq) - 1))
-        if adaptive is not None:  # a round cut short by the budget is not the gamma it times
-            timed = time.perf_counter() - round_start if g == adaptive.gamma else None
+        if adaptive is not None:
+            # Not timed: a round cut short by the budget (not the gamma asked for), or one whose
+            # draft first caught up on plain steps or the prompt (a probe's price is not a
+            # round's: timing probes priced speculation out where it paid)
+            steady = g == adaptive.gamma and pending.shape[1] <= 2
+            timed = time.perf_counter() - round_start if steady else None
             adaptive.update(n, n_verified, timed)
     stats.seconds = time.perf_counter() - start
     return torch.tensor([seq], device=ids.device), stats

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline.models.lean import FUSED_ROWS, LeanCache, LeanLM, fits, lean
+from pipeline.models.lean import FUSED_ROWS, FUSED_SPAN, LeanCache, LeanLM, fits, lean
 from pipeline.models.synthetic import synthetic_config
 from pipeline.quant.rtn import quantize_rtn
 from pipeline.runtime.float_rows import FloatRowsLinear
@@ -78,13 +78,14 @@ def test_greedy_decoding_with_the_lean_forward_matches_transformers_generate():
 @torch.no_grad()
 def test_one_sequence_runs_the_decode_ops_with_transformers_logits(arch, overrides):
     model = _model(arch, **overrides)
-    ids = torch.randint(0, SHAPE["vocab"], (1, 24), generator=torch.Generator().manual_seed(3))
+    ids = torch.randint(0, SHAPE["vocab"], (1, 64), generator=torch.Generator().manual_seed(3))
     hf, ln = CachedLM(model), CachedLM(model)
     hf.model = model
     assert ln.model.ops is not None  # float32 on the CPU, SiLU, head_dim 16
-    # a prompt past FUSED_ROWS (torch's ops), then steps and verification blocks on one cache
-    n = FUSED_ROWS + 2
-    for lo, hi, keep in ((0, n, None), (n, n + 1, 1), (n + 1, n + 5, None)):
+    # a prompt past FUSED_SPAN (torch's ops), a catch-up in FUSED_ROWS chunks, then a step and
+    # a verification block, on one cache
+    p, n = FUSED_SPAN + 2, FUSED_SPAN + FUSED_ROWS + 5
+    for lo, hi, keep in ((0, p, None), (p, n, 2), (n, n + 1, 1), (n + 1, n + 5, None)):
         torch.testing.assert_close(
             ln.forward(ids[:, lo:hi], keep), hf.forward(ids[:, lo:hi], keep), rtol=1e-5, atol=1e-5
         )
@@ -144,3 +145,19 @@ def test_the_cache_grows_in_place_and_crops_both_ways():
     assert cache.length == 70
     cache.crop(10)
     assert cache.length == 10
+
+
+@torch.no_grad()
+def test_rotary_rows_come_from_a_table_that_grows_and_matches_the_model():
+    ln = LeanLM(_model("llama", rope_scaling={"rope_type": "linear", "factor": 2.0}))
+    assert ln.static_rope
+    x = torch.zeros(1, 1, SHAPE["hidden"])
+    first = ln._rope_table(x, 10)[0]
+    cos, sin = ln._rope_table(x, 300)  # past the first size (256): rebuilt, twice as long
+    assert first.shape[0] == 256 and cos.shape[0] == 600
+    want_cos, want_sin = ln._rope(x, torch.arange(600)[None])
+    assert torch.equal(cos, want_cos[0]) and torch.equal(sin, want_sin[0])
+    # frequencies that change with the length (dynamic NTK): computed per step, no table
+    assert not LeanLM(
+        _model("llama", rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+    ).static_rope

@@ -120,25 +120,37 @@ def test_a_draft_that_always_agrees_never_chooses_plain():
     assert 0 not in adaptive.history and adaptive.gamma == 5
 
 
-def test_plain_decoding_probes_every_probe_every_steps_and_switches_back():
+def test_plain_decoding_probes_backs_off_and_switches_back():
     adaptive = AdaptiveGamma(1, 4, cost_ratio=0.2, probe_every=5)
     for _ in range(10):
         adaptive.update(0, 1)
     assert adaptive.gamma == 0
-    for _ in range(4):
-        assert adaptive.update(0, 0) == 0  # plain steps leave the window alone
-    assert adaptive.alpha == pytest.approx(1 / 12)
-    probe = adaptive.update(0, 0)
-    assert probe == adaptive.best_gamma() >= 1  # the fifth plain step asks for one probe
-    adaptive.update(0, 1)  # the draft still disagrees: back to plain, a new count
-    assert adaptive.gamma == 0 and adaptive.history[-6:] == [0] * 5 + [probe]
-    rounds = 0
-    while adaptive.gamma == 0:  # the draft now agrees: each probe accepts its whole block
-        for _ in range(5):
-            adaptive.update(0, 0)
+
+    def plain_until_probe() -> int:
+        steps = 0
+        while adaptive.gamma == 0:
+            adaptive.update(0, 0)  # plain steps leave the window alone
+            steps += 1
+        return steps
+
+    assert plain_until_probe() == 5 and adaptive.alpha == pytest.approx(1 / 12)
+    gaps = []
+    for _ in range(6):  # the draft still disagrees: back to plain, each gap twice the last
+        adaptive.update(0, 1)
+        gaps.append(plain_until_probe())
+    assert gaps == [10, 20, 40, 80, 80, 80]  # up to MAX_BACKOFF (here 16) x probe_every
+    probes = 0
+    while True:  # the draft now agrees: each probe accepts its whole block
         adaptive.update(adaptive.gamma, adaptive.gamma)
-        rounds += 1
-    assert rounds <= 5 and adaptive.gamma >= 1
+        probes += 1
+        if adaptive.gamma:
+            break
+        plain_until_probe()
+    assert probes <= 5
+    adaptive.update(0, 1)
+    while adaptive.gamma:  # speculating reset the gap: plain again, the next probe comes soon
+        adaptive.update(0, 1)
+    assert plain_until_probe() == 5
 
 
 def test_probe_every_must_be_positive():

@@ -57,7 +57,8 @@ def test_plain_steps_and_a_returning_draft(target, stranger, prompt, greedy_refe
         target, target, prompt, N_NEW, adaptive=adaptive, temperature=0
     )
     assert torch.equal(out, greedy_reference)
-    assert all(g >= 1 for g in adaptive.history[-5:]) and stats.accepted > N_NEW // 2
+    # (after the stranger's probes backed off: the first probe comes late, the switch soon after)
+    assert all(g >= 1 for g in adaptive.history[-5:]) and stats.accepted >= N_NEW // 8
     assert adaptive.history[before] == 0  # it started plain and switched back on its own
 
 
@@ -82,4 +83,10 @@ def test_the_decoder_times_each_round_for_a_timed_controller(target, prompt, gre
     assert torch.equal(out, greedy_reference) and stats.acceptance_rate == 1.0
     assert adaptive.history[:5] == [2, 2, 2, 2, 0]  # the fourth drafted round asks for a sample
     assert adaptive._median(0) > 0 and adaptive._median(2) > adaptive._median(0)
+    # untimed: the first round (the draft reads the prompt), each after a plain step (the draft
+    # catches up), a last one cut short by the budget (not gamma 2)
+    h = adaptive.history
+    catch_up = sum(1 for before, g in zip([0, *h], h) if g and not before)
+    cut = stats.gammas[-1] != 2
+    assert len(adaptive._seconds[2]) == len(stats.gammas) - catch_up - cut > 0
     assert adaptive.overhead(2) > 0
