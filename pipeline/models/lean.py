@@ -185,9 +185,7 @@ class LeanLM(nn.Module):
         return cos, torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
 
     def _rope_table(self, x: Tensor, end: int) -> tuple[Tensor, Tensor]:
-        """:meth:`_rope` of positions 0.. (at least ``end``), kept: a step reads two rows
-        instead of computing them (~40 us a forward on a 2-core VM, a tenth of a small model's
-        step). Each row is one product and its cos/sin: the same values the step would get."""
+        """:meth:`_rope` of positions 0.. (at least ``end``), kept: read, not computed, a step."""
         table = self._table
         if (
             table is None

@@ -56,9 +56,8 @@ def paired_passes(fn, base, prompts: Sequence[torch.Tensor], seed: int, repeats:
     (fn's merged counters, fn's tokens/s per pass, base's per pass). A speed-up taken pass by
     pass from alternating passes sees the machine alike on both sides: a VM's memory bandwidth
     drifts by tens of percent between runs seconds apart, which medians of two separate series
-    of passes turn into a speed-up that changes from one draft length to the next. The order
-    swaps every repeat: the second of two passes ran ~3% slower here, which a fixed order puts
-    on one side (two plain decoders read 0.97)."""
+    of passes turn into a speed-up that changes from one draft length to the next; the order
+    swaps every repeat."""
     fns = [fn] if base is None else [base, fn]
     for f in fns:  # untimed: the allocator and the kernels' first calls
         f(prompts[0][:, :8], torch.Generator(device=prompts[0].device).manual_seed(seed))

@@ -5,25 +5,18 @@ positions, the truncated-geometric MLE, Laplace-smoothed) and the next gamma max
 Leviathan et al.'s expected speed-up (1 - alpha^(gamma+1)) / ((1 - alpha)(gamma c + v(gamma)))
 with measured c and v (``pipeline.speculative.cost``): no thresholds to tune.
 
-Gamma 0 is plain decoding (one target call, one token: speed-up 1 by definition). With
-``allow_plain`` it is chosen when no gamma in [gamma_min, gamma_max] is expected to pay, so
-speculation is never expected to be slower than decoding without it. Plain steps test no draft
-token, so alpha would stay frozen at the value that switched speculation off; after
-``probe_every`` plain tokens one round is therefore drafted at the best gamma to refresh the
-window. A probe costs about gamma c + v - 1 target steps more than a plain step (plus the
-draft's catch-up), which for a draft that costs near a target step took 10-15% off plain
-decoding at a 16-token gap: each probe that leaves decoding plain doubles the gap (up to
-``MAX_BACKOFF`` times), so a pair that never pays probes O(log n) times in n tokens; a draft
-that starts agreeing (another kind of text) is noticed within a few probes, as each accepted
-block outweighs many rejected first positions in the window, and speculating resets the gap.
+Gamma 0 is plain decoding (speed-up 1). With ``allow_plain`` it is chosen when no gamma in
+[gamma_min, gamma_max] is expected to pay. Plain steps test no draft token, so after
+``probe_every`` plain tokens one round is drafted at the best gamma to refresh alpha; each probe
+that leaves decoding plain doubles that gap (up to ``MAX_BACKOFF`` times): a probe costs the
+draft's catch-up and a round, 10-15% of plain decoding at a fixed 16-token gap for a draft that
+costs near a target step. Speculating again resets the gap.
 
-``timed``: the decoder reports each round's wall time, and the expected speed-up of a gamma is
-priced with what its rounds really cost against a plain step, (gamma c + v) times the measured
-``overhead`` (median round time over median plain-step time, over the model's gamma c + v):
-the model leaves out each round's fixed work (sampling, the acceptance test, cache rollback,
-the draft's catch-up), which on CPU made speculation slower than plain decoding where the model
-promised a speed-up. A timed controller takes a few one-off plain steps early
-(``plain_samples``, one every fourth drafted round) so the plain side is measured too.
+``timed``: the decoder reports each steady round's wall time (not a probe's: it includes the
+draft's catch-up), and a gamma's expected speed-up is priced with the measured ``overhead``
+(median round time / median plain-step time, over the model's gamma c + v), which covers each
+round's fixed work the model leaves out. A timed controller takes a few one-off plain steps
+early (``plain_samples``, one every fourth drafted round) to time the plain side.
 """
 
 from __future__ import annotations
@@ -133,11 +126,8 @@ class AdaptiveGamma:
         return max(range(self.gamma_min, self.gamma_max + 1), key=self.speedup)
 
     def update(self, accepted: int, verified: int, seconds: float | None = None) -> int:
-        """Record one round (accepted drafts, positions tested, its wall time when the decoder
-        timed a round at the gamma asked for) and return the next gamma.
-
-        A round that tested nothing (``verified`` 0) is a plain step: it leaves the window alone.
-        """
+        """Record one round (accepted drafts, positions tested, its wall time if timed) and
+        return the next gamma; ``verified`` 0 is a plain step, which leaves the window alone."""
         if not 0 <= accepted <= verified:
             raise ValueError(f"need 0 <= accepted <= verified, got {accepted}, {verified}")
         self.history.append(self.gamma)

@@ -235,9 +235,7 @@ def speculative_generate(
         tgt.rollback(len(seq) - 1)
         drf.rollback(min(drf.length, len(seq) - 1))
         if adaptive is not None:
-            # Not timed: a round cut short by the budget (not the gamma asked for), or one whose
-            # draft first caught up on plain steps or the prompt (a probe's price is not a
-            # round's: timing probes priced speculation out where it paid)
+            # timed: the gamma asked for, no catch-up (a probe's priced out paying speculation)
             steady = g == adaptive.gamma and pending.shape[1] <= 2
             timed = time.perf_counter() - round_start if steady else None
             adaptive.update(n, n_verified, timed)
@@ -276,10 +274,8 @@ def _plain_steps(
     adaptive: AdaptiveGamma | None = None,
     first_token_from: float | None = None,
 ) -> tuple[int, bool]:
-    """Plain steps after ``seq`` (extended in place), each fed the last token as a tensor, until
-    ``budget`` tokens, an end of sequence or ``adaptive`` asking for a drafted round: (tokens, at
-    eos). One tight loop, shared with the baseline, so that a plain step in speculative decoding
-    costs what plain decoding's does (a loop through the round's bookkeeping cost ~10% here)."""
+    """Plain steps after ``seq`` (extended in place) until ``budget`` tokens, an end of sequence
+    or ``adaptive`` asks for a round: (tokens, at eos). The baseline's loop too, at its cost."""
     feed = torch.tensor([seq[lm.length :]], device=lm.device)  # the prompt, or the unread
     for n in range(1, budget + 1):
         start = time.perf_counter()
