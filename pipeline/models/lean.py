@@ -151,7 +151,8 @@ class LeanLM(nn.Module):
                 rows = (x[0, start:end].clone(), cos[0, start:end], sin[0, start:end])
                 chunks.append(self._fused(*rows, cache, past + start))
                 cache.length = past + end
-            h = _kept(torch.cat(chunks)[None], logits_to_keep)[0]  # (kept, hidden)
+            x = chunks[0] if len(chunks) == 1 else torch.cat(chunks)  # a step: no copy
+            h = _kept(x[None], logits_to_keep)[0]  # (kept, hidden)
             return LeanOutput(self.head(h.contiguous())[None], cache)
         cos, sin = cos[:, None], sin[:, None]
         # row i sees the cache and rows 0..i; a single row sees everything (no mask)

@@ -72,7 +72,6 @@ class AdaptiveGamma:
         self.verify_cost = dict(verify_cost or {})
         self.allow_plain = allow_plain
         self.probe_every = probe_every
-        self._max_gap = MAX_BACKOFF * probe_every
         start = (gamma_min + gamma_max) // 2 if initial_gamma is None else initial_gamma
         self.gamma = min(max(start, gamma_min), gamma_max)
         self._rounds: deque[tuple[int, int]] = deque(maxlen=window)
@@ -159,7 +158,8 @@ class AdaptiveGamma:
             return self.gamma
         self.gamma = self._choose()
         back_off = probe and self.gamma == 0  # the probe changed nothing: wait longer
-        self._gap = min(2 * self._gap, self._max_gap) if back_off else self.probe_every
+        longest = MAX_BACKOFF * self.probe_every
+        self._gap = min(2 * self._gap, longest) if back_off else self.probe_every
         return self.gamma
 
     def _choose(self) -> int:
