@@ -62,9 +62,11 @@ def cpu_flags() -> frozenset[str]:
 
 
 def cpu_name() -> str:
-    """The CPU's model name, e.g. "AMD EPYC 9654" (the architecture where /proc has none)."""
+    """Model name, then x86 family/model ("AMD EPYC 26/2": a VM's name hides the generation)."""
     info = _cpuinfo()
-    return info.get("model name") or info.get("Model") or platform.processor() or platform.machine()
+    name = info.get("model name") or info.get("Model") or platform.processor() or platform.machine()
+    family, model = info.get("cpu family"), info.get("model")
+    return f"{name} {family}/{model}" if family and model else name
 
 
 def cpu_summary() -> dict:

@@ -4,6 +4,7 @@ user's explicit choice kept, with one warning where it will be emulated."""
 from __future__ import annotations
 
 import logging
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -91,6 +92,11 @@ def test_this_machine_is_read_from_its_cpuinfo(monkeypatch):
         assert flags == frozenset(first.partition(":")[2].split())
     summary = hardware.cpu_summary()
     assert summary["cpu"] and summary["cores"] >= 1
+    if "cpu family" in text:  # x86: family/model tell generations apart behind one VM name
+        fam, model = (
+            re.search(rf"^{k}\s*:\s*(\d+)", text, re.M)[1] for k in ("cpu family", "model")
+        )
+        assert summary["cpu"].endswith(f" {fam}/{model}")
     assert set(summary["cpu_flags"]) == set(hardware.CPU_FLAGS) & flags
     native = bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
     assert hardware.native(torch.bfloat16, "cpu")[0] == native
