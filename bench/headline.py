@@ -23,12 +23,13 @@ Two levels:
   is quantized with its target) and an int8 copy of its lm_head, c ~ 0.1 as 1 B against 8 B.
   Random weights agree by chance only, so each speculative row's agreement is *calibrated* to
   the alpha the trained run measured for that pair (both at gamma 3: an adaptive run's alpha
-  is biased low where it steps plain) (FP draft @ FP target, FP draft @ int4,
-  final draft @ lowbit's target), within ``--alpha-tol``: the norms of the layers after the
-  draft's are scaled (their cost unchanged) and the scale bisected until the measured alpha
-  matches; the trace is printed and kept. lowbit's target takes the trained plan's formats
-  (the allocate stage's ``BitPlan``) by relative depth. Every gamma of ``--gammas`` is timed on
-  lowbit's pair next to the adaptive choice.
+  is biased low where it steps plain; both on ``--alpha-prompts`` prompts, 16 by default: on
+  the timed rows' 2 a greedy alpha is a fraction of ~90 drafted tokens, +-0.05) (FP draft @
+  FP target, FP draft @ int4, final draft @ lowbit's target), within ``--alpha-tol``: the
+  norms of the layers after the draft's are scaled (their cost unchanged) and the scale
+  bisected until the measured alpha matches; the trace is printed and kept. lowbit's target
+  takes the trained plan's formats (the allocate stage's ``BitPlan``) by relative depth. Every
+  gamma of ``--gammas`` is timed on lowbit's pair next to the adaptive choice.
 
 Goals (exit 1 when one is missed or cannot be checked): at scale lowbit >= 3.0 x FP plain
 tokens/s and >= 1.4 x the int4 + FP draft row, measured speed-up >= 0.8 x theory at every gamma
@@ -116,8 +117,9 @@ def row(level: str, name: str, passes: Passes, mb: float, gamma: str = "-") -> d
 class Pair:
     """A target and draft timed plainly, at fixed gammas and adaptively, on the same prompts."""
 
-    def __init__(self, target: nn.Module, draft: nn.Module | None, prompts, args) -> None:
+    def __init__(self, target, draft, prompts, args, alpha_prompts=None) -> None:
         self.target, self.draft, self.prompts, self.args = target, draft, prompts, args
+        self.alpha_prompts = alpha_prompts or prompts
         self.context = prompts[0].shape[1] + args.new_tokens
         self.costs: tuple[float, dict[int, float]] | None = None
 
@@ -173,11 +175,14 @@ class Pair:
                 "plain / plain": statistics.median(control),
                 "plain min-max": f"{min(control):.3f}-{max(control):.3f}"}  # fmt: skip
 
-    def alpha(self, repeats: int | None = None) -> float:
+    def alpha(self) -> float:
         """Alpha at the fixed gamma ALPHA_GAMMA: the pair's agreement, what calibration matches.
         An adaptive run's alpha is not: its plain steps test nothing, and the probes it drafts
-        come right after acceptance fell, so it reads low for a pair that went plain."""
-        return row("", "", self.runs(ALPHA_GAMMA, repeats), 0.0)["alpha"]
+        come right after acceptance fell, so it reads low for a pair that went plain. On
+        ``alpha_prompts``, once: greedy passes repeat their tokens, and only more prompts
+        narrow it (2 prompts of 48 tokens, ~90 drafted: +-0.05; 16: +-0.016)."""
+        runs = decode_passes(self.decoder(ALPHA_GAMMA), self.alpha_prompts, 0, 1)
+        return row("", "", runs, 0.0)["alpha"]
 
     def spec(self, level: str, name: str) -> dict:
         runs = self.runs(None)
@@ -234,7 +239,7 @@ def calibrate(pair: Pair, set_scale, want: float, tol: float, steps: int) -> lis
     for _ in range(steps):
         scale = math.exp((lo + hi) / 2)
         set_scale(scale)
-        alpha = pair.alpha(repeats=1)
+        alpha = pair.alpha()
         trace.append({"want alpha": want, "norm scale": scale, "alpha": alpha})
         print(f"calibrate: scale {scale:.4g} alpha {alpha:.3f} (want {want:.3f})", flush=True)
         if abs(alpha - want) <= tol / 2:
@@ -262,7 +267,7 @@ def at_scale(args: argparse.Namespace, alphas: Mapping[str, float], plan_fmt) ->
     float_rows.convert(model)
     prompts = [torch.randint(0, args.vocab, (1, args.prompt_len),
                              generator=torch.Generator().manual_seed(i))
-               for i in range(args.prompts)]  # fmt: skip
+               for i in range(max(args.prompts, args.alpha_prompts))]  # fmt: skip
     rows, cal, sweep, calibrated = [], [], [], {}
     print(f"at scale: {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B params", flush=True)
     stages = (("fp", lambda n: None), ("int4", lambda n: "int4g128"), ("lowbit", plan_fmt))
@@ -270,7 +275,7 @@ def at_scale(args: argparse.Namespace, alphas: Mapping[str, float], plan_fmt) ->
         for key, fmt in stages:
             with ds.quantized_linears(model, fmt) as target:
                 draft = ds.shallow_draft(target, args)
-                pair = Pair(target, draft, prompts, args)
+                pair = Pair(target, draft, prompts[: args.prompts], args, prompts)
                 if key == "fp":
                     rows.append(pair.plain("at scale", "FP plain"))
                 if key == "lowbit":
@@ -331,14 +336,15 @@ def trained(run_dir: Path, args: argparse.Namespace) -> dict:
     }
     int4 = float_rows.convert(copy.deepcopy(models["fp"]).eval())
     models = {k: to_runtime(m, copy_model=False) for k, m in models.items()}
-    prompts = test_prompts(fp_path, args.prompts, args.prompt_len)
+    many = test_prompts(fp_path, max(args.prompts, args.alpha_prompts), args.prompt_len)
+    prompts = many[: args.prompts]
     level = f"trained {run_dir.name}"
-    fp = Pair(models["fp"], models["draft"], prompts, args)
-    low = Pair(models["lowbit"], models["final_draft"], prompts, args)
-    low_fp_draft = Pair(models["lowbit"], models["draft"], prompts, args)
+    fp = Pair(models["fp"], models["draft"], prompts, args, many)
+    low = Pair(models["lowbit"], models["final_draft"], prompts, args, many)
+    low_fp_draft = Pair(models["lowbit"], models["draft"], prompts, args, many)
     rows = [fp.plain(level, "FP plain"), fp.spec(level, "FP spec")]
     with ds.quantized_linears(int4, lambda n: "int4g128") as t4:
-        int4_pair = Pair(t4, models["draft"], prompts, args)
+        int4_pair = Pair(t4, models["draft"], prompts, args, many)
         rows.append(int4_pair.spec(level, "int4 + FP draft"))
         alphas = {"int4": int4_pair.alpha()}
     rows += [low.plain(level, "lowbit plain"), low.spec(level, "lowbit")]
@@ -408,7 +414,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--kv-heads", type=int, default=4)
     p.add_argument("--draft-layers", type=int, default=2)
     p.add_argument("--draft-head", default="int8")
-    p.add_argument("--prompts", type=int, default=2)
+    p.add_argument("--prompts", type=int, default=2, help="prompts of the timed rows")
+    p.add_argument("--alpha-prompts", type=int, default=16, help="prompts of every alpha compared")
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--new-tokens", type=int, default=48)
     p.add_argument("--repeats", type=int, default=3)
