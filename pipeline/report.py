@@ -90,7 +90,7 @@ def _eval_tables(ev: EvalResult) -> list[str]:
     if ev.speed_table:
         from pipeline.evaluation.speed import format_speed_table
 
-        out += ["", "## Decode speed against FP plain (batch 1, median of passes)", ""]
+        out += ["", "## Decode speed against FP plain (batch 1; ratios of side-by-side passes)", ""]
         out += format_speed_table(ev.speed_table)
     if ev.speed:
         from pipeline.runtime.speed import format_speed

@@ -104,7 +104,7 @@ def test_the_speed_table_renders_with_the_overhead_note(tmp_path):
         tmp_path / "evaluate"
     )
     lines = write_report(tmp_path).read_text().splitlines()
-    i = lines.index("## Decode speed against FP plain (batch 1, median of passes)")
+    i = lines.index("## Decode speed against FP plain (batch 1; ratios of side-by-side passes)")
     assert (
         lines[i + 4]
         == "| FP plain | 10.00 | 100.0 (90.0–110.0) | 1.00 | 4.00 | 0.50 | - | 1.00 | 0 |"

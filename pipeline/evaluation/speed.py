@@ -39,6 +39,7 @@ def runtime_speed(
     seed: int,
     repeats: int = 3,
     allow_plain: bool = True,
+    reference: str | None = None,
 ) -> dict:
     """Plain tok/s of every model and speculative tok/s of every pair, beside the theory.
 
@@ -62,6 +63,7 @@ def runtime_speed(
         seed=seed,
         repeats=repeats,
         allow_plain=allow_plain,
+        reference=reference,
     )
     for line in format_speed(speed):
         log.info("evaluate: %s", line)
@@ -80,7 +82,7 @@ def speed_report(
     width = models[FP_TARGET].config.hidden_size
     final = final_target(models)
     final_draft = next((d for d in ("draft_reinforced", FP_DRAFT) if d in models), None)
-    speed = runtime_speed(models, pairs, prompts, **settings)
+    speed = runtime_speed(models, pairs, prompts, reference=FP_TARGET, **settings)
     table = speed_table(speed, final, final_draft, width)
     for line in format_speed_table(table):
         log.info("evaluate: %s", line)
@@ -89,7 +91,8 @@ def speed_report(
 
 
 def speed_table(speed: dict, final: str | None, final_draft: str | None, width: int) -> dict:
-    """The design's rows present in ``speed`` (``decode_speed``'s result), each against FP plain.
+    """The design's rows present in ``speed`` (``decode_speed``'s result), each against FP plain
+    from side-by-side passes: a pair's speed-up times its target's ``x_reference``.
 
     ``final``/``final_draft``: the run's last low-bit target and its draft; ``width``: the
     FP target's hidden size, for the overhead note.
@@ -103,13 +106,14 @@ def speed_table(speed: dict, final: str | None, final_draft: str | None, width: 
     rows = []
     for label, target, draft in wanted:
         row = plain.get(target) if draft is None else spec.get(pair_name(draft, target))
-        if row is None:
+        if row is None or target not in plain:
             continue
+        x = plain[target].get("x_reference", plain[target]["tokens_per_s"] / max(base, 1e-9))
         rows.append({
             "row": label,
             **{k: row[k] for k in ("ms_per_token", "tokens_per_s", "tokens_per_s_min",
                                    "tokens_per_s_max", "weight_bytes", "kv_bytes")},
-            "x_fp_plain": row["tokens_per_s"] / max(base, 1e-9),
+            "x_fp_plain": x if draft is None else x * row["speedup"],
             "alpha": None if draft is None else row["alpha"],
             "tau": 1.0 if draft is None else row["tau"],
             "gamma": 0.0 if draft is None else row["gamma"],

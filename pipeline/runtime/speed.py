@@ -52,12 +52,10 @@ def decode_passes(fn, prompts: Sequence[torch.Tensor], seed: int, repeats: int):
 
 
 def paired_passes(fn, base, prompts: Sequence[torch.Tensor], seed: int, repeats: int):
-    """:func:`decode_passes` of ``fn``, each pass next to one of ``base`` (None: none):
-    (fn's merged counters, fn's tokens/s per pass, base's per pass). A speed-up taken pass by
-    pass from alternating passes sees the machine alike on both sides: a VM's memory bandwidth
-    drifts by tens of percent between runs seconds apart, which medians of two separate series
-    of passes turn into a speed-up that changes from one draft length to the next; the order
-    swaps every repeat."""
+    """:func:`decode_passes` of ``fn``, each pass next to one of ``base`` (None: none), in an
+    order that swaps every repeat: (fn's merged counters, fn's tokens/s per pass, base's). A
+    VM's memory bandwidth drifts by tens of percent between runs seconds apart: per-pass ratios
+    of alternating passes see the machine alike on both sides, two separate series do not."""
     fns = [fn] if base is None else [base, fn]
     for f in fns:  # untimed: the allocator and the kernels' first calls
         f(prompts[0][:, :8], torch.Generator(device=prompts[0].device).manual_seed(seed))
@@ -75,6 +73,17 @@ def paired_passes(fn, base, prompts: Sequence[torch.Tensor], seed: int, repeats:
 
 def _plain(model: nn.Module, new_tokens: int, temperature: float):
     return lambda x, g: plain_generate(model, x, new_tokens, temperature, g)
+
+
+def _plain_rates(models, name, reference, new_tokens, temperature, prompts, seed, repeats):
+    """``name``'s plain tokens/s per pass, and its median ratio to ``reference``'s passes."""
+    fn = _plain(models[name], new_tokens, temperature)
+    if reference is None or name == reference:
+        rates = paired_passes(fn, None, prompts, seed, repeats)[1]
+        return rates, None if reference is None else 1.0
+    base = _plain(models[reference], new_tokens, temperature)
+    _, rates, ref_rates = paired_passes(fn, base, prompts, seed, repeats)
+    return rates, statistics.median(r / max(b, 1e-9) for r, b in zip(rates, ref_rates))
 
 
 def _timing(rates: list[float]) -> dict:
@@ -103,13 +112,15 @@ def decode_speed(
     repeats: int = 3,
     allow_plain: bool = True,
     timed: bool = True,
+    reference: str | None = None,
 ) -> dict:
     """Plain and speculative decode speed of runtime models, batch 1, same prompts and seeds.
 
     ``models``: {name: causal LM} (targets and drafts); ``pairs``: (draft, target) names;
     ``adaptive``: (gamma_min, gamma_max, window), None = fixed ``gamma``, one window over every
     pass, with plain steps if ``allow_plain``, priced by each round's wall time if ``timed``
-    (``AdaptiveGamma``); prompt i uses seed + i in each of ``repeats``.
+    (``AdaptiveGamma``); prompt i uses seed + i in each of ``repeats``; plain rows are timed
+    beside ``reference``'s (``x_reference``).
     Returns ``{"plain": {name: row}, "speculative": {"draft@target": row}}``.
     """
     if repeats < 1:
@@ -118,15 +129,16 @@ def decode_speed(
     memory = {n: (weight_bytes(m), kv_cache_bytes(m, context)) for n, m in models.items()}
     plain = {}
     for name in dict.fromkeys([t for _, t in pairs] + list(models)):
-        _, rates = decode_passes(
-            _plain(models[name], new_tokens, temperature), prompts, seed, repeats
-        )
+        rates, x_ref = _plain_rates(models, name, reference, new_tokens, temperature, prompts,
+                                    seed, repeats)  # fmt: skip
         plain[name] = {
             **_timing(rates),
             "kernels": kernel_summary(models[name]) or "float (F.linear)",
             "weight_bytes": memory[name][0],
             "kv_bytes": memory[name][1],
         }
+        if x_ref is not None:
+            plain[name]["x_reference"] = x_ref
     gammas = [gamma] if adaptive is None else list(range(adaptive[0], adaptive[1] + 1))
     spec, verify = {}, {}
     for draft, target in pairs:

@@ -44,16 +44,34 @@ def test_the_report_has_the_design_rows_against_fp_plain(tmp_path):
         "target_quantized plain",
         "target_quantized + draft_reinforced",
     ]
-    base = out["speed"]["plain"]["target_fp"]["tokens_per_s"]
-    for r in rows:
-        assert r["x_fp_plain"] == pytest.approx(r["tokens_per_s"] / base)
-    assert rows[0]["x_fp_plain"] == 1.0 and rows[0]["alpha"] is None and rows[0]["gamma"] == 0
+    # Each ratio from passes timed side by side: a pair's speed-up over its target's plain
+    # passes, times the target's over FP plain's.
+    plain, specs = out["speed"]["plain"], out["speed"]["speculative"]
+    x_low = plain["target_quantized"]["x_reference"]
+    assert plain["target_fp"]["x_reference"] == 1.0 and x_low > 0
+    assert [r["x_fp_plain"] for r in rows] == pytest.approx([
+        1.0,
+        specs["draft_fp@target_fp"]["speedup"],
+        x_low,
+        x_low * specs["draft_reinforced@target_quantized"]["speedup"],
+    ])  # fmt: skip
+    assert rows[0]["alpha"] is None and rows[0]["gamma"] == 0
     spec = out["speed"]["speculative"]["draft_reinforced@target_quantized"]
     assert rows[3]["alpha"] == spec["alpha"] and rows[3]["tau"] == spec["tau"]
     assert (tmp_path / "speed.png").stat().st_size > 0
     text = "\n".join(format_speed_table(out["speed_table"]))
     assert "| FP plain | " in text and "32 wide are overhead-bound" in text
     assert "bench.decode_speed" in text
+
+
+def test_a_plain_row_against_the_reference_is_the_median_of_side_by_side_passes():
+    models = {"t": tiny_llama(0), "deep": tiny_llama(0, layers=12)}
+    speed = runtime_speed(
+        models, [], [list(range(1, 13))], adaptive=None, reference="t", **SETTINGS
+    )
+    plain = speed["plain"]
+    assert plain["t"]["x_reference"] == 1.0
+    assert plain["deep"]["x_reference"] < 0.8  # six times the layers: every pass sees it slower
 
 
 def test_the_table_keeps_only_the_rows_the_run_has():
@@ -63,4 +81,4 @@ def test_the_table_keeps_only_the_rows_the_run_has():
              "speculative": {}}  # fmt: skip
     table = speed_table(speed, "target_quantized", None, 64)
     assert [r["row"] for r in table["rows"]] == ["FP plain", "target_quantized plain"]
-    assert table["rows"][1]["x_fp_plain"] == 2.5
+    assert table["rows"][1]["x_fp_plain"] == 2.5  # a result saved before paired ratios
