@@ -23,8 +23,10 @@ Two levels:
   is quantized with its target) and an int8 copy of its lm_head, c ~ 0.1 as 1 B against 8 B.
   Random weights agree by chance only, so each speculative row's agreement is *calibrated* to
   the alpha the trained run measured for that pair (both at gamma 3: an adaptive run's alpha
-  is biased low where it steps plain; both on ``--alpha-prompts`` prompts, 16 by default: on
-  the timed rows' 2 a greedy alpha is a fraction of ~90 drafted tokens, +-0.05) (FP draft @
+  is biased low where it steps plain; the trained one on ``--alpha-prompts`` prompts, 64: a
+  greedy continuation's tokens agree together, so prompts count, and on the default pair 16
+  read 0.06 higher than 64 for the FP draft; the calibrated one on ``--scale-alpha-prompts``,
+  16, what a 1.1 B FP row can decode in minutes) (FP draft @
   FP target, FP draft @ int4, final draft @ lowbit's target), within ``--alpha-tol``: the
   norms of the layers after the draft's are scaled (their cost unchanged) and the scale
   bisected until the measured alpha matches; the trace is printed and kept. lowbit's target
@@ -179,8 +181,7 @@ class Pair:
         """Alpha at the fixed gamma ALPHA_GAMMA: the pair's agreement, what calibration matches.
         An adaptive run's alpha is not: its plain steps test nothing, and the probes it drafts
         come right after acceptance fell, so it reads low for a pair that went plain. On
-        ``alpha_prompts``, once: greedy passes repeat their tokens, and only more prompts
-        narrow it (2 prompts of 48 tokens, ~90 drafted: +-0.05; 16: +-0.016)."""
+        ``alpha_prompts``, once: greedy passes repeat their tokens, only more prompts narrow it."""
         runs = decode_passes(self.decoder(ALPHA_GAMMA), self.alpha_prompts, 0, 1)
         return row("", "", runs, 0.0)["alpha"]
 
@@ -267,7 +268,7 @@ def at_scale(args: argparse.Namespace, alphas: Mapping[str, float], plan_fmt) ->
     float_rows.convert(model)
     prompts = [torch.randint(0, args.vocab, (1, args.prompt_len),
                              generator=torch.Generator().manual_seed(i))
-               for i in range(max(args.prompts, args.alpha_prompts))]  # fmt: skip
+               for i in range(max(args.prompts, args.scale_alpha_prompts))]  # fmt: skip
     rows, cal, sweep, calibrated = [], [], [], {}
     print(f"at scale: {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B params", flush=True)
     stages = (("fp", lambda n: None), ("int4", lambda n: "int4g128"), ("lowbit", plan_fmt))
@@ -415,7 +416,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--draft-layers", type=int, default=2)
     p.add_argument("--draft-head", default="int8")
     p.add_argument("--prompts", type=int, default=2, help="prompts of the timed rows")
-    p.add_argument("--alpha-prompts", type=int, default=16, help="prompts of every alpha compared")
+    p.add_argument("--alpha-prompts", type=int, default=64, help="prompts of a trained alpha")
+    p.add_argument("--scale-alpha-prompts", type=int, default=16, help="of a calibrated alpha")
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--new-tokens", type=int, default=48)
     p.add_argument("--repeats", type=int, default=3)
