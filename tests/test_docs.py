@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -16,9 +17,22 @@ from tests.conftest import REPO
 
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 EXTENSIONS = "py|md|yaml|yml|json|toml|sbatch|txt|sh|cfg|ini"
+
+
+def _tracked_tops() -> list[str]:
+    """The repo's tracked top-level names (a run's `outputs/`, README's first command, is not)."""
+    try:
+        files = subprocess.run(
+            ["git", "-C", str(REPO), "ls-files"], capture_output=True, text=True, check=True
+        ).stdout.splitlines()
+    except (OSError, subprocess.CalledProcessError):  # no git: every entry but the env's
+        return [p.name for p in REPO.iterdir() if p.name not in (".git", ".venv", "outputs")]
+    return sorted({f.split("/")[0] for f in files})
+
+
 # A repo-relative path: starts with a top-level entry of the repository, ends with a known
 # extension; placeholders (<stage>, {name}, *) make it a pattern, not a file.
-TOP = "|".join(re.escape(p.name) for p in REPO.iterdir() if p.name not in (".git", ".venv"))
+TOP = "|".join(re.escape(name) for name in _tracked_tops())
 PATH = re.compile(rf"(?<![\w/.<{{$~-])((?:{TOP})/[\w./-]*\.(?:{EXTENSIONS}))(?![\w/*<{{])")
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 BACKTICKED = re.compile(r"`([^`\s]+/[^`\s]+)`")
