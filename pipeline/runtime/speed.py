@@ -75,6 +75,11 @@ def _plain(model: nn.Module, new_tokens: int, temperature: float):
     return lambda x, g: plain_generate(model, x, new_tokens, temperature, g)
 
 
+def median_ratio(rates: Sequence[float], base: Sequence[float]) -> float:
+    """The median of per-pass ratios of ``rates`` to the ``base`` passes run beside them."""
+    return statistics.median(r / max(b, 1e-9) for r, b in zip(rates, base, strict=True))
+
+
 def _plain_rates(models, name, reference, new_tokens, temperature, prompts, seed, repeats):
     """``name``'s plain tokens/s per pass, and its median ratio to ``reference``'s passes."""
     fn = _plain(models[name], new_tokens, temperature)
@@ -83,7 +88,7 @@ def _plain_rates(models, name, reference, new_tokens, temperature, prompts, seed
         return rates, None if reference is None else 1.0
     base = _plain(models[reference], new_tokens, temperature)
     _, rates, ref_rates = paired_passes(fn, base, prompts, seed, repeats)
-    return rates, statistics.median(r / max(b, 1e-9) for r, b in zip(rates, ref_rates))
+    return rates, median_ratio(rates, ref_rates)
 
 
 def _timing(rates: list[float]) -> dict:
@@ -159,7 +164,7 @@ def decode_speed(
         stats, rates, plain_rates = paired_passes(
             fn, _plain(models[target], new_tokens, temperature), prompts, seed, repeats
         )
-        speedup = statistics.median(s / max(p, 1e-9) for s, p in zip(rates, plain_rates))
+        speedup = median_ratio(rates, plain_rates)
         row = _pair_row(stats, gammas, cost, verify[target], _timing(rates), speedup)
         row["weight_bytes"] = memory[target][0] + memory[draft][0]
         row["kv_bytes"] = memory[target][1] + memory[draft][1]
