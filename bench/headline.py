@@ -22,16 +22,16 @@ Two levels:
   target's own first ``--draft-layers`` layers (shared, so in the target's format: a draft that
   is quantized with its target) and an int8 copy of its lm_head, c ~ 0.1 as 1 B against 8 B.
   Random weights agree by chance only, so each speculative row's agreement is *calibrated* to
-  the alpha the trained run measured for that pair (both at gamma 3: an adaptive run's alpha
-  is biased low where it steps plain; the trained one on ``--alpha-prompts`` prompts, 64: a
-  greedy continuation's tokens agree together, so prompts count, and on the default pair 16
-  read 0.06 higher than 64 for the FP draft; the calibrated one on ``--scale-alpha-prompts``,
-  16, what a 1.1 B FP row can decode in minutes) (FP draft @
-  FP target, FP draft @ int4, final draft @ lowbit's target), within ``--alpha-tol``: the
-  norms of the layers after the draft's are scaled (their cost unchanged) and the scale
-  bisected until the measured alpha matches; the trace is printed and kept. lowbit's target
-  takes the trained plan's formats (the allocate stage's ``BitPlan``) by relative depth. Every
-  gamma of ``--gammas`` is timed on lowbit's pair next to the adaptive choice.
+  the alpha the trained run measured for that pair (FP draft @ FP target, FP draft @ int4,
+  final draft @ lowbit's target; both at gamma 3: an adaptive run's alpha is biased low where
+  it steps plain; the trained one on ``--alpha-prompts`` prompts, 64: a greedy continuation's
+  tokens agree together, so prompts count, and on the default pair 16 read 0.06 higher than 64
+  for the FP draft; the calibrated one on ``--scale-alpha-prompts``, 16, what a 1.1 B FP row
+  can decode in minutes), within ``--alpha-tol``: the norms of the layers after the draft's
+  are scaled (their cost unchanged) and the scale bisected until the measured alpha matches;
+  the trace is printed and kept. lowbit's target takes the trained plan's formats (the allocate
+  stage's ``BitPlan``) by relative depth. Every gamma of ``--gammas`` is timed on lowbit's pair
+  next to the adaptive choice.
 
 Goals (exit 1 when one is missed or cannot be checked): at scale lowbit >= 3.0 x FP plain
 tokens/s and >= 1.4 x the int4 + FP draft row, measured speed-up >= 0.8 x theory at every gamma
@@ -119,7 +119,9 @@ def row(level: str, name: str, passes: Passes, mb: float, gamma: str = "-") -> d
 class Pair:
     """A target and draft timed plainly, at fixed gammas and adaptively, on the same prompts."""
 
-    def __init__(self, target, draft, prompts, args, alpha_prompts=None) -> None:
+    def __init__(
+        self, target: nn.Module, draft: nn.Module | None, prompts, args, alpha_prompts=None
+    ) -> None:
         self.target, self.draft, self.prompts, self.args = target, draft, prompts, args
         self.alpha_prompts = alpha_prompts or prompts
         self.context = prompts[0].shape[1] + args.new_tokens
@@ -159,8 +161,8 @@ class Pair:
             temperature=0.0,
         )  # fmt: skip
 
-    def runs(self, gamma: int | None, repeats: int | None = None) -> Passes:
-        return decode_passes(self.decoder(gamma), self.prompts, 0, repeats or self.args.repeats)
+    def runs(self, gamma: int | None) -> Passes:
+        return decode_passes(self.decoder(gamma), self.prompts, 0, self.args.repeats)
 
     def paired(self, level: str) -> dict:
         """Adaptive speculative / plain tokens/s over passes that alternate the two
