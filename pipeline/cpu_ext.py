@@ -2,8 +2,8 @@
 (``runtime.cpu_w4a8``), 4-bit LUT codes (``runtime.cpu_lut16``) and few-row float32
 (``runtime.float_rows``), and the decode forward's ops between the matmuls (``models.lean``).
 
-Each kernel is compiled for AVX-512 VNNI and AVX2 under per-ISA target pragmas, so one build
-serves any x86-64 CPU; :func:`isa` picks the ISA (``LOWBIT_CPU_ISA``, see docs/kernels.md). The
+Each kernel is compiled for AVX-512 VNNI (W2-W8 also with GFNI) and AVX2 under per-ISA target
+pragmas, so one build serves any x86-64 CPU; :func:`isa` picks the ISA (``LOWBIT_CPU_ISA``). The
 extension builds at first use; a failed build costs one warning and callers keep torch's kernels.
 """
 
@@ -29,16 +29,19 @@ SOURCES = (
     "bindings.cpp",
     "w4a8.cpp",
     "w4a8_avx512.cpp",
+    "w4a8_avx512_gfni.cpp",
     "w4a8_avx2.cpp",
     "lut16.cpp",
     "f32_rows.cpp",
     "decode_ops.cpp",
 )
 ENV = "LOWBIT_CPU_ISA"
-ISAS = ("avx512", "avx2")  # best first
+ISAS = ("avx512gfni", "avx512", "avx2")  # best first
 CHOICES = ("auto", *ISAS, "none")
+_AVX512 = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni")
 FLAGS = {  # the /proc/cpuinfo flags each ISA's kernels execute
-    "avx512": ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"),
+    "avx512gfni": (*_AVX512, "gfni"),  # avx512's kernels, sub-byte codes unpacked by GFNI
+    "avx512": _AVX512,
     "avx2": ("avx2", "fma", "f16c"),
 }
 FIX = "install a C++ compiler (g++) and ninja, or set LOWBIT_CPU_ISA=none to run on torch's kernels"

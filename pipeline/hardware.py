@@ -18,12 +18,12 @@ import torch
 
 log = logging.getLogger(__name__)
 
-ISA_ENV = "LOWBIT_CPU_ISA"  # auto | avx512 | avx2 | none: the CPU code lowbit may use
+ISA_ENV = "LOWBIT_CPU_ISA"  # auto | avx512gfni | avx512 | avx2 | none: the CPU code to use
 
 # The CPU flags that decide a default (precision, kernels): reported with every speed figure.
 CPU_FLAGS = (
     "avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
-    "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_fp16", "bf16", "fphp", "asimddp",
+    "avx512_bf16", "avx512_fp16", "gfni", "amx_bf16", "amx_fp16", "bf16", "fphp", "asimddp",
 )  # fmt: skip
 # CPU flags under which a half type is native: x86 (avx512_*, amx_*) and Arm (bf16, fphp).
 _NATIVE_CPU = {

@@ -17,21 +17,26 @@ torch::Tensor rope_attention(torch::Tensor qkv, torch::Tensor cos, torch::Tensor
                              int64_t heads, double scaling, const std::string& isa);
 torch::Tensor silu_mul(torch::Tensor gate_up, const std::string& isa);
 
-// The kernels' index of an ISA: 0 "avx2", 1 "avx512". A CPU that lacks the ISA gets an error
-// here rather than an illegal instruction inside the kernel (cpu_ext.isa() picks one it runs).
+// The kernels' index of an ISA: 0 "avx2", 1 "avx512", 2 "avx512gfni" (the avx512 kernels, with
+// GFNI where a kernel has a use for it). A CPU that lacks the ISA gets an error here rather than
+// an illegal instruction inside the kernel (cpu_ext.isa() picks one it runs).
 int isa_index(const std::string& isa) {
   if (isa == "avx2") {
     TORCH_CHECK(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"),
                 "this CPU lacks AVX2/FMA: lowbit's avx2 kernels cannot run here");
     return 0;
   }
-  if (isa == "avx512") {
+  if (isa == "avx512" || isa == "avx512gfni") {
     TORCH_CHECK(__builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
                     __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vnni"),
-                "this CPU lacks AVX-512 VNNI: lowbit's avx512 kernels cannot run here");
-    return 1;
+                "this CPU lacks AVX-512 VNNI: lowbit's ", isa, " kernels cannot run here");
+    if (isa == "avx512") return 1;
+    TORCH_CHECK(__builtin_cpu_supports("gfni"),
+                "this CPU lacks GFNI: lowbit's avx512gfni kernels cannot run here");
+    return 2;
   }
-  TORCH_CHECK(false, "unknown ISA '", isa, "': lowbit's CPU kernels are built for avx512, avx2");
+  TORCH_CHECK(false, "unknown ISA '", isa,
+              "': lowbit's CPU kernels are built for avx512gfni, avx512, avx2");
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

@@ -17,7 +17,7 @@
 #include <string>
 #include <vector>
 
-int isa_index(const std::string& isa);  // bindings.cpp: 0 avx2, 1 avx512, or an error
+int isa_index(const std::string& isa);  // bindings.cpp: 0 avx2, 1 avx512, 2 avx512gfni
 
 #pragma GCC push_options
 #pragma GCC target("avx2,fma")

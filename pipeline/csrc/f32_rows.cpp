@@ -21,7 +21,7 @@
 #include <cstdint>
 #include <string>
 
-int isa_index(const std::string& isa);  // bindings.cpp: 0 avx2, 1 avx512, or an error
+int isa_index(const std::string& isa);  // bindings.cpp: 0 avx2, 1 avx512, 2 avx512gfni
 
 namespace {
 
@@ -147,7 +147,7 @@ const Kernels kKernels[2] = {
 
 // x (M, k) float32 contiguous; weight (n, k) float32 contiguous -> (M, n) float32.
 at::Tensor f32_rows_mm(at::Tensor x, at::Tensor weight, const std::string& isa) {
-  const Kernels& kern = kKernels[isa_index(isa)];
+  const Kernels& kern = kKernels[isa_index(isa) > 0];
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous());
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat &&
               weight.is_contiguous() && weight.size(1) == x.size(1));

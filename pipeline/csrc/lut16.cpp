@@ -30,7 +30,7 @@
 #include <string>
 #include <vector>
 
-int isa_index(const std::string& isa);  // bindings.cpp: 0 avx2, 1 avx512, or an error
+int isa_index(const std::string& isa);  // bindings.cpp: 0 avx2, 1 avx512, 2 avx512gfni
 
 namespace {
 
@@ -296,7 +296,7 @@ const RowFn* row_fns(int64_t group_len) {
 // tables (T, 16) float32 -> (M, n) float32.
 at::Tensor lut16_mm(at::Tensor x, at::Tensor packed, at::Tensor base, at::Tensor ridx,
                     at::Tensor tables, int64_t group_len, const std::string& isa) {
-  const bool avx512 = isa_index(isa) == 1;
+  const bool avx512 = isa_index(isa) > 0;
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous());
   const int64_t rows = x.size(0), k = x.size(1), n = packed.size(0), groups = k / group_len;
   TORCH_CHECK(k % kBlock == 0 && group_len % kBlock == 0 && k % group_len == 0);

@@ -1,7 +1,8 @@
 // W2/W3/W4/W8 x A8 matmul for a few rows: y = x @ W.T, W = (u - base - offset) * scale per group,
 // u the unsigned code, base = 2**(bits - 1) (2, 4, 8 or 128). One build holds an AVX-512 VNNI
-// version (w4a8_avx512.cpp) and an AVX2 one (w4a8_avx2.cpp), each compiled for its ISA alone,
-// so a CPU runs only the one Python chose (cpu_ext.isa()); this driver calls it through a table.
+// version (w4a8_avx512.cpp; w4a8_avx512_gfni.cpp: the same with GFNI) and an AVX2 one
+// (w4a8_avx2.cpp), each compiled for its ISA alone, so a CPU runs only the one Python chose
+// (cpu_ext.isa()); this driver calls it through a table.
 //
 // Weights: packed by pipeline/runtime/cpu_w4a8.py in tiles of 16 output rows and blocks of 32
 // columns, each (tile, block) read as eight "lines" j = 0..7: line j holds u[r, 4j + i] (i < 4)
@@ -40,7 +41,7 @@
 
 #include "w4a8.h"
 
-int isa_index(const std::string& isa);  // bindings.cpp: 0 avx2, 1 avx512, or an error
+int isa_index(const std::string& isa);  // bindings.cpp: 0 avx2, 1 avx512, 2 avx512gfni
 
 namespace {
 
@@ -59,7 +60,8 @@ int layout_index(int64_t block_bytes) {
 // scale, zero (n / 16, groups, 16) float16; isa "avx512" or "avx2".
 at::Tensor w4a8_mm(at::Tensor x, at::Tensor packed, at::Tensor scale, at::Tensor zero,
                    int64_t group_len, const std::string& isa) {
-  const Kernels& kern = isa_index(isa) == 1 ? kAvx512 : kAvx2;
+  const Kernels* by_isa[] = {&kAvx2, &kAvx512, &kAvx512Gfni};
+  const Kernels& kern = *by_isa[isa_index(isa)];
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous());
   const int64_t rows = x.size(0), k = x.size(1), tiles = packed.size(0), n = tiles * kTile;
   TORCH_CHECK(k % kBlock == 0 && group_len % kBlock == 0 && k % group_len == 0);

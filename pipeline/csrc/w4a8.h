@@ -34,7 +34,7 @@ struct Kernels {
   const TileFn* tiles[kLayouts];  // [layout][R], R = 1..max_rows
 };
 
-extern const Kernels kAvx2, kAvx512;
+extern const Kernels kAvx2, kAvx512, kAvx512Gfni;  // by isa_index: 0, 1, 2
 
 // Stores a block's scale d and code sum, adds d * sum(q) to its group's and closes the group
 // every blocks_per_group blocks.

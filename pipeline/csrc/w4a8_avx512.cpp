@@ -1,15 +1,35 @@
 // w4a8.cpp's kernels on AVX-512 VNNI: vpdpbusd multiplies u8 codes by s8 activations, four at a
 // time, into int32. Only kernel code sits between the target pragmas (see w4a8.cpp).
+// w4a8_avx512_gfni.cpp compiles this file again with GFNI, for CPUs that have it: one
+// vgf2p8affineqb moves a byte's 2- or 4-bit field down where a shift and a mask took two.
 #include <immintrin.h>
 
 #include "w4a8.h"
 
 #pragma GCC push_options
+#ifdef LOWBIT_W4A8_GFNI
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,gfni,avx2,fma,f16c")
+#else
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")
+#endif
 namespace {
 namespace avx512 {
 
 using namespace w4a8;
+
+#ifdef LOWBIT_W4A8_GFNI
+constexpr bool kGfni = true;
+#else
+constexpr bool kGfni = false;
+#endif
+
+// Bits [from, from + width) of every byte moved to bits [0, width), the rest cleared: GFNI's
+// affine transform, row i of the 8x8 bit matrix (byte 7 - i) picking input bit from + i.
+inline __m512i field(__m512i v, int from, int width) {
+  uint64_t matrix = 0;
+  for (int i = 0; i < width; ++i) matrix |= (uint64_t{1} << (from + i)) << (8 * (7 - i));
+  return _mm512_gf2p8affine_epi64_epi8(v, _mm512_set1_epi64(static_cast<int64_t>(matrix)), 0);
+}
 
 constexpr int kMaxRows = 6;  // activation rows per pass: 3 zmm each, beside 8 weight zmm
 
@@ -49,19 +69,24 @@ inline void unpack(const uint8_t* wb, __m512i* wr) {
     for (int c = 0; c < 4; ++c) {
       const __m512i v = load(wb + 64 * c);
       wr[2 * c] = _mm512_and_si512(v, low);
-      wr[2 * c + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+      wr[2 * c + 1] = kGfni ? field(v, 4, 4) : _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
     }
   } else {  // 2 bits, and the low two of 3-bit codes; the 16-bit shifts stay inside each byte
     const __m512i three = _mm512_set1_epi8(3);
     for (int c = 0; c < 2; ++c) {
       const __m512i v = load(wb + 64 * c);
-      for (int s = 0; s < 4; ++s) wr[4 * c + s] = _mm512_and_si512(_mm512_srli_epi16(v, 2 * s), three);
+      wr[4 * c] = _mm512_and_si512(v, three);
+      for (int s = 1; s < 4; ++s) {
+        wr[4 * c + s] =
+            kGfni ? field(v, 2 * s, 2) : _mm512_and_si512(_mm512_srli_epi16(v, 2 * s), three);
+      }
     }
     if constexpr (BITS == 3) {  // bit j of each byte of the 1-bit plane: line j's bit 2
-      const __m512i hi = load(wb + 128), one = _mm512_set1_epi8(1);
+      const __m512i hi = load(wb + 128), four = _mm512_set1_epi8(4);
       for (int j = 0; j < 8; ++j) {
-        const __m512i bit = _mm512_and_si512(_mm512_srli_epi16(hi, j), one);
-        wr[j] = _mm512_or_si512(wr[j], _mm512_slli_epi16(bit, 2));
+        // bit j shifted to bit 2, then wr | (that & 4) in one vpternlogd (0xF8: a | (b & c))
+        const __m512i at2 = j < 2 ? _mm512_slli_epi16(hi, 2 - j) : _mm512_srli_epi16(hi, j - 2);
+        wr[j] = _mm512_ternarylogic_epi32(wr[j], at2, four, 0xF8);
       }
     }
   }
@@ -113,7 +138,11 @@ constexpr TileFn kTileFns[kMaxRows + 1] = {
 }  // namespace
 #pragma GCC pop_options
 
+#ifdef LOWBIT_W4A8_GFNI
+const w4a8::Kernels w4a8::kAvx512Gfni = {
+#else
 const w4a8::Kernels w4a8::kAvx512 = {
+#endif
     avx512::quantize_row,
     avx512::kMaxRows,
     {avx512::kTileFns<2>, avx512::kTileFns<3>, avx512::kTileFns<4>, avx512::kTileFns<8>}};

@@ -27,7 +27,7 @@ INT16_TOL, FLOAT_TOL = 5e-4, 1e-5
 
 
 def tol(isa: str, group_len: int) -> float:
-    return FLOAT_TOL if isa == "avx512" and group_len % 64 else INT16_TOL
+    return FLOAT_TOL if isa != "avx2" and group_len % 64 else INT16_TOL
 
 
 @pytest.mark.parametrize("isa", ISAS)
