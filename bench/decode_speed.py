@@ -18,8 +18,8 @@ weights' values) is built in memory, and each row runs it one way, one row at a 
 float linears on ``F.linear`` (MKL) and int layers on ``int4pack`` / ``int8pack``, what the
 runtime falls back to without lowbit's CPU kernels; ``x torch`` divides a row's tokens/s by its
 ``@torch`` row's, measured side by side in the same run. lowbit's kernels run on the ISA
-``pipeline.cpu_ext`` picks (``LOWBIT_CPU_ISA``: auto, avx512, avx2, none); every output
-names it and the CPU.
+``pipeline.cpu_ext`` picks (``LOWBIT_CPU_ISA``: auto, avx512gfni, avx512, avx2, none); every
+output names it and the CPU.
 
 Per row: decode tokens/s (greedy ``plain_generate``, on ``pipeline.models.lean``'s forward as the
 runtime decodes, prompt excluded: the n - 1 steps after the prompt's forward, timed within each

@@ -7,7 +7,7 @@ Each cell is the best of ``--repeats`` calls in milliseconds, the two paths inte
 round so that drifts of the machine hit both; ``v`` is t(rows) / t(1 row of F.linear), what a
 verification of that many rows costs in single-token steps.
 
-f32rows runs on the ISA ``pipeline.cpu_ext`` picks (``LOWBIT_CPU_ISA``: auto, avx512,
+f32rows runs on the ISA ``pipeline.cpu_ext`` picks (``LOWBIT_CPU_ISA``: auto, avx512gfni, avx512,
 avx2); the output names it and the CPU.
 
 Goal (exit 1 when missed, or when no measured row count lets it be checked): f32rows at most
