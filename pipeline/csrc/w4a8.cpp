@@ -57,7 +57,7 @@ int layout_index(int64_t block_bytes) {
 }  // namespace
 
 // x (M, k) float32; packed (n / 16, k / 32, 16 * 32 * bits / 8) uint8, bits 2, 3, 4 or 8;
-// scale, zero (n / 16, groups, 16) float16; isa "avx512" or "avx2".
+// scale, zero (n / 16, groups, 16) float16; isa "avx512gfni", "avx512" or "avx2".
 at::Tensor w4a8_mm(at::Tensor x, at::Tensor packed, at::Tensor scale, at::Tensor zero,
                    int64_t group_len, const std::string& isa) {
   const Kernels* by_isa[] = {&kAvx2, &kAvx512, &kAvx512Gfni};

@@ -17,18 +17,17 @@ namespace avx512 {
 
 using namespace w4a8;
 
-#ifdef LOWBIT_W4A8_GFNI
-constexpr bool kGfni = true;
-#else
-constexpr bool kGfni = false;
-#endif
-
 // Bits [from, from + width) of every byte moved to bits [0, width), the rest cleared: GFNI's
-// affine transform, row i of the 8x8 bit matrix (byte 7 - i) picking input bit from + i.
+// affine transform (row i of the 8x8 bit matrix, byte 7 - i, picks input bit from + i), else a
+// 16-bit shift, whose bits from the next byte the mask clears.
 inline __m512i field(__m512i v, int from, int width) {
+#ifdef LOWBIT_W4A8_GFNI
   uint64_t matrix = 0;
   for (int i = 0; i < width; ++i) matrix |= (uint64_t{1} << (from + i)) << (8 * (7 - i));
   return _mm512_gf2p8affine_epi64_epi8(v, _mm512_set1_epi64(static_cast<int64_t>(matrix)), 0);
+#else
+  return _mm512_and_si512(_mm512_srli_epi16(v, from), _mm512_set1_epi8((1 << width) - 1));
+#endif
 }
 
 constexpr int kMaxRows = 6;  // activation rows per pass: 3 zmm each, beside 8 weight zmm
@@ -69,17 +68,13 @@ inline void unpack(const uint8_t* wb, __m512i* wr) {
     for (int c = 0; c < 4; ++c) {
       const __m512i v = load(wb + 64 * c);
       wr[2 * c] = _mm512_and_si512(v, low);
-      wr[2 * c + 1] = kGfni ? field(v, 4, 4) : _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+      wr[2 * c + 1] = field(v, 4, 4);
     }
-  } else {  // 2 bits, and the low two of 3-bit codes; the 16-bit shifts stay inside each byte
-    const __m512i three = _mm512_set1_epi8(3);
+  } else {  // 2 bits, and the low two of 3-bit codes
     for (int c = 0; c < 2; ++c) {
       const __m512i v = load(wb + 64 * c);
-      wr[4 * c] = _mm512_and_si512(v, three);
-      for (int s = 1; s < 4; ++s) {
-        wr[4 * c + s] =
-            kGfni ? field(v, 2 * s, 2) : _mm512_and_si512(_mm512_srli_epi16(v, 2 * s), three);
-      }
+      wr[4 * c] = _mm512_and_si512(v, _mm512_set1_epi8(3));
+      for (int s = 1; s < 4; ++s) wr[4 * c + s] = field(v, 2 * s, 2);
     }
     if constexpr (BITS == 3) {  // bit j of each byte of the 1-bit plane: line j's bit 2
       const __m512i hi = load(wb + 128), four = _mm512_set1_epi8(4);
