@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from pipeline import cpu_ext
-from tests.runtime.test_kernels import ISAS, built
+from tests.runtime.test_kernels import CODE_ISAS, built
 
 
 def _ops():
@@ -16,7 +16,7 @@ def _ops():
 
 
 @built
-@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("isa", CODE_ISAS)
 @pytest.mark.parametrize(("rows", "hidden"), [(1, 64), (3, 70)])
 def test_add_rms_norm_adds_in_place_then_normalises(isa, rows, hidden):
     g = torch.Generator().manual_seed(0)
@@ -36,7 +36,7 @@ def _rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 @built
-@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("isa", CODE_ISAS)
 @pytest.mark.parametrize(
     ("heads", "kv", "d", "past", "n"), [(4, 2, 16, 0, 1), (4, 4, 32, 37, 3), (6, 2, 16, 9, 5)]
 )
@@ -69,7 +69,7 @@ def test_rope_attention_writes_the_cache_and_attends_causally(isa, heads, kv, d,
 
 
 @built
-@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("isa", CODE_ISAS)
 @pytest.mark.parametrize(("rows", "inter"), [(1, 96), (2, 75)])
 def test_silu_mul_of_side_by_side_gate_and_up(isa, rows, inter):
     gate_up = torch.randn(rows, 2 * inter, generator=torch.Generator().manual_seed(2)) * 6

@@ -1,11 +1,11 @@
 // 4-bit LUT codes (exponential codes) times float32 activations for a few rows: y = x @ W.T,
 // W[r, c] = base[r, g] * table[ridx[r, g]][u[r, c]], g = c / group_len. The codes stay 4 bits a
 // weight in memory and are decoded in registers by a 16-entry table lookup on an int16 copy of
-// the table, times activations rounded to int16 per group (AVX-512: vpermw and vpdpwssd, 64
-// weights a step; AVX2: two vpshufb and vpmaddwd, see there), instead of a bf16 copy of W that
-// reads four times the bytes. AVX-512 groups of 32 columns, too short for a 64-weight step, take
-// vpermps on the float table. One build holds an AVX-512 and an AVX2 version (see w4a8.cpp for
-// why each sits between its target pragmas).
+// the table, times activations rounded to int16 per group (AVX-512: vpermw and vpdpwssd, 128
+// weights a step where groups hold them, else 64; AVX2: two vpshufb and vpmaddwd, see there),
+// instead of a bf16 copy of W that reads four times the bytes. AVX-512 groups of 32 columns, too
+// short for a 64-weight step, take vpermps on the float table. One build holds an AVX-512 and an
+// AVX2 version (see w4a8.cpp for why each sits between its target pragmas).
 //
 // Layout (pipeline/runtime/cpu_lut16.py): each weight row's codes in order, 16 bytes per 32
 // columns; byte i of a block holds column i in its low nibble and column 16 + i in its high
@@ -64,11 +64,25 @@ namespace {
 namespace avx512 {
 
 constexpr int kMaxRows = 8;  // 2 accumulators and a total per row, beside the table and codes
-constexpr int kStep = 64;    // columns per int16 step: two blocks, 32 bytes of codes
+// Columns per int16 step: 64 (two blocks: 32 bytes of codes widened to words), or 128 where the
+// groups hold whole steps (four blocks: 64 bytes read as 32 words of four codes, no widening).
+constexpr int kStep = 64, kWideStep = 128;
 
-// One row of x to int16, a scale per group (xs[g]), each 64 columns stored in the order of the
-// kernel's lookups: columns 0-15, 32-47 (the low nibbles), then 16-31, 48-63 (the high ones).
+// The column of a step's activation word 32 t + j: the kernel's lookup t takes code t of each
+// word j (STEP / 32 codes a word), i.e. byte j * STEP / 64 + t / 2 of the step's codes, nibble
+// t % 2; byte i of a 32-column block holds columns i (low nibble) and 16 + i (high).
+constexpr int step_column(int step, int j, int t) {
+  const int b = j * (step / 64) + t / 2;
+  return b / 16 * 32 + t % 2 * 16 + b % 16;
+}
+
+// One row of x to int16, a scale per group (xs[g]), each step's columns in the order of the
+// kernel's lookups (step_column), gathered 16 at a time.
+template <int STEP>
 void quantize_row16(const float* x, int64_t k, int64_t group_len, int16_t* xq, float* xs) {
+  alignas(64) int32_t index[STEP / 16][16];
+  for (int p = 0; p < STEP / 16; ++p)
+    for (int i = 0; i < 16; ++i) index[p][i] = step_column(STEP, p % 2 * 16 + i, p / 2);
   for (int64_t g = 0; g < k / group_len; ++g) {
     const float* p = x + g * group_len;
     __m512 m = _mm512_setzero_ps();
@@ -77,22 +91,29 @@ void quantize_row16(const float* x, int64_t k, int64_t group_len, int16_t* xq, f
     const float top = _mm512_reduce_max_ps(m), most = x_max(group_len);
     xs[g] = top / most;
     const __m512 inv = _mm512_set1_ps(top > 0.0f ? most / top : 0.0f);
-    for (int64_t c = 0; c < group_len; c += kStep) {
-      int16_t* q = xq + g * group_len + c;
-      for (int part = 0; part < 4; ++part) {  // part p stores source columns 16 * (0, 2, 1, 3)[p]
-        const int64_t from = c + 16 * ((part & 1) * 2 + (part >> 1));
-        const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(p + from), inv));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 16 * part), _mm512_cvtepi32_epi16(v));
+    for (int64_t c = 0; c < group_len; c += STEP) {
+      for (int part = 0; part < STEP / 16; ++part) {  // words 16 part ..: lookup part / 2
+        const __m512 v = _mm512_i32gather_ps(_mm512_load_si512(index[part]), p + c, 4);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + g * group_len + c + 16 * part),
+                            _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(v, inv))));
       }
     }
   }
 }
 
+// A step's codes as 32 words: STEP / 32 codes each (see kStep)
+template <int STEP>
+inline __m512i step_codes(const uint8_t* p) {
+  if constexpr (STEP == kWideStep) return _mm512_loadu_si512(p);
+  return _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
 // One weight row times R int16 activation rows (xq stride k, xs stride k / group_len); words
-// holds each table twice (32 int16), so vpermw's 5-bit index needs no mask: a byte's low five
-// bits are its low nibble plus 16 times a bit the copy ignores. Two vpdpwssd chains per row; the
-// groups' factors (base x table scale x activation scale) are computed 16 groups at a time.
-template <int R>
+// holds each table twice (32 int16), so vpermw's 5-bit index needs no mask: a word's low five
+// bits are its code plus 16 times a bit of the next code, which the copy ignores. Two vpdpwssd
+// chains per row; the groups' factors (base x table scale x activation scale) are computed 16
+// groups at a time.
+template <int R, int STEP>
 void row_lut16(const uint8_t* w, const uint16_t* base, const uint8_t* ridx, const int16_t* words,
                const float* tscale, const int16_t* xq, const float* xs, int64_t k,
                int64_t group_len, float* out, int64_t n) {
@@ -116,23 +137,20 @@ void row_lut16(const uint8_t* w, const uint16_t* base, const uint8_t* ridx, cons
       for (int64_t line = 0; line < group_len / 2; line += 64)
         _mm_prefetch(reinterpret_cast<const char*>(w + first / 2 + kPrefetch + line), _MM_HINT_T1);
       const __m512i table = _mm512_loadu_si512(words + 32 * ridx[g]);
-      __m512i acc[R], acc2[R];
-      for (int m = 0; m < R; ++m) acc[m] = acc2[m] = _mm512_setzero_si512();
-      for (int64_t c = first; c < first + group_len; c += kStep) {
-        // word i < 16: byte i of the first block, columns i (low nibble) and 16 + i (high); word
-        // 16 + i: byte i of the second, columns 32 + i and 48 + i
-        const __m512i v =
-            _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c / 2)));
-        const __m512i w0 = _mm512_permutexvar_epi16(v, table);
-        const __m512i w1 = _mm512_permutexvar_epi16(_mm512_srli_epi16(v, 4), table);
-        for (int m = 0; m < R; ++m) {
-          const int16_t* xm = xq + m * k + c;
-          acc[m] = _mm512_dpwssd_epi32(acc[m], w0, _mm512_loadu_si512(xm));
-          acc2[m] = _mm512_dpwssd_epi32(acc2[m], w1, _mm512_loadu_si512(xm + 32));
+      __m512i acc[2][R];
+      for (int m = 0; m < R; ++m) acc[0][m] = acc[1][m] = _mm512_setzero_si512();
+      for (int64_t c = first; c < first + group_len; c += STEP) {
+        const __m512i v = step_codes<STEP>(w + c / 2);
+        for (int t = 0; t < STEP / 32; ++t) {  // lookup t: each word's code t
+          const __m512i wt = _mm512_permutexvar_epi16(t ? _mm512_srli_epi16(v, 4 * t) : v, table);
+          for (int m = 0; m < R; ++m) {
+            const __m512i xt = _mm512_loadu_si512(xq + m * k + c + 32 * t);
+            acc[t % 2][m] = _mm512_dpwssd_epi32(acc[t % 2][m], wt, xt);
+          }
         }
       }
       for (int m = 0; m < R; ++m) {
-        const __m512 sum = _mm512_cvtepi32_ps(_mm512_add_epi32(acc[m], acc2[m]));
+        const __m512 sum = _mm512_cvtepi32_ps(_mm512_add_epi32(acc[0][m], acc[1][m]));
         total[m] = _mm512_fmadd_ps(sum, _mm512_set1_ps(factor[m][g - g0]), total[m]);
       }
     }
@@ -143,9 +161,11 @@ void row_lut16(const uint8_t* w, const uint16_t* base, const uint8_t* ridx, cons
 using Row16Fn = void (*)(const uint8_t*, const uint16_t*, const uint8_t*, const int16_t*,
                          const float*, const int16_t*, const float*, int64_t, int64_t, float*,
                          int64_t);
+template <int STEP>
 constexpr Row16Fn kRow16Fns[kMaxRows + 1] = {
-    nullptr,        row_lut16<1>, row_lut16<2>, row_lut16<3>, row_lut16<4>,
-    row_lut16<5>,   row_lut16<6>, row_lut16<7>, row_lut16<8>};
+    nullptr,             row_lut16<1, STEP>, row_lut16<2, STEP>, row_lut16<3, STEP>,
+    row_lut16<4, STEP>,  row_lut16<5, STEP>, row_lut16<6, STEP>, row_lut16<7, STEP>,
+    row_lut16<8, STEP>};
 
 template <int R>
 void row_lut(const uint8_t* w, const uint16_t* base, const uint8_t* ridx, const float* tables,
@@ -342,13 +362,17 @@ at::Tensor lut16_mm(at::Tensor x, at::Tensor packed, at::Tensor base, at::Tensor
     for (int64_t j = 0; j < 16 * count; ++j) {
       words[j + j / 16 * 16] = words[j + j / 16 * 16 + 16] = entries[j];
     }
+    const bool wide = group_len % avx512::kWideStep == 0;
+    const auto quantize = wide ? avx512::quantize_row16<avx512::kWideStep>
+                               : avx512::quantize_row16<avx512::kStep>;
+    const avx512::Row16Fn* fns = wide ? avx512::kRow16Fns<avx512::kWideStep>
+                                      : avx512::kRow16Fns<avx512::kStep>;
     for (int64_t m = 0; m < rows; ++m) {
-      avx512::quantize_row16(xp + m * k, k, group_len, xq.data() + m * k, xs.data() + m * groups);
+      quantize(xp + m * k, k, group_len, xq.data() + m * k, xs.data() + m * groups);
     }
     each_row(avx512::kMaxRows, [&](int64_t i, int64_t m0, int r) {
-      avx512::kRow16Fns[r](wp + i * (k / 2), bp + i * groups, rp + i * groups, words.data(),
-                           tscale.data(), xq.data() + m0 * k, xs.data() + m0 * groups, k,
-                           group_len, op + m0 * n + i, n);
+      fns[r](wp + i * (k / 2), bp + i * groups, rp + i * groups, words.data(), tscale.data(),
+             xq.data() + m0 * k, xs.data() + m0 * groups, k, group_len, op + m0 * n + i, n);
     });
     return out;
   }

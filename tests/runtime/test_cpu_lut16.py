@@ -13,7 +13,7 @@ from pipeline.artifact.lowbit_format import pack_linear, plan_layer, unpack_line
 from pipeline.quant.rtn import quantize_rtn
 from pipeline.runtime import cpu_lut16, kernels
 from pipeline.runtime.kernels import build, exp_kernel_name, relative_error
-from tests.runtime.test_kernels import ISAS, _codes, needs_kernels
+from tests.runtime.test_kernels import CODE_ISAS, _codes, needs_kernels
 
 # every group size exp formats have, with n (no tile here) and k neither a power of two
 EXP = [("exp4g32", (40, 160)), ("exp4g64", (24, 192)), ("exp4g128", (48, 384))]
@@ -30,7 +30,7 @@ def tol(isa: str, group_len: int) -> float:
     return FLOAT_TOL if isa != "avx2" and group_len % 64 else INT16_TOL
 
 
-@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("isa", CODE_ISAS)
 @pytest.mark.parametrize(("fmt", "shape"), EXP)
 def test_lut16_matches_the_reference(fmt, shape, isa):
     _, codes = _codes(fmt, shape)

@@ -14,12 +14,12 @@ from pipeline.runtime.backends import kernel_summary
 from pipeline.runtime.float_rows import FloatRowsLinear
 from pipeline.runtime.inmemory import to_runtime
 from pipeline.runtime.kernels import relative_error
-from tests.runtime.test_kernels import ISAS, needs_kernels
+from tests.runtime.test_kernels import CODE_ISAS, needs_kernels
 
 TOL = 1e-6  # float32 with another summation order
 
 
-@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("isa", CODE_ISAS)
 @pytest.mark.parametrize("n, k", [(1030, 1031), (1024, 1024), (1027, 1040)])  # n, k tails
 @pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 12])  # 6-12: more than one pass of rows
 def test_kernel_matches_f_linear(n, k, rows, isa):
@@ -32,7 +32,7 @@ def test_kernel_matches_f_linear(n, k, rows, isa):
     torch.testing.assert_close(cpu_ext.loaded().f32_rows_mm(x[-2:], w, isa)[-1], got[-1])
 
 
-@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("isa", CODE_ISAS)
 def test_layer_dispatch_bias_shapes_and_grad(isa):
     lin = nn.Linear(1040, 1024)
     layer = FloatRowsLinear.of(lin, isa)

@@ -198,6 +198,9 @@ def _runtime_kernels_missing() -> str | None:
 
 
 ISAS = isa_params()
+# Only W4A8 has GFNI code: lut16, f32 rows and the decode ops run avx512's under avx512gfni, so
+# their tests take the ISAs less that one (test_avx512gfni_runs_avx512s_other_kernels: dispatch)
+CODE_ISAS = [i for i in ISAS if i != "avx512gfni"]
 needs_kernels = needs("kernels", _runtime_kernels_missing())
 built = needs("kernels", UNBUILT if cpu_ext.loaded() is None else None)
 W4A8_FORMATS = ["int4g32", "int4g128", "int3g64", "int2g64", "int4", "int2g128", "int8",
@@ -244,6 +247,24 @@ def test_avx2_and_avx512_w4a8_agree(fmt):
     torch.testing.assert_close(got["avx2"], got["avx512"], rtol=1e-5, atol=1e-5 * scale)
     if "avx512gfni" in runs:  # the same kernels, fields moved by another instruction: bit for bit
         assert torch.equal(got["avx512gfni"], got["avx512"])
+
+
+@built
+@pytest.mark.skipif("avx512gfni" not in cpu_ext.supported(), reason="needs a CPU with GFNI")
+def test_avx512gfni_runs_avx512s_other_kernels():
+    from pipeline.runtime import cpu_lut16
+
+    ext, x, w, norm = cpu_ext.loaded(), torch.randn(3, 384), torch.randn(40, 384), torch.randn(384)
+    _, codes = _codes("exp4g128", (48, 384))
+    lut = cpu_lut16.pack(codes)
+    calls = {
+        "lut16": lambda isa: ext.lut16_mm(x, *lut, codes.group_len, isa),
+        "f32 rows": lambda isa: ext.f32_rows_mm(x, w, isa),
+        "rms norm": lambda isa: ext.add_rms_norm(x, None, norm, 1e-6, isa),
+        "silu mul": lambda isa: ext.silu_mul(x, isa),
+    }
+    for name, call in calls.items():
+        assert torch.equal(call("avx512gfni"), call("avx512")), name
 
 
 @built
