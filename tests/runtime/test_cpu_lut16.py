@@ -17,6 +17,7 @@ from tests.runtime.test_kernels import CODE_ISAS, _codes, needs_kernels
 
 # every group size exp formats have, with n (no tile here) and k neither a power of two
 EXP = [("exp4g32", (40, 160)), ("exp4g64", (24, 192)), ("exp4g128", (48, 384))]
+EXP += [("exp4g128", (16, 2560))]  # 20 groups: AVX-512's factors for 16 groups, then 4
 # the method's formula grid: the same codes and LUT layout, a ratio per group on a 1/256 grid
 EXP += [("exp4g32-design", (40, 160))]
 # Both ISAs multiply int16 table entries by activations rounded per group to 14 bits at g32 ...
