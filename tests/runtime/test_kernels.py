@@ -199,7 +199,7 @@ def _runtime_kernels_missing() -> str | None:
 
 ISAS = isa_params()
 # Only W4A8 has GFNI code: lut16, f32 rows and the decode ops run avx512's under avx512gfni, so
-# their tests take the ISAs less that one (test_avx512gfni_runs_avx512s_other_kernels: dispatch)
+# their tests take every ISA but that one (test_avx512gfni_runs_avx512s_other_kernels: dispatch)
 CODE_ISAS = [i for i in ISAS if i != "avx512gfni"]
 needs_kernels = needs("kernels", _runtime_kernels_missing())
 built = needs("kernels", UNBUILT if cpu_ext.loaded() is None else None)
